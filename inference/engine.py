@@ -1,0 +1,229 @@
+"""The engine: requests in, one model step at a time, outputs out.
+
+`add_request` validates and queues; `step` asks the scheduler for a batch, builds the padded input, runs the jitted
+step, and folds the sampled tokens back into the sequences (stop checks, detokenization, logprobs, metrics).
+Everything here is host-side Python over numpy; the only device work is the runner's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+from inference.batch import BucketLimits, build_model_input
+from inference.block_manager import BlockManager
+from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.runner import ModelRunner, StepOutput
+from inference.sampler import SamplingTensors, needs_filters
+from inference.sampling_params import SamplingParams
+from inference.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from inference.sequence import Sequence, SequenceStatus
+from inference.stop import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.page_size = runner.page_size
+        self.block_manager = BlockManager(runner.num_pages, runner.page_size)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.max_model_len = max_model_len
+        self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
+                                   max_seqs=scheduler_config.max_num_seqs,
+                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len))
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = set(runner.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self._lock = threading.Lock()
+        self._next_seq_id = 0
+        self._rng = random.Random()
+
+    # ---- submission -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
+        self._validate(request_id, prompt_token_ids, params)
+        metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                                 num_prompt_tokens=len(prompt_token_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._lock:
+            seqs = []
+            for index in range(params.n):
+                seqs.append(Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
+                                     token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
+                                     params=params, seed=base_seed + index, arrival_order=self._next_seq_id))
+                self._next_seq_id += 1
+            self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(ids) == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
+                             f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+        needed = self.block_manager.pages_needed(min(len(ids) + 1, self.max_model_len))
+        if needed > self.block_manager.num_pages:
+            raise ValueError(f"request {request_id}: needs {needed} KV pages but the cache has "
+                             f"{self.block_manager.num_pages}; raise kv_cache_memory_bytes or shorten the prompt")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is None:
+                return
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+
+    def warmup(self) -> int:
+        """Compile every decode bucket now (see ModelRunner.warmup_decode)."""
+        return self.runner.warmup_decode(self.limits)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return an output for every request that advanced (finished ones included)."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            now = time.perf_counter()
+            for seq in batch.seqs:
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            result = self._execute(batch)
+            return self._process(batch, result)
+
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
+        inp, _ = build_model_input(batch, self.page_size, self.limits)
+        params = [s.params for s in batch.seqs]
+        sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
+                                               [s.num_output_tokens for s in batch.seqs],
+                                               pad_to=inp.logits_indices.shape[0])
+        wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+                           for s, p in zip(batch.seqs, params))
+        return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
+                                   logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
+
+    def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        offset = 0
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            request = self.requests[seq.request_id]
+            touched[seq.request_id] = request
+            try:
+                if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(seq, out, offset, count)
+                seq.num_computed_tokens += count
+                offset += count
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue  # a prefill chunk that does not reach the end: nothing sampled
+                self._append_token(seq, request, int(out.tokens[i]), out, i, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                log.exception("request %s failed", seq.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                self._finish(seq, "error")
+        return [self._output(r) for r in touched.values()]
+
+    def _record_prompt_logprobs(self, seq: Sequence, out: StepOutput, offset: int, count: int) -> None:
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # position 0 has no logprob
+        start = seq.num_computed_tokens
+        for j in range(count):
+            pos = start + j + 1  # the prompt position this row predicts
+            if pos >= seq.num_prompt_tokens:
+                break
+            if pos < len(seq.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            row = offset + j
+            entry = {int(seq.token_ids[pos]): float(out.prompt_logprob[row])}
+            k = seq.params.prompt_logprobs
+            entry.update({int(t): float(lp) for t, lp in zip(out.prompt_top_ids[row][:k],
+                                                             out.prompt_top_logprobs[row][:k])})
+            seq.prompt_logprobs.append(entry)
+
+    def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
+                      now: float) -> None:
+        seq.token_ids.append(token)
+        metrics = request.metrics
+        if seq.index == 0:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            entry = {token: float(out.logprob[row])}
+            entry.update({int(t): float(lp) for t, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])})
+            seq.output_logprobs.append(entry)
+        reason, stop_reason = StopChecker.check(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        request = self.requests[seq.request_id]
+        if request.finished:
+            request.metrics.finished_time = time.perf_counter()
+
+    # ---- outputs ----------------------------------------------------------------------------------------------
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = StopChecker.visible_text(seq, self.tokenizer)
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None))
+        first = request.seqs[0]
+        prompt_lp = list(first.prompt_logprobs) if request.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
+                             outputs=completions, finished=request.finished, metrics=request.metrics,
+                             error=request.error)
+
+    def pop_finished(self, request_id: str) -> None:
+        """Forget a finished request (the caller has its output)."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is not None and request.finished:
+                del self.requests[request_id]
+

@@ -1,0 +1,177 @@
+"""The offline API, shaped like vLLM's `LLM` so evaluation and RL code ports over unchanged.
+
+    llm = LLM(model="smollm2-135m")
+    outs = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=32))
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0.7, seed=1))
+
+All prompts of a call go into the engine at once and run under continuous batching; a prompt that is invalid on
+its own (empty, too long, bad token id) comes back with `error` set and `finish_reason="error"` while the other
+prompts of the call complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inference.compile_cache import enable_compilation_cache
+from inference.engine import Engine
+from inference.model_loader import load_model
+from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.runner import ModelRunner
+from inference.sampling_params import SamplingParams
+from inference.scheduler import SchedulerConfig
+from models.decoder import build_decoder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a fraction of it instead
+
+
+def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -> int:
+    """Bytes for the KV cache: the explicit budget, else a fraction of free device memory, else 1 GiB."""
+    if kv_cache_memory_bytes is not None:
+        return int(kv_cache_memory_bytes)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
+    return DEFAULT_CPU_KV_BUDGET
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", kv_cache_dtype: str | None = None,
+                 page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
+                 max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default"):
+        """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
+        ~/.cache/pagejax/xla; None leaves JAX's cache settings alone)."""
+        if compilation_cache_dir is not None:
+            enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        loaded = load_model(model)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        decoder = build_decoder(loaded.config, loaded.weights, dtype=DTYPES[dtype], attn_impl=attn_impl, seed=seed,
+                                source=loaded.source)
+        kv_dtype = DTYPES[kv_cache_dtype or dtype]
+        bytes_per_token = loaded.config.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize)
+        budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
+        num_pages = budget // (bytes_per_token * page_size)
+        if num_pages < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
+                             f"({bytes_per_token} bytes per token); raise kv_cache_memory_bytes")
+        context = min(max_model_len or loaded.config.max_position_embeddings, num_pages * page_size)
+        self.runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+        self.engine = Engine(self.runner, self.tokenizer,
+                             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+                             max_model_len=context)
+        self._ids = itertools.count()
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
+        params = self._per_prompt(sampling_params, len(texts))
+        submitted: list[tuple[str, str | None, list[int] | None, str | None]] = []
+        for i, text in enumerate(texts):
+            request_id = str(next(self._ids))
+            ids, error = None, None
+            try:
+                ids = self._encode(text) if prompt_token_ids is None else [int(t) for t in prompt_token_ids[i]]
+                self.engine.add_request(request_id, ids, params[i], prompt=text)
+            except ValueError as exc:
+                error = str(exc)
+                log.warning("prompt %d rejected: %s", i, error)
+            submitted.append((request_id, text, ids, error))
+        finished = self._run(len([s for s in submitted if s[3] is None]), use_tqdm)
+        outputs = []
+        for (request_id, text, ids, error), p in zip(submitted, params):
+            if error is not None:
+                outputs.append(_error_output(request_id, text, ids or [], p, error))
+            else:
+                outputs.append(finished[request_id])
+                self.engine.pop_finished(request_id)
+        return outputs
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render a chat; use generate(prompt_token_ids=...)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_source} has no tokenizer; pass prompt_token_ids instead of text")
+        return self.tokenizer.encode(text)
+
+    @staticmethod
+    def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
+        return list(sampling_params)
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=num_requests, desc="generating", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id not in finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finished
+
+    def warmup(self) -> int:
+        """Compile every decode bucket up front; returns the number of variants compiled."""
+        return self.engine.warmup()
+
+    # ---- RL hooks ---------------------------------------------------------------------------------------------
+    def get_params(self) -> nnx.State:
+        return self.runner.params
+
+    def update_weights(self, params: nnx.State) -> None:
+        """Swap in new parameters (same shapes and dtypes); nothing recompiles."""
+        self.runner.update_weights(params)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+def _error_output(request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+                  error: str) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
+    metrics = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
+    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=ids, prompt_logprobs=None,
+                         outputs=outputs, finished=True, metrics=metrics, error=error)
+
+
+__all__ = ["LLM"]

@@ -1,0 +1,59 @@
+"""One sequence being generated: its tokens, its pages, and how far its KV cache is computed.
+
+A request with `n` samples owns `n` sequences. All mutable per-sequence state lives here so the scheduler, the
+block manager and the engine share one record instead of parallel dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from inference.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # sample index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_order: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+    output_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model; 1 for a sequence in steady decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,26 @@
+"""Choose an attention implementation by name or by backend.
+
+`impl="auto"` picks the kernel for the default backend; the pure-JAX reference serves CPU (and any backend
+without a kernel yet). Every implementation shares the reference's signature.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("auto", "reference")
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float = 1.0,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           k_scale: float | None = None, v_scale: float | None = None, impl: str = "auto",
+                           interpret: bool = False, max_q_len: int | None = None) -> jax.Array:
+    """See `ragged_paged_attention_reference` for the contract."""
+    del interpret  # Only the Pallas kernels take it.
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
+    return ragged_paged_attention_reference(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len)

@@ -1,0 +1,105 @@
+"""The decoder: one forward path for every Llama-family variant the config describes.
+
+Layers live in a Python list and the forward loops over them in Python: on CPU, per-layer arrays in an unrolled
+loop compiled and ran faster than `lax.scan` over stacked weights (shared/JAX_CPU_NOTES.md, section 7), and the KV
+cache is likewise a list of per-layer page arrays that the step donates.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention import Attention, AttentionMetadata
+from models.config import ModelConfig
+from models.layers import Embed, GatedMLP, Linear, RMSNorm
+from models.weights import check_weights
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, attn_impl: str, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(config, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv_pages, meta):
+        attn_out, kv_pages = self.attn(self.attn_norm(x), positions, kv_pages, meta)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), kv_pages
+
+    def forward_dense(self, x, positions):
+        x = x + self.attn.forward_dense(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
+                 meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:
+        """Packed tokens[T] -> (final hidden states [T, D], updated per-layer KV caches)."""
+        x = self.embed(tokens)
+        new_caches = []
+        for layer, kv_pages in zip(self.layers, kv_caches):
+            x, kv_pages = layer(x, positions, kv_pages, meta)
+            new_caches.append(kv_pages)
+        return self.final_norm(x), new_caches
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden states -> float32 logits over the vocabulary."""
+        out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def forward(self, tokens: jax.Array) -> jax.Array:
+        """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer.forward_dense(x, positions)
+        return self.logits(self.final_norm(x))
+
+
+def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
+    """Canonical weight name (models/weights.py) -> the model's parameter that holds it."""
+    targets: dict[str, nnx.Param] = {"embed": model.embed.embedding, "final_norm": model.final_norm.weight}
+    if model.lm_head is not None:
+        targets["lm_head"] = model.lm_head.kernel
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        targets[p + "attn_norm"] = layer.attn_norm.weight
+        targets[p + "mlp_norm"] = layer.mlp_norm.weight
+        for name in ("q", "k", "v", "o"):
+            proj = getattr(layer.attn, f"{name}_proj")
+            targets[p + f"{name}_proj"] = proj.kernel
+            if proj.bias is not None:
+                targets[p + f"{name}_bias"] = proj.bias
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            targets[p + name] = getattr(layer.mlp, name).kernel
+    return targets
+
+
+def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "checkpoint") -> None:
+    """Copy canonical weights into the model in place, cast to each parameter's dtype."""
+    check_weights(model.config, weights, source)
+    for name, param in weight_targets(model).items():
+        param.set_value(jnp.asarray(weights[name], dtype=param.get_value().dtype))
+
+
+def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = None, *, dtype=jnp.float32,
+                  attn_impl: str = "auto", seed: int = 0, source: str = "checkpoint") -> Decoder:
+    """A decoder with random weights, or with `weights` when given (random init is then skipped)."""
+    if weights is None:
+        return Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
+    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
+    load_weights(model, weights, source)
+    return model

@@ -1,0 +1,223 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into a `ModelConfig` and the canonical weights.
+
+Only safetensors is read (never pickle: a `.bin` checkpoint can execute code on load). Tensors are renamed to the
+layout in `models.weights` and linears transposed to `[in, out]`; HF checkpoints already use rotate-half Q/K order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from models.config import ModelConfig, RopeScaling
+from models.weights import check_weights, expected_shapes
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+# --------------------------------------------------------------------------------------------------------------------
+# config.json
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _rope_scaling(cfg: dict[str, Any], max_pos: int) -> RopeScaling | None:
+    """HF `rope_scaling` (or transformers v5 `rope_parameters`) -> RopeScaling; 'default' means none."""
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    factor = float(rs.get("factor", 1.0))
+    orig = int(rs.get("original_max_position_embeddings") or max_pos)
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor, original_max_position_embeddings=orig)
+    if kind == "llama3":
+        return RopeScaling(kind="llama3", factor=factor, low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                           high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                           original_max_position_embeddings=orig)
+    if kind == "yarn":
+        return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=orig,
+                           beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
+                           mscale=float(rs.get("mscale", 1.0)), mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)))
+    raise ValueError(f"unsupported rope_scaling type {kind!r} in config.json; supported: default, linear, llama3, yarn")
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str = "") -> ModelConfig:
+    """Translate a transformers config dict (llama / mistral / qwen2) into ModelConfig."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        layers, inter, vocab = int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"{source}: missing required key {exc.args[0]!r}") from None
+    act = cfg.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{source}: unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), rope_theta=float(theta),
+        rope_scaling=_rope_scaling(cfg, max_pos), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position_embeddings=max_pos,
+        # Qwen2 hard-codes q/k/v biases; Llama exposes the switch as `attention_bias`.
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        hidden_act=_ACTIVATIONS[act], bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=_token_ids(cfg.get("eos_token_id")), family=model_type, name=name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tensor names.
+
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj", "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_HF_LEAF = {v: k for k, v in _LAYER_NAMES.items()}
+_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer old checkpoints saved; recomputed from config
+
+
+def canonical_name(hf_name: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj.weight` -> `layers.3.q_proj`; None for tensors to skip."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if _IGNORED_RE.fullmatch(hf_name):
+        return None
+    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the llama/mistral/qwen2 decoder layout")
+
+
+def hf_name(canonical: str) -> str:
+    """Inverse of `canonical_name`, for error messages that point at what the checkpoint should contain."""
+    for k, v in _GLOBAL_NAMES.items():
+        if v == canonical:
+            return k
+    _, i, leaf = canonical.split(".", 2)
+    return f"model.layers.{i}.{_HF_LEAF[leaf]}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# safetensors reading.
+
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+
+def read_safetensors_raw(path: str, name: str) -> np.ndarray:
+    """Read one tensor straight from the file layout (8-byte header size, JSON header, raw little-endian data).
+
+    A fallback for safetensors versions whose numpy backend rejects bf16; never unpickles anything.
+    """
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        entry = header[name]
+        if entry["dtype"] not in _RAW_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}; supported: {', '.join(_RAW_DTYPES)}")
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_len + start)
+        buf = f.read(end - start)
+    return np.frombuffer(buf, dtype=np.dtype(_RAW_DTYPES[entry["dtype"]]).newbyteorder("<")).reshape(entry["shape"])
+
+
+def _read_file(path: str, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    try:
+        f_ctx = safe_open(path, framework="np")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{path}: cannot read safetensors file ({exc}); is it truncated?") from exc
+    with f_ctx as f:
+        for name in names if names is not None else list(f.keys()):
+            try:
+                out[name] = f.get_tensor(name)
+            except (TypeError, ValueError):  # older safetensors: no numpy bf16
+                out[name] = read_safetensors_raw(path, name)
+    return out
+
+
+def _read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    single = os.path.join(folder, "model.safetensors")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return _read_file(single)
+    if os.path.isfile(index):
+        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+        by_file: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_file.setdefault(shard, []).append(name)
+        tensors: dict[str, np.ndarray] = {}
+        for shard, names in by_file.items():
+            shard_path = os.path.join(folder, shard)
+            if not os.path.isfile(shard_path):
+                raise ValueError(f"{index} lists shard {shard!r}, which is missing from {folder}")
+            tensors.update(_read_file(shard_path, names))
+        return tensors
+    if any(f.endswith(".bin") for f in os.listdir(folder)):
+        raise ValueError(f"{folder} has only PyTorch .bin weights; pagejax reads safetensors only (pickle can run "
+                         "code). Convert with transformers: model.save_pretrained(folder, safe_serialization=True)")
+    raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Public entry point.
+
+def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
+                   ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a llama/mistral/qwen2 HF folder. `dtype=None` keeps the stored dtype (e.g. bf16) instead of float32."""
+    folder = os.fspath(folder)
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder")
+    config = config_from_hf(_read_json(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):  # chat models list their end-of-turn ids here (Llama 3: 128001, 128008, 128009)
+        extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
+        config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    weights: dict[str, np.ndarray] = {}
+    for name, w in _read_tensors(folder).items():
+        canonical = canonical_name(name)
+        if canonical is None or (canonical == "lm_head" and config.tie_word_embeddings):
+            continue
+        if canonical.rsplit(".", 1)[-1] in _LINEARS:
+            w = w.T
+        weights[canonical] = np.ascontiguousarray(w if dtype is None else w.astype(dtype, copy=False))
+    missing = sorted(set(expected_shapes(config)) - set(weights))
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks tensor {hf_name(missing[0])!r} ({len(missing)} missing in all); "
+                         "is the download complete and does config.json match the weights?")
+    check_weights(config, weights, folder)
+    return config, weights

@@ -1,0 +1,106 @@
+"""Building blocks of a decoder layer: norms, projections, rotary embeddings, the gated MLP.
+
+Parameters are `nnx.Param`s in `[in, out]` layout, matching `models/weights.py`, so loading is a name lookup.
+Math runs in float32 regardless of the parameter dtype where precision matters (norms, RoPE, softmax).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig, RopeScaling
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias)."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding; `attend` reuses it as the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_normal(rngs, (vocab_size, dim), dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return x @ self.embedding[...].T
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU (tanh GELU) for Gemma."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(d, f, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, dtype=dtype, rngs=rngs)
+        self.act = config.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = self.gate_proj(x)
+        gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, with Hugging Face's scaling rules (float32)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope scaling {scaling.kind!r} is not supported by the rotary embedding yet")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE on `x[..., T, H, D]` at integer `positions[T]` (Hugging Face convention)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,53 @@
+"""Decode cost model: weights, KV cache, bandwidth-only step time, throughput and roofline for a model and chip.
+
+    python scripts/cost_model.py --model=llama-2-13b --batch=1,64,256 --context=1024 --bandwidth=3.35e12
+    python scripts/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
+    python scripts/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
+
+The logic lives in `inference.cost_model`; this file only reads flags and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from inference import cost_model
+
+_MODEL = flags.DEFINE_string("model", "llama-2-13b", "Model preset name, or a HF config.json (or folder holding one).")
+_BATCH = flags.DEFINE_list("batch", ["1"], "Comma-separated batch sizes (concurrent sequences).")
+_CONTEXT = flags.DEFINE_integer("context", 1024, "Cached tokens per sequence (S).")
+_KV_HEADS = flags.DEFINE_list("kv_heads", None, "Comma-separated KV-head counts for hypothetical GQA variants "
+                              "(default: the model's own).")
+_BYTES = flags.DEFINE_float("bytes_per_element", 2.0, "Bytes per weight and cache element (2 = bf16).")
+_CHIP = flags.DEFINE_string("chip", "h100", "Chip preset: h100, h200, v5e, v6e.")
+_FLOPS = flags.DEFINE_float("flops", None, "Peak FLOP/s, overriding the chip preset.")
+_BANDWIDTH = flags.DEFINE_float("bandwidth", None, "Memory bandwidth in bytes/s, overriding the chip preset.")
+_JSON = flags.DEFINE_bool("json", False, "Print a JSON list of rows instead of the table.")
+_PLOT = flags.DEFINE_string("plot", None, "Write a memory-bars + roofline figure to this path (needs matplotlib).")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        config = cost_model.load_model_config(_MODEL.value)
+        chip = cost_model.resolve_chip(_CHIP.value, _FLOPS.value, _BANDWIDTH.value)
+        report = cost_model.cost_report(
+            config, cost_model.parse_int_list(_BATCH.value, "--batch"), _CONTEXT.value, chip, _BYTES.value,
+            cost_model.parse_int_list(_KV_HEADS.value, "--kv_heads") or (None,))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if _JSON.value:
+        print(json.dumps(cost_model.json_rows(report), indent=1))
+    else:
+        print(cost_model.format_report(report))
+    if _PLOT.value:
+        cost_model.plot_report(report, _PLOT.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

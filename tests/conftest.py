@@ -1,0 +1,20 @@
+"""Shared test setup: a project-local persistent compilation cache, and the default model loaded once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from inference.compile_cache import enable_compilation_cache
+
+enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model (SmolLM2-135M-Instruct from its GGUF), float32, shared by the tests that need it."""
+    from inference import LLM
+
+    return LLM("smollm2-135m", kv_cache_memory_bytes=256 << 20, max_num_seqs=16, max_num_batched_tokens=256,
+               compilation_cache_dir=None)
