@@ -1,0 +1,150 @@
+"""Batch generation from the command line: JSONL in, JSONL out, resumable.
+
+    python scripts/generate.py                                   # a few built-in questions, printed readably
+    python scripts/generate.py --prompt="Once upon a time" --max_tokens=32
+    python scripts/generate.py --input=rows.jsonl --output=out.jsonl --temperature=0.7 --seed=1 --num_samples=4
+
+Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}.
+Each batch of results is fsynced before the next starts, and a rerun with the same --output skips ids already
+there, so an interrupted job loses nothing and duplicates nothing. Without --output, --input results go to stdout
+as JSONL, and --prompt / built-in results are printed as Q/A text. The logic lives in `inference.jsonl_io`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+from absl import app, flags
+from tqdm.auto import tqdm
+
+from inference import SamplingParams, jsonl_io
+
+BUILTIN_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
+                     "Name a primary color."]
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name, .gguf file or Hugging Face model folder.")
+_INPUT = flags.DEFINE_string("input", None, "JSONL file of rows with an id and a prompt or messages.")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); used instead of --input.")
+_CHAT = flags.DEFINE_bool("chat", False, "Send each --prompt as a user message through the chat template.")
+_OUTPUT = flags.DEFINE_string("output", None, "JSONL file to append results to (resumable); default stdout.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rows per generate call (and per fsync).", lower_bound=1)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "Most tokens generated per completion.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+_MIN_P = flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability (0 = off).")
+_SEED = flags.DEFINE_integer("seed", None, "Per-request sampling seed (same seed, same samples).")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per prompt (vLLM's n).")
+_STOP = flags.DEFINE_multi_string("stop", None, "Stop string (repeatable).")
+_LOGPROBS = flags.DEFINE_integer("logprobs", None, "Return this many top logprobs per generated token.")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Keep generating past the EOS token.")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded together.")
+_MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
+_KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion (default: the model's).")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype: float32, bfloat16 or float16.")
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
+                                 "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
+
+
+def sampling_params() -> SamplingParams:
+    """Built before the model loads, so a bad flag costs no load time."""
+    try:
+        return SamplingParams(n=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+                              top_k=_TOP_K.value, min_p=_MIN_P.value, seed=_SEED.value, max_tokens=_MAX_TOKENS.value,
+                              stop=_STOP.value, ignore_eos=_IGNORE_EOS.value, logprobs=_LOGPROBS.value)
+    except ValueError as e:
+        sys.exit(f"error: bad sampling flags: {e}")
+
+
+def input_rows() -> list[dict[str, Any]]:
+    """Rows from --input, else --prompt, else the built-in questions (asked as chat: the default model is Instruct)."""
+    if _INPUT.value and _PROMPT.value:
+        raise app.UsageError("pass --input or --prompt, not both")
+    if _INPUT.value:
+        return jsonl_io.read_input(_INPUT.value)
+    if _PROMPT.value:
+        key = "messages" if _CHAT.value else "prompt"
+        texts = _PROMPT.value
+    else:
+        key, texts = "messages", BUILTIN_QUESTIONS
+    as_value = (lambda t: [{"role": "user", "content": t}]) if key == "messages" else (lambda t: t)
+    return [{"id": i, key: as_value(t)} for i, t in enumerate(texts)]
+
+
+def build_llm() -> Any:
+    """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
+    from inference.llm import LLM
+
+    return LLM(_MODEL.value, dtype=_DTYPE.value, kv_cache_memory_bytes=_KV_BYTES.value,
+               max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
+               max_num_batched_tokens=_MAX_BATCHED.value, compilation_cache_dir=_CACHE_DIR.value or None)
+
+
+def generate_batch(llm: Any, batch: list[tuple[dict, str | None, str | None]],
+                   params: SamplingParams) -> list[dict[str, Any]]:
+    """Output rows in input order: rows that failed to render become error rows, the rest go to one generate call."""
+    good = [(row, text) for row, text, error in batch if error is None]
+    outs = iter(llm.generate([text for _, text in good], params)) if good else iter(())
+    with_logprobs = params.logprobs is not None
+    return [jsonl_io.error_row(row, error) if error is not None else jsonl_io.result_row(row, next(outs), with_logprobs)
+            for row, _, error in batch]
+
+
+def print_readable(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        question = row["prompt"] if "prompt" in row else row["messages"][-1]["content"]
+        answers = [f"[error] {row['error']}"] if "error" in row else [o["text"].strip() for o in row["outputs"]]
+        tqdm.write(f"Q: {question}\n" + "\n".join(f"A: {a}" for a in answers) + "\n", file=sys.stdout)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    start = time.perf_counter()
+    params = sampling_params()
+    try:
+        rows = input_rows()
+        done = jsonl_io.load_done_ids(_OUTPUT.value) if _OUTPUT.value else set()
+        pending = [row for row in rows if row["id"] not in done]
+        llm = build_llm() if pending else None  # a finished job reruns without loading the model
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+    def render(row: dict) -> tuple[dict, str | None, str | None]:
+        try:
+            return row, jsonl_io.prompt_text(row, llm.tokenizer), None
+        except ValueError as e:
+            return row, None, str(e)
+
+    batches = grain.MapDataset.source(pending).map(render).batch(_BATCH_SIZE.value, batch_fn=list)
+    readable = _OUTPUT.value is None and _INPUT.value is None
+    sink = open(_OUTPUT.value, "a", encoding="utf-8") if _OUTPUT.value else sys.stdout
+    num_failed = num_tokens = 0
+    gen_start = time.perf_counter()
+    try:
+        with tqdm(total=len(pending), unit="row", desc="generate", file=sys.stderr) as bar:
+            for batch in batches:
+                results = generate_batch(llm, batch, params)
+                if readable:
+                    print_readable(results)
+                else:
+                    jsonl_io.write_rows(sink, results, durable=sink is not sys.stdout)
+                num_failed += sum("error" in r for r in results)
+                num_tokens += sum(len(o["token_ids"]) for r in results for o in r["outputs"])
+                bar.update(len(results))
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    gen_s, wall_s = time.perf_counter() - gen_start, time.perf_counter() - start
+    print(f"rows done {len(pending)}, skipped {len(rows) - len(pending)}, failed {num_failed}; {num_tokens} output "
+          f"tokens; wall {wall_s:.1f}s (generate {gen_s:.1f}s); {num_tokens / max(gen_s, 1e-9):.1f} output tok/s",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main)
