@@ -15,6 +15,7 @@ import time
 
 from inference.batch import BucketLimits, build_model_input
 from inference.block_manager import BlockManager
+from inference.metrics import EngineStats
 from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runner import ModelRunner, StepOutput
 from inference.sampler import SamplingTensors, needs_filters
@@ -53,6 +54,7 @@ class Engine:
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(max_model_len))
         self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
         self.eos_token_ids = set(runner.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -78,6 +80,7 @@ class Engine:
             self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
             for seq in seqs:
                 self.scheduler.add(seq)
+            self.stats.prompt_tokens += len(prompt_token_ids) * params.n
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -110,6 +113,9 @@ class Engine:
         """Compile every decode bucket now (see ModelRunner.warmup_decode)."""
         return self.runner.warmup_decode(self.limits)
 
+    def metrics_summary(self) -> dict[str, float]:
+        return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -129,7 +135,8 @@ class Engine:
             return self._process(batch, result)
 
     def _execute(self, batch: ScheduledBatch) -> StepOutput:
-        inp, _ = build_model_input(batch, self.page_size, self.limits)
+        inp, real_tokens = build_model_input(batch, self.page_size, self.limits)
+        self.stats.record_step(batch.is_decode, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
         sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
                                                [s.num_output_tokens for s in batch.seqs],

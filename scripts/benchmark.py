@@ -1,0 +1,151 @@
+"""Offline throughput and latency benchmark, optionally side by side with transformers in the same process.
+
+    python scripts/benchmark.py --model=smollm2-135m --batch=32 --input_len=128 --output_len=128 --json
+    python scripts/benchmark.py --batch=1,32 --compare=hf --json        # needs the `reference` extra
+
+Prompts are random token ids of a fixed length (speed does not depend on the text); generation is greedy with EOS
+ignored so every request produces exactly `output_len` tokens. Each batch size runs once to warm up (compiles) and
+then once measured. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
+"ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+from inference import LLM, SamplingParams
+from inference.metrics import summarize_requests
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
+flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure.")
+flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
+flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
+flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
+flags.DEFINE_enum("compare", None, ["hf"], "Also run transformers' generate on the same prompts.")
+flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
+flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
+flags.DEFINE_string("hf_worker", None, "Internal: run only the transformers side for this GGUF on the prompts in "
+                    "--hf_prompts (a JSON file) and print JSON.")
+flags.DEFINE_string("hf_prompts", None, "Internal, with --hf_worker.")
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, vocab - 100, size=(batch, length)).tolist()
+
+
+def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params.replace(max_tokens=4))  # compile
+    warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    wall = time.perf_counter() - t0
+    summary = summarize_requests(outs, wall)
+    itl = summary["itl_s"].get("mean")
+    summary.update(warmup_s=warmup_s, decode_tok_s=len(prompts) / itl if itl else None,
+                   prefill_tok_s=sum(map(len, prompts)) / max(o.metrics.ttft for o in outs),
+                   engine=llm.engine.metrics_summary())
+    summary["ttft_mean_s"] = summary["ttft_s"]["mean"]
+    return summary
+
+
+def run_hf(gguf_path: str, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' generate, float32, greedy, on the same GGUF weights (dequantized by transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                 dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+        wall = time.perf_counter() - t0
+    new = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    decode_s = max(wall - ttft, 1e-9)
+    return {"ttft_mean_s": ttft, "output_tok_s": new / wall, "decode_tok_s": len(prompts) * (output_len - 1) / decode_s,
+            "wall_s": wall, "output_tokens": int(new)}
+
+
+def run_hf_in_child(gguf_path: str, prompts: list[list[int]]) -> dict:
+    """The transformers side, on the same prompts, in a child process of this run: torch's and XLA's CPU thread
+    pools in one process slowed transformers down ~10x here, which would flatter the ratio."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, __file__, f"--hf_worker={gguf_path}", f"--hf_prompts={f.name}",
+           f"--output_len={FLAGS.output_len}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    try:
+        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if "Model name" in line), "")
+    except OSError:
+        name = ""
+    import jax
+
+    return f"{platform.node()} {name} x{len(os.sched_getaffinity(0))} cores, jax {jax.__version__} " \
+           f"{jax.default_backend()}"
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    batches = [int(b) for b in FLAGS.batch]
+    if FLAGS.hf_worker:
+        with open(FLAGS.hf_prompts) as f:
+            print(json.dumps(run_hf(FLAGS.hf_worker, json.load(f), FLAGS.output_len)))
+        return
+    t0 = time.perf_counter()
+    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
+    result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
+                    "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
+                               "dtype": FLAGS.dtype}}
+    if FLAGS.compare == "hf":
+        result["hf"], result["ratio"] = {}, {}
+    for batch in batches:
+        prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed)
+        ours = run_pagejax(llm, prompts, FLAGS.output_len)
+        result["pagejax"][f"batch_{batch}"] = ours
+        line = (f"pagejax batch {batch}: TTFT {ours['ttft_mean_s'] * 1e3:.0f} ms, decode {ours['decode_tok_s']:.1f} "
+                f"tok/s, end to end {ours['output_tok_s']:.1f} tok/s, warm-up {ours['warmup_s']:.1f} s")
+        print(line, file=sys.stderr)
+        if FLAGS.compare == "hf":
+            from inference.model_loader import packaged_file
+            from configs.presets import PRESET_WEIGHTS
+
+            path = packaged_file(*PRESET_WEIGHTS[FLAGS.model]) if FLAGS.model in PRESET_WEIGHTS else FLAGS.model
+            hf = run_hf_in_child(path, prompts)
+            result["hf"][f"batch_{batch}"] = hf
+            result["ratio"][f"batch_{batch}"] = {k: ours[k] / hf[k] for k in ("output_tok_s", "decode_tok_s")}
+            print(f"hf      batch {batch}: TTFT {hf['ttft_mean_s'] * 1e3:.0f} ms, decode {hf['decode_tok_s']:.1f} "
+                  f"tok/s, end to end {hf['output_tok_s']:.1f} tok/s", file=sys.stderr)
+    if FLAGS.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
