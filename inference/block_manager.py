@@ -126,7 +126,10 @@ class BlockManager:
         if new + len(cow) > self.num_free_pages:
             raise OutOfPagesError(f"need {new + len(cow)} pages, {self.num_free_pages} free")
         for i in self._written_pages(seq, num_tokens):
-            assert i in cow or seq.pages[i] not in self.page_hash, "a cached (full) page would be written in place"
+            if i not in cow and seq.pages[i] in self.page_hash:
+                # Only after a fork that recomputes a token of a cached full page whose other holders are gone:
+                # nobody else holds it, so forget its hash and write in place rather than spend a copy.
+                del self.cached[self.page_hash.pop(seq.pages[i])]
         copies = []
         for i in cow:
             old = seq.pages[i]
@@ -193,7 +196,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         ps = self.page_size
-        for i in range(seq.num_tokens // ps):
+        for i in range((seq.num_tokens - 1) // ps):
             h = chain_hash(chain.hashes[-1] if chain.hashes else chain.root, seq.token_ids[i * ps:(i + 1) * ps])
             page = self.cached.get(h)
             if page is None:

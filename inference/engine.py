@@ -22,7 +22,7 @@ from inference.sampler import SamplingTensors, needs_filters
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inference.sequence import Sequence, SequenceStatus
-from inference.stop import StopChecker
+from inference.stop import check_stop, flush_text
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,13 @@ class Request:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int):
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
+                 enable_prefix_caching: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
-        self.block_manager = BlockManager(runner.num_pages, runner.page_size)
+        self.block_manager = BlockManager(runner.num_pages, runner.page_size,
+                                          enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.max_model_len = max_model_len
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
@@ -64,7 +66,7 @@ class Engine:
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
         self._validate(request_id, prompt_token_ids, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
@@ -75,12 +77,13 @@ class Engine:
             for index in range(params.n):
                 seqs.append(Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
                                      token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
-                                     params=params, seed=base_seed + index, arrival_order=self._next_seq_id))
+                                     params=params, seed=base_seed + index, arrival_order=self._next_seq_id,
+                                     priority=priority))
                 self._next_seq_id += 1
             self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
             for seq in seqs:
                 self.scheduler.add(seq)
-            self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+            self.stats.prompt_tokens += len(prompt_token_ids)
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -113,6 +116,11 @@ class Engine:
         """Compile every decode bucket now (see ModelRunner.warmup_decode)."""
         return self.runner.warmup_decode(self.limits)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached KV pages (their contents came from other weights)."""
+        with self._lock:
+            self.block_manager.reset_prefix_cache()
+
     def metrics_summary(self) -> dict[str, float]:
         return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
 
@@ -135,6 +143,9 @@ class Engine:
             return self._process(batch, result)
 
     def _execute(self, batch: ScheduledBatch) -> StepOutput:
+        copies = self.block_manager.take_copies()
+        if copies:
+            self.runner.copy_pages(copies)
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits)
         self.stats.record_step(batch.is_decode, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
@@ -158,6 +169,9 @@ class Engine:
                     self._record_prompt_logprobs(seq, out, offset, count)
                 seq.num_computed_tokens += count
                 offset += count
+                self.block_manager.commit_full_pages(seq)
+                if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self.scheduler.fork_samples(seq)
                 if seq.num_computed_tokens < seq.num_tokens:
                     continue  # a prefill chunk that does not reach the end: nothing sampled
                 self._append_token(seq, request, int(out.tokens[i]), out, i, now)
@@ -191,15 +205,18 @@ class Engine:
         if seq.index == 0:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+                metrics.num_cached_tokens = seq.num_cached_tokens
+                self.stats.cached_prompt_tokens += seq.num_cached_tokens
             metrics.token_times.append(now)
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
             entry = {token: float(out.logprob[row])}
             entry.update({int(t): float(lp) for t, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])})
             seq.output_logprobs.append(entry)
-        reason, stop_reason = StopChecker.check(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             seq.stop_reason = stop_reason
+            flush_text(seq)
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -214,9 +231,8 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
-            text = StopChecker.visible_text(seq, self.tokenizer)
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None))
@@ -226,6 +242,11 @@ class Engine:
                              prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
                              outputs=completions, finished=request.finished, metrics=request.metrics,
                              error=request.error)
+
+    def output_of(self, request_id: str) -> RequestOutput:
+        """The current output of a request that has not been popped."""
+        with self._lock:
+            return self._output(self.requests[request_id])
 
     def pop_finished(self, request_id: str) -> None:
         """Forget a finished request (the caller has its output)."""

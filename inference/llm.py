@@ -11,9 +11,10 @@ prompts of the call complete.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runner import ModelRunner
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
+from inference.streaming import DeltaTracker, EngineLoop, StreamDelta
 from models.decoder import build_decoder
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", kv_cache_dtype: str | None = None,
                  page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
                  attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default"):
         """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
         ~/.cache/pagejax/xla; None leaves JAX's cache settings alone)."""
@@ -71,8 +74,9 @@ class LLM:
         context = min(max_model_len or loaded.config.max_position_embeddings, num_pages * page_size)
         self.runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
         self.engine = Engine(self.runner, self.tokenizer,
-                             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                             max_model_len=context)
+                             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                             policy=scheduling_policy),
+                             max_model_len=context, enable_prefix_caching=enable_prefix_caching)
         self._ids = itertools.count()
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -81,31 +85,15 @@ class LLM:
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompts or prompt_token_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
-        params = self._per_prompt(sampling_params, len(texts))
-        submitted: list[tuple[str, str | None, list[int] | None, str | None]] = []
-        for i, text in enumerate(texts):
-            request_id = str(next(self._ids))
-            ids, error = None, None
-            try:
-                ids = self._encode(text) if prompt_token_ids is None else [int(t) for t in prompt_token_ids[i]]
-                self.engine.add_request(request_id, ids, params[i], prompt=text)
-            except ValueError as exc:
-                error = str(exc)
-                log.warning("prompt %d rejected: %s", i, error)
-            submitted.append((request_id, text, ids, error))
-        finished = self._run(len([s for s in submitted if s[3] is None]), use_tqdm)
+        submitted = self._submit(prompts, sampling_params, prompt_token_ids)
+        finished = self._run(sum(1 for s in submitted if s.error is None), use_tqdm)
         outputs = []
-        for (request_id, text, ids, error), p in zip(submitted, params):
-            if error is not None:
-                outputs.append(_error_output(request_id, text, ids or [], p, error))
+        for s in submitted:
+            if s.error is not None:
+                outputs.append(s.error)
             else:
-                outputs.append(finished[request_id])
-                self.engine.pop_finished(request_id)
+                outputs.append(finished[s.request_id])
+                self.engine.pop_finished(s.request_id)
         return outputs
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -118,6 +106,49 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts: str | Sequence[str] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
+        """Like `generate`, but yield token/text deltas of every request as the engine produces them (in this
+        thread). Prompts that fail validation yield one finished delta with the error on its output."""
+        trackers: dict[str, DeltaTracker] = {}
+        for s in self._submit(prompts, sampling_params, prompt_token_ids):
+            if s.error is not None:
+                yield StreamDelta(s.request_id, 0, [], "", True, "error", s.error)
+            else:
+                trackers[s.request_id] = DeltaTracker(s.params)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id not in trackers:
+                    continue  # submitted through a background loop
+                yield from trackers[out.request_id].deltas(out)
+                if out.finished:
+                    self.engine.pop_finished(out.request_id)
+
+    def background(self) -> EngineLoop:
+        """A background engine loop for this model: `submit` from any thread while it generates."""
+        return EngineLoop(self.engine)
+
+    def _submit(self, prompts, sampling_params, prompt_token_ids) -> list[_Submitted]:
+        """Encode and queue every prompt; a prompt the engine rejects gets its error output instead."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
+        params = self._per_prompt(sampling_params, len(texts))
+        submitted = []
+        for i, (text, p) in enumerate(zip(texts, params)):
+            request_id, ids = str(next(self._ids)), None
+            try:
+                ids = self._encode(text) if prompt_token_ids is None else [int(t) for t in prompt_token_ids[i]]
+                self.engine.add_request(request_id, ids, p, prompt=text)
+                submitted.append(_Submitted(request_id, p))
+            except ValueError as exc:
+                log.warning("prompt %d rejected: %s", i, exc)
+                submitted.append(_Submitted(request_id, p, _error_output(request_id, text, ids or [], p, str(exc))))
+        return submitted
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -159,11 +190,20 @@ class LLM:
         return self.runner.params
 
     def update_weights(self, params: nnx.State) -> None:
-        """Swap in new parameters (same shapes and dtypes); nothing recompiles."""
+        """Swap in new parameters (same shapes and dtypes); nothing recompiles. The prefix cache is dropped, since
+        its pages hold keys and values of the old weights."""
         self.runner.update_weights(params)
+        self.engine.reset_prefix_cache()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+@dataclasses.dataclass
+class _Submitted:
+    request_id: str
+    params: SamplingParams
+    error: RequestOutput | None = None  # the error output of a rejected prompt
 
 
 def _error_output(request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,

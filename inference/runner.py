@@ -17,9 +17,10 @@ import numpy as np
 from flax import nnx
 
 from inference.batch import ModelInput
-from inference.batch import BucketLimits, bucket_ladder
+from inference.batch import BucketLimits, bucket, bucket_ladder
 from inference.sampler import SamplingTensors, compute_logprobs, sample_with_logprobs
 from inference.sampling_params import MAX_LOGPROBS
+from kernels_pallas.kv_cache import copy_pages
 from models.decoder import Decoder
 
 
@@ -63,6 +64,8 @@ class ModelRunner:
                                     donate_argnums=(1,))
         self.decode_step = jax.jit(functools.partial(_step, self.graphdef), static_argnames=static,
                                    donate_argnums=(1,))
+        self._copy_pages = jax.jit(lambda caches, src, dst: [copy_pages(c, src, dst) for c in caches],
+                                   donate_argnums=(0,))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -86,6 +89,13 @@ class ModelRunner:
         if host[1] is not None:
             out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs = host[1]
         return out
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages src -> dst in every layer (copy-on-write), padded to a power-of-two count."""
+        size = bucket(len(copies))
+        padded = copies + [copies[-1]] * (size - len(copies))  # repeating a pair rewrites the same value
+        src, dst = (np.asarray(x, np.int32) for x in zip(*padded))
+        self.kv_caches = self._copy_pages(self.kv_caches, src, dst)
 
     def warmup_decode(self, limits: BucketLimits) -> int:
         """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling

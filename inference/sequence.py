@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from inference.sampling_params import SamplingParams
 
@@ -28,14 +29,17 @@ class Sequence:
     params: SamplingParams
     seed: int
     arrival_order: int
+    priority: int = 0  # lower runs sooner (vLLM's convention)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
     output_text: str = ""
+    detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
 
     @property
     def num_tokens(self) -> int:

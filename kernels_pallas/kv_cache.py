@@ -36,3 +36,14 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
         return jax.lax.dynamic_update_slice(pages, jnp.where(slot >= 0, new[i], current), start)
 
     return jax.lax.fori_loop(0, trip_count, write_one, kv_pages)
+
+
+def copy_pages(kv_pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy whole pages src[i] -> dst[i] in order (copy-on-write of shared pages); in place, as in `write_kv`."""
+    trip_count = jax.lax.optimization_barrier(jnp.int32(src.shape[0]))
+
+    def copy_one(i, pages):
+        page = jax.lax.dynamic_slice_in_dim(pages, src[i], 1, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(pages, page, dst[i], axis=0)
+
+    return jax.lax.fori_loop(0, trip_count, copy_one, kv_pages)

@@ -366,7 +366,8 @@ def test_filters_match_vllm_reference_on_random_batches() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    logits=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=12, max_size=12),
+    # XLA CPU flushes subnormals to zero, which turns them into ties the numpy reference does not see.
+    logits=st.lists(st.floats(-8, 8, allow_nan=False, allow_subnormal=False, width=32), min_size=12, max_size=12),
     top_k=st.integers(0, 12),
     top_p=st.floats(0.05, 1.0),
     min_p=st.sampled_from([0.0, 0.01, 0.2, 0.9]),
