@@ -2,10 +2,13 @@
 
     python scripts/benchmark.py --model=smollm2-135m --batch=32 --input_len=128 --output_len=128 --json
     python scripts/benchmark.py --batch=1,32 --compare=hf --json        # needs the `reference` extra
+    python scripts/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
 
 Prompts are random token ids of a fixed length (speed does not depend on the text); generation is greedy with EOS
 ignored so every request produces exactly `output_len` tokens. Each batch size runs once to warm up (compiles) and
-then once measured. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
+then once measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
+uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to exercise the prefix cache), and
+reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
 "ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size.
 """
 
@@ -27,7 +30,11 @@ from inference.metrics import summarize_requests
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
-flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure.")
+flags.DEFINE_enum("mode", "offline", ["offline", "serving"], "Fixed batches, or Poisson arrivals.")
+flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure (offline); the largest caps running sequences.")
+flags.DEFINE_float("request_rate", 2.0, "Serving: mean arrivals per second.")
+flags.DEFINE_integer("num_requests", 64, "Serving: requests to send.")
+flags.DEFINE_integer("shared_prefix_len", 0, "Serving: tokens of a prefix every prompt shares.")
 flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
@@ -59,6 +66,38 @@ def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
                    prefill_tok_s=sum(map(len, prompts)) / max(o.metrics.ttft for o in outs),
                    engine=llm.engine.metrics_summary())
     summary["ttft_mean_s"] = summary["ttft_s"]["mean"]
+    return summary
+
+
+def run_serving(llm: LLM) -> dict:
+    """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
+    rng = np.random.default_rng(FLAGS.seed)
+    vocab = llm.config.vocab_size
+    prefix = rng.integers(100, vocab - 100, FLAGS.shared_prefix_len).tolist()
+    lengths = rng.integers(max(FLAGS.input_len // 2, 1), FLAGS.input_len * 3 // 2 + 1, FLAGS.num_requests)
+    prompts = [prefix + rng.integers(100, vocab - 100, int(n)).tolist() for n in lengths]
+    gaps = rng.exponential(1.0 / FLAGS.request_rate, FLAGS.num_requests)
+    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
+    llm.warmup()  # every decode bucket; prefill buckets compile on first use
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
+    llm.engine.reset_prefix_cache()
+    engine, outputs, sent = llm.engine, [], 0
+    start = time.perf_counter()
+    arrivals = start + np.cumsum(gaps)
+    while sent < len(prompts) or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while sent < len(prompts) and arrivals[sent] <= now:
+            engine.add_request(f"s{sent}", prompts[sent], params, arrival_time=float(arrivals[sent]))
+            sent += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(arrivals[sent] - now, 0))
+            continue
+        for out in engine.step():
+            if out.finished:
+                outputs.append(out)
+                engine.pop_finished(out.request_id)
+    summary = summarize_requests(outputs, time.perf_counter() - start)
+    summary.update(request_rate=FLAGS.request_rate, engine=engine.metrics_summary())
     return summary
 
 
@@ -124,6 +163,13 @@ def main(argv: list[str]) -> None:
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
                                "dtype": FLAGS.dtype}}
+    if FLAGS.mode == "serving":
+        served = result["pagejax"]["serving"] = run_serving(llm)
+        print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "
+              f"{served['ttft_s']['p99'] * 1e3:.0f} ms, ITL p50 {served['itl_s']['p50'] * 1e3:.0f} ms p99 "
+              f"{served['itl_s']['p99'] * 1e3:.0f} ms, {served['output_tok_s']:.1f} output tok/s, prefix hit rate "
+              f"{served['engine']['prefix_cache_hit_rate']:.2f}", file=sys.stderr)
+        batches = []
     if FLAGS.compare == "hf":
         result["hf"], result["ratio"] = {}, {}
     for batch in batches:
