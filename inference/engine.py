@@ -164,11 +164,11 @@ class Engine:
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             request = self.requests[seq.request_id]
             touched[seq.request_id] = request
+            first_row, offset = offset, offset + count
             try:
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
-                    self._record_prompt_logprobs(seq, out, offset, count)
+                    self._record_prompt_logprobs(seq, out, first_row, count)
                 seq.num_computed_tokens += count
-                offset += count
                 self.block_manager.commit_full_pages(seq)
                 if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self.scheduler.fork_samples(seq)

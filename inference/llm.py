@@ -179,6 +179,9 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        for request_id, request in list(self.engine.requests.items()):  # aborted meanwhile: no step reported them
+            if request.finished and request_id not in finished:
+                finished[request_id] = self.engine.output_of(request_id)
         return finished
 
     def warmup(self) -> int:

@@ -132,7 +132,7 @@ class Scheduler:
             is_new = seq.status is SequenceStatus.WAITING
             if is_new and len(self.running) >= self.config.max_num_seqs:
                 break
-            if is_new and not seq.pages:
+            if is_new and not seq.pages and seq.params.prompt_logprobs is None:  # those need every position
                 self.block_manager.match_prefix(seq)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             chunk = min(seq.num_uncomputed_tokens, budget)
