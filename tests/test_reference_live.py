@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from inference import SamplingParams
 from tests.reference_fixtures import GGUF_NAME, gguf_path, load_reference
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
@@ -96,3 +97,22 @@ def test_greedy_ids_reproduce(hf, ref):
     for _ in range(len(p["greedy_ids"])):
         seq.append(int(_forward(torch, model, seq)[-1].argmax()))
     np.testing.assert_array_equal(seq[len(p["prompt_ids"]) :], p["greedy_ids"])
+
+
+def test_pagejax_matches_live_transformers(hf, ref, smollm2):
+    """pagejax against transformers itself (not the fixture): a fresh prompt, logits of the paged engine's
+    prefill via prompt logprobs, and a 16-token greedy continuation."""
+    torch, model, tok = hf
+    ids = tok("The paged KV cache lets an inference engine", add_special_tokens=False)["input_ids"]
+    theirs = _forward(torch, model, ids)
+    shifted = theirs - theirs.max(-1, keepdims=True)
+    their_lp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    out = smollm2.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0))[0]
+    ours = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+    want = np.array([their_lp[i - 1, ids[i]] for i in range(1, len(ids))])
+    assert np.abs(ours - want).max() <= 1e-3
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    assert out.outputs[0].token_ids == greedy
