@@ -35,9 +35,9 @@ class StepOutput:
     prompt_top_logprobs: np.ndarray | None = None
 
 
-def _step(graphdef, params, kv_caches, inp: ModelInput, sampling: SamplingTensors, *, use_filters: bool,
-          logprobs: bool, prompt_logprobs: bool):
-    model = nnx.merge(graphdef, params)
+def _step(graphdef, treedef, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors, *,
+          use_filters: bool, logprobs: bool, prompt_logprobs: bool):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
     logits = model.logits(hidden[inp.logits_indices])
     # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
@@ -55,15 +55,17 @@ class ModelRunner:
         self.config = config
         self.page_size = page_size
         self.num_pages = num_pages
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
+        # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
+        self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
         self.kv_caches = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
         static = ("use_filters", "logprobs", "prompt_logprobs")
         # Two partials, so each entry point keeps its own compilation cache (and count).
-        self.prefill_step = jax.jit(functools.partial(_step, self.graphdef), static_argnames=static,
-                                    donate_argnums=(1,))
-        self.decode_step = jax.jit(functools.partial(_step, self.graphdef), static_argnames=static,
-                                   donate_argnums=(1,))
+        step = (_step, self.graphdef, self.param_treedef)
+        self.prefill_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
+        self.decode_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
         self._copy_pages = jax.jit(lambda caches, src, dst: [copy_pages(c, src, dst) for c in caches],
                                    donate_argnums=(0,))
 
@@ -79,7 +81,7 @@ class ModelRunner:
                 logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
         """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host."""
         fn = self.decode_step if is_decode else self.prefill_step
-        sampled, prompt, self.kv_caches = fn(self.params, self.kv_caches, inp, sampling, use_filters=use_filters,
+        sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, use_filters=use_filters,
                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if not (logprobs or prompt_logprobs):
             return StepOutput(tokens=np.asarray(sampled.tokens))
@@ -109,13 +111,18 @@ class ModelRunner:
                     self.execute(inp, sampling, is_decode=True, use_filters=use_filters)
         return self.decode_step._cache_size() - before
 
+    @property
+    def params(self) -> nnx.State:
+        """The model's parameters as an nnx.State (a fresh view of the arrays the steps use)."""
+        return jax.tree.unflatten(self.param_treedef, self.param_leaves)
+
     def update_weights(self, params: nnx.State) -> None:
         """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are."""
-        old = jax.tree.structure(self.params)
-        if jax.tree.structure(params) != old:
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self.param_treedef:
             raise ValueError("update_weights: the new parameters do not have the model's structure")
-        for new_leaf, old_leaf in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
+        for new_leaf, old_leaf in zip(leaves, self.param_leaves):
             if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
                                  f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
-        self.params = jax.tree.map(jnp.asarray, params)
+        self.param_leaves = [jnp.asarray(x) for x in leaves]
