@@ -222,3 +222,20 @@ def test_prompt_logprobs_bypass_the_prefix_cache(llm):
     first, second = (llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0] for _ in range(2))
     assert second.metrics.num_cached_tokens == 0 and len(second.prompt_logprobs) == len(prompt)
     assert second.prompt_logprobs == first.prompt_logprobs
+
+
+def test_prefill_first_never_starves_decode():
+    """A stream of long prompts: at most max_prefill_streak prefill steps run while a sequence waits to decode."""
+    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=16)
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(10):
+        engine.add_request(f"long{i}", list(range(1 + i, 100 + i)), params)  # distinct: no prefix hits
+    streak, worst = 0, 0
+    while engine.has_unfinished_requests():
+        decode_ready = any(s.num_uncomputed_tokens == 1 for s in engine.scheduler.running)
+        batch_before = engine.stats.prefill_steps
+        engine.step()
+        prefilled = engine.stats.prefill_steps > batch_before
+        streak = streak + 1 if (prefilled and decode_ready) else 0
+        worst = max(worst, streak)
+    assert worst == engine.scheduler.config.max_prefill_streak
