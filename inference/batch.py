@@ -36,12 +36,23 @@ def bucket_ladder(minimum: int, maximum: int) -> list[int]:
 
 
 @struct.dataclass
+class SpecInput:
+    """Speculative verification: every sequence's last token and its k drafts run as one chunk; the target's
+    distributions at those k+1 positions decide what is accepted (inference/speculative.py)."""
+
+    logits_indices: jax.Array  # i32[S, k+1]: token rows of the last token and each draft (clipped to the chunk)
+    draft_tokens: jax.Array  # i32[S, k]
+    num_draft: jax.Array  # i32[S]: real drafts per sequence (0 = a plain decode)
+
+
+@struct.dataclass
 class ModelInput:
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
     attn: AttentionMetadata
     logits_indices: jax.Array  # i32[S]: the last token of each sequence's chunk
     target_ids: jax.Array  # i32[T]: the next prompt token of each token (for prompt logprobs); -1 where none
+    spec: SpecInput | None = None  # draft tokens to verify (speculative steps only)
 
     @classmethod
     def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int) -> "ModelInput":
@@ -63,8 +74,10 @@ class BucketLimits:
     min_pages_per_seq: int = 4
 
 
-def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits) -> tuple[ModelInput, int]:
-    """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens."""
+def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
+                      num_spec: int = 0) -> tuple[ModelInput, int]:
+    """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
+    `num_spec` (the static draft length) draft slots per sequence."""
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
     padded_seqs = bucket(num_seqs, maximum=limits.max_seqs)
@@ -90,7 +103,8 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         start = seq.num_computed_tokens
         pos = np.arange(start, start + count, dtype=np.int32)
         pages = np.asarray(seq.pages, np.int32)
-        tokens[offset:offset + count] = seq.token_ids[start:start + count]
+        source = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+        tokens[offset:offset + count] = source[start:start + count]
         positions[offset:offset + count] = pos
         slot_mapping[offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
         nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
@@ -104,5 +118,19 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
 
     attn = AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
                              cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)
+    spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if batch.speculative else None
     return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
-                      target_ids=target_ids), num_tokens
+                      target_ids=target_ids, spec=spec), num_tokens
+
+
+def _spec_input(batch: ScheduledBatch, cu_q_lens: np.ndarray, padded_seqs: int, num_spec: int) -> SpecInput:
+    logits_indices = np.zeros((padded_seqs, num_spec + 1), np.int32)
+    draft_tokens = np.zeros((padded_seqs, num_spec), np.int32)
+    num_draft = np.zeros(padded_seqs, np.int32)
+    for i, seq in enumerate(batch.seqs):
+        n = len(seq.spec_tokens)
+        first = cu_q_lens[i + 1] - 1 - n  # the row of the sequence's last verified token
+        logits_indices[i] = first + np.minimum(np.arange(num_spec + 1), n)
+        draft_tokens[i, :n] = seq.spec_tokens
+        num_draft[i] = n
+    return SpecInput(logits_indices=logits_indices, draft_tokens=draft_tokens, num_draft=num_draft)

@@ -148,7 +148,18 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references (tail first, so LRU evicts prefix tails before heads)."""
-        for page in reversed(seq.pages):
+        self._drop(seq.pages)
+        seq.pages = []
+        self._chains.pop(seq, None)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` tokens (speculative tokens that were rejected)."""
+        keep = self.pages_needed(num_tokens)
+        self._drop(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def _drop(self, pages: list[int]) -> None:
+        for page in reversed(pages):
             self.ref_counts[page] -= 1
             assert self.ref_counts[page] >= 0, f"page {page} released more often than held"
             if self.ref_counts[page] == 0:
@@ -156,8 +167,6 @@ class BlockManager:
                     self.evictable[page] = None
                 else:
                     self.free_pages.append(page)
-        seq.pages = []
-        self._chains.pop(seq, None)
 
     # ---- sharing ----------------------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -22,6 +22,7 @@ from inference.sampler import SamplingTensors, needs_filters
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inference.sequence import Sequence, SequenceStatus
+from inference.speculative import NgramProposer
 from inference.stop import check_stop, flush_text
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,19 @@ class Request:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, proposer: NgramProposer | None = None,
+                 num_speculative_tokens: int = 0):
+        """`proposer` and `num_speculative_tokens` turn on speculative decoding: each decoding sequence verifies up
+        to that many proposed tokens per step in one target pass."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
         self.block_manager = BlockManager(runner.num_pages, runner.page_size,
                                           enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.proposer = proposer
+        self.num_spec = num_speculative_tokens if proposer is not None else 0
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   proposer=self._propose if self.num_spec else None)
         self.max_model_len = max_model_len
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
@@ -127,6 +134,16 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def _propose(self, seq: Sequence) -> list[int]:
+        """Draft tokens for a decoding sequence, never past its max_tokens or the context. Requests that want
+        logprobs do not speculate (their logprobs come from one position per step)."""
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0 or seq.params.logprobs is not None:
+            return []
+        return self.proposer.propose(seq.token_ids)[:min(self.num_spec, room)]
+
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one model step; return an output for every request that advanced (finished ones included)."""
@@ -146,8 +163,8 @@ class Engine:
         copies = self.block_manager.take_copies()
         if copies:
             self.runner.copy_pages(copies)
-        inp, real_tokens = build_model_input(batch, self.page_size, self.limits)
-        self.stats.record_step(batch.is_decode, real_tokens, inp.tokens.shape[0])
+        inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec)
+        self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
         sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
                                                [s.num_output_tokens for s in batch.seqs],
@@ -166,6 +183,9 @@ class Engine:
             touched[seq.request_id] = request
             first_row, offset = offset, offset + count
             try:
+                if seq.spec_tokens:
+                    self._accept_speculation(seq, request, out, i, now)
+                    continue
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
                     self._record_prompt_logprobs(seq, out, first_row, count)
                 seq.num_computed_tokens += count
@@ -180,6 +200,20 @@ class Engine:
                 request.error = f"{type(exc).__name__}: {exc}"
                 self._finish(seq, "error")
         return [self._output(r) for r in touched.values()]
+
+    def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
+        """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted
+        tokens is never read again, and whole pages past them go back to the pool)."""
+        proposed, accepted = len(seq.spec_tokens), int(out.num_accepted[row])
+        seq.spec_tokens = []
+        seq.num_computed_tokens += 1 + accepted
+        self.block_manager.commit_full_pages(seq)
+        self.stats.record_speculation(proposed, accepted)
+        for token in out.emitted[row][:accepted + 1]:
+            self._append_token(seq, request, int(token), out, row, now)
+            if seq.is_finished:
+                return
+        self.block_manager.truncate(seq, seq.num_tokens)
 
     def _record_prompt_logprobs(self, seq: Sequence, out: StepOutput, offset: int, count: int) -> None:
         if not seq.prompt_logprobs:

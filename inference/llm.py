@@ -27,6 +27,7 @@ from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runner import ModelRunner
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
+from inference.speculative import NgramProposer
 from inference.streaming import DeltaTracker, EngineLoop, StreamDelta
 from models.decoder import build_decoder
 
@@ -51,6 +52,7 @@ class LLM:
                  page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 4,
                  attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default"):
         """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
         ~/.cache/pagejax/xla; None leaves JAX's cache settings alone)."""
@@ -76,7 +78,9 @@ class LLM:
         self.engine = Engine(self.runner, self.tokenizer,
                              SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              policy=scheduling_policy),
-                             max_model_len=context, enable_prefix_caching=enable_prefix_caching)
+                             max_model_len=context, enable_prefix_caching=enable_prefix_caching,
+                             proposer=_proposer(speculative_method, num_speculative_tokens),
+                             num_speculative_tokens=num_speculative_tokens)
         self._ids = itertools.count()
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -200,6 +204,16 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+def _proposer(method: str | None, k: int) -> NgramProposer | None:
+    if method is None:
+        return None
+    if method != "ngram":
+        raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup)")
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
+    return NgramProposer(k=k)
 
 
 @dataclasses.dataclass

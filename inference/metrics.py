@@ -28,6 +28,9 @@ class EngineStats:
     padded_tokens: int = 0  # token slots the compiled step computed (bucket sizes)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    spec_passes: int = 0  # sequence-steps that verified drafts
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     def record_step(self, is_decode: bool, real: int, padded: int) -> None:
         if is_decode:
@@ -37,12 +40,21 @@ class EngineStats:
         self.real_tokens += real
         self.padded_tokens += padded
 
+    def record_speculation(self, proposed: int, accepted: int) -> None:
+        self.spec_passes += 1
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+
     def summary(self) -> dict[str, float]:
         return {
             "prefill_steps": self.prefill_steps,
             "decode_steps": self.decode_steps,
             "padding_waste": 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0,
             "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
+            # tokens a speculating sequence gains per target pass: accepted drafts plus the one always emitted
+            "spec_tokens_per_pass": (self.spec_accepted + self.spec_passes) / self.spec_passes if self.spec_passes
+            else 0.0,
         }
 
 

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.batch import ModelInput
-from inference.batch import BucketLimits, bucket, bucket_ladder
-from inference.sampler import SamplingTensors, compute_logprobs, sample_with_logprobs
-from inference.sampling_params import MAX_LOGPROBS
+from inference.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
+from inference.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
+                               sample_with_logprobs)
+from inference.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
+from inference.speculative import probs_from_logits, rejection_sample
 from kernels_pallas.kv_cache import copy_pages
 from models.decoder import Decoder
 
@@ -33,20 +34,53 @@ class StepOutput:
     prompt_logprob: np.ndarray | None = None  # f32[T]: logprob of target_ids[t] after token t
     prompt_top_ids: np.ndarray | None = None  # i32[T, k]
     prompt_top_logprobs: np.ndarray | None = None
+    emitted: np.ndarray | None = None  # i32[S, k+1]: speculative steps: accepted drafts, then one more token
+    num_accepted: np.ndarray | None = None  # i32[S]
 
 
 def _step(graphdef, treedef, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors, *,
           use_filters: bool, logprobs: bool, prompt_logprobs: bool):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
-    logits = model.logits(hidden[inp.logits_indices])
-    # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
-    sampled = sample_with_logprobs(logits, sampling, use_filters=use_filters,
-                                   num_top=MAX_LOGPROBS if logprobs else 0)
+    if inp.spec is not None:
+        sampled = _verify(model, hidden, inp.spec, sampling, use_filters=use_filters, logprobs=logprobs)
+    else:
+        logits = model.logits(hidden[inp.logits_indices])
+        # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
+        sampled = sample_with_logprobs(logits, sampling, use_filters=use_filters,
+                                       num_top=MAX_LOGPROBS if logprobs else 0)
     prompt = None
     if prompt_logprobs:
         prompt = compute_logprobs(model.logits(hidden), jnp.maximum(inp.target_ids, 0), MAX_LOGPROBS)
     return sampled, prompt, kv_caches
+
+
+def _verify(model, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_filters: bool, logprobs: bool):
+    """Speculative verification: (SamplerOutput for position 0, emitted i32[S, k+1], num_accepted i32[S]).
+
+    Drafts are deterministic proposals (n-gram), so the draft distribution is one-hot. Rows with no drafts emit one
+    token sampled exactly like a plain decode. A row that verifies drafts samples from the same distributions but
+    spends its random key differently, so a seeded request gives other (equally distributed) tokens when it
+    speculates than when it does not. Logprobs (only requested by rows that
+    do not speculate) come from position 0.
+    """
+    logits = model.logits(hidden[spec.logits_indices])  # [S, k+1, V]
+    probs = probs_from_logits(logits, sampling, use_filters)
+    emitted, accepted = rejection_sample(probs, None, spec.draft_tokens, sampling.keys(),
+                                         greedy=sampling.temperature < SAMPLING_EPS, num_draft=spec.num_draft)
+    # Rows without drafts sample exactly as a plain decode step would (same key use), so a seeded request's tokens
+    # do not depend on whether its batch-mates speculate.
+    plain = sample(logits[:, 0], sampling, use_filters=use_filters)
+    first = jnp.where(spec.num_draft > 0, emitted[:, 0], plain)
+    emitted = emitted.at[:, 0].set(first)
+    if logprobs:
+        raw = logits[:, 0]
+        src = jnp.where(sampling.processed_logprobs[:, None], process_logits(raw, sampling, use_filters=use_filters),
+                        raw)
+        lp, top_ids, top_lp = compute_logprobs(src, first, MAX_LOGPROBS)
+    else:
+        lp, top_ids, top_lp = compute_logprobs(logits[:, 0], first, 0)
+    return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp), emitted, accepted
 
 
 class ModelRunner:
@@ -83,11 +117,16 @@ class ModelRunner:
         fn = self.decode_step if is_decode else self.prefill_step
         sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, use_filters=use_filters,
                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        if not (logprobs or prompt_logprobs):
+        spec = None
+        if inp.spec is not None:
+            sampled, *spec = sampled
+        if not (logprobs or prompt_logprobs or spec):
             return StepOutput(tokens=np.asarray(sampled.tokens))
-        host = jax.device_get((sampled, prompt))
+        host = jax.device_get((sampled, prompt, spec))
         out = StepOutput(tokens=host[0].tokens, logprob=host[0].logprob, top_ids=host[0].top_ids,
                          top_logprobs=host[0].top_logprobs)
+        if spec:
+            out.emitted, out.num_accepted = host[2]
         if host[1] is not None:
             out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs = host[1]
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Callable
 
 from inference.block_manager import BlockManager
 from inference.sequence import Sequence, SequenceStatus
@@ -58,14 +59,26 @@ class ScheduledBatch:
         """Every sequence computes exactly one token (the decode-shaped compiled step)."""
         return all(n == 1 for n in self.num_new_tokens)
 
+    @property
+    def is_decode_phase(self) -> bool:
+        """Every sequence is decoding (one token, plus any drafts it verifies): for step statistics."""
+        return all(n == 1 + len(s.spec_tokens) for s, n in zip(self.seqs, self.num_new_tokens))
+
+    @property
+    def speculative(self) -> bool:
+        return any(s.spec_tokens for s in self.seqs)
+
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:
     return seq.priority, seq.arrival_order
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 proposer: Callable[[Sequence], list[int]] | None = None):
+        """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step."""
         self.config = config
+        self.proposer = proposer
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -162,6 +175,9 @@ class Scheduler:
         for seq in sorted(self.running, key=_queue_key):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below while making room for an older sequence, or still prefilling
+            seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
+            if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
+                seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone
             while not self.block_manager.can_grow(seq, seq.num_tokens):
                 victim = max(self.running, key=_queue_key)
                 if victim is seq and len(self.running) == 1:
@@ -171,17 +187,19 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.block_manager.grow(seq, seq.num_tokens)
+            self.block_manager.grow(seq, seq.num_tokens + len(seq.spec_tokens))
             scheduled.append(seq)
             if len(scheduled) == self.config.max_num_seqs:
                 break
-        return ScheduledBatch(scheduled, [1] * len(scheduled)) if scheduled else None
+        counts = [1 + len(s.spec_tokens) for s in scheduled]
+        return ScheduledBatch(scheduled, counts) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's pages and queue it for recomputation."""
         self.running.remove(seq)
         self.block_manager.release(seq)
         seq.num_computed_tokens = 0
+        seq.spec_tokens = []
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_key)
         self.num_preemptions += 1

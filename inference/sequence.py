@@ -39,6 +39,7 @@ class Sequence:
     output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
     output_text: str = ""
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
 
     @property
