@@ -42,13 +42,19 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per st
 flags.DEFINE_enum("compare", None, ["hf"], "Also run transformers' generate on the same prompts.")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
+flags.DEFINE_enum("speculative", None, ["ngram"], "Speculative decoding method (prompt lookup).")
+flags.DEFINE_integer("num_speculative_tokens", 4, "Draft tokens verified per step when speculating.")
+flags.DEFINE_boolean("repetitive", False, "Offline: prompts that repeat a 16-token pattern (where prompt lookup "
+                     "has something to find); default random tokens.")
 flags.DEFINE_string("hf_worker", None, "Internal: run only the transformers side for this GGUF on the prompts in "
                     "--hf_prompts (a JSON file) and print JSON.")
 flags.DEFINE_string("hf_prompts", None, "Internal, with --hf_worker.")
 
 
-def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(batch: int, length: int, vocab: int, seed: int, repetitive: bool = False) -> list[list[int]]:
     rng = np.random.default_rng(seed)
+    if repetitive:
+        return [(rng.integers(100, vocab - 100, 16).tolist() * (length // 16 + 1))[:length] for _ in range(batch)]
     return rng.integers(100, vocab - 100, size=(batch, length)).tolist()
 
 
@@ -159,7 +165,8 @@ def main(argv: list[str]) -> None:
             print(json.dumps(run_hf(FLAGS.hf_worker, json.load(f), FLAGS.output_len)))
         return
     t0 = time.perf_counter()
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
+    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), speculative_method=FLAGS.speculative,
+              num_speculative_tokens=FLAGS.num_speculative_tokens,
               max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
@@ -174,7 +181,7 @@ def main(argv: list[str]) -> None:
     if FLAGS.compare == "hf":
         result["hf"], result["ratio"] = {}, {}
     for batch in batches:
-        prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed)
+        prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed, FLAGS.repetitive)
         ours = run_pagejax(llm, prompts, FLAGS.output_len)
         result["pagejax"][f"batch_{batch}"] = ours
         line = (f"pagejax batch {batch}: TTFT {ours['ttft_mean_s'] * 1e3:.0f} ms, decode {ours['decode_tok_s']:.1f} "
