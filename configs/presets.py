@@ -21,6 +21,33 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=3, head_dim=16, rope_theta=500000.0, max_position_embeddings=1024, eos_token_ids=(0,),
         rope_scaling=RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=64)),
+    # One tiny config per family variant (random weights): windows shorter than test sequences, Gemma norms and caps.
+    "tiny-mistral": ModelConfig(
+        name="tiny-mistral", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), sliding_window=6,
+        family="mistral"),
+    "tiny-qwen2": ModelConfig(
+        name="tiny-qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), attention_bias=True,
+        rms_norm_eps=1e-6, family="qwen2"),
+    "tiny-qwen3": ModelConfig(
+        name="tiny-qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, rope_theta=1000000.0, max_position_embeddings=1024, eos_token_ids=(0,),
+        rms_norm_eps=1e-6, qk_norm=True, family="qwen3"),
+    "tiny-gemma2": ModelConfig(
+        name="tiny-gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), rms_norm_eps=1e-6,
+        tie_word_embeddings=True, hidden_act="gelu_tanh", norm_style="gemma", post_norms=True, embed_scale=8.0,
+        sliding_window=6, layer_types=("sliding_attention", "full_attention"), attn_logit_softcap=50.0,
+        final_logit_softcap=30.0, query_pre_attn_scalar=16.0, family="gemma2"),
+    "tiny-gemma3": ModelConfig(
+        name="tiny-gemma3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, rope_theta=1000000.0, rope_local_theta=10000.0,
+        rope_scaling=RopeScaling(kind="linear", factor=8.0), max_position_embeddings=1024, eos_token_ids=(0,),
+        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="gelu_tanh", norm_style="gemma", post_norms=True,
+        embed_scale=8.0, qk_norm=True, sliding_window=6,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"), query_pre_attn_scalar=16.0,
+        family="gemma3_text"),
     # Real-size configs, copied from each model's Hugging Face config.json. Used by the cost model and sharding
     # tests without materializing weights. Only models that ModelConfig expresses faithfully are listed.
     "llama-2-7b": ModelConfig(
@@ -37,13 +64,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
         max_position_embeddings=8192, bos_token_id=128000, eos_token_ids=(128001,)),
-    # Mistral-7B-v0.1. Its config.json also sets sliding_window=4096 on every layer, which ModelConfig cannot
-    # express yet: this preset is exact for contexts up to 4096 tokens; beyond that the real model attends (and
-    # caches) only the last 4096 tokens per layer, so KV estimates from this preset are upper bounds there.
+    # Mistral-7B-v0.1: sliding_window=4096 on every layer (the model attends to the last 4096 tokens per layer).
     "mistral-7b": ModelConfig(
         name="mistral-7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=10000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), family="mistral"),
+        max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), family="mistral", sliding_window=4096),
     # Qwen2.5-7B (base; the Instruct variant has max_position_embeddings=32768 and eos 151645). Biases on q/k/v
     # only. config.json lists sliding_window=131072 but use_sliding_window=false, so every layer is global.
     "qwen2.5-7b": ModelConfig(

@@ -1,4 +1,5 @@
-"""The decoder: one forward path for every Llama-family variant the config describes.
+"""The decoder: one forward path for every Llama-family variant the config describes (Llama, Mistral, Qwen2/3,
+Gemma 2/3 text differ only in ModelConfig fields: windows, norms, soft caps, scales).
 
 Layers live in a Python list and the forward loops over them in Python: on CPU, per-layer arrays in an unrolled
 loop compiled and ran faster than `lax.scan` over stacked weights (shared/JAX_CPU_NOTES.md, section 7), and the KV
@@ -18,30 +19,46 @@ from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.weights import check_weights
 
 
+def _norm(config: ModelConfig, dtype) -> RMSNorm:
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, style=config.norm_style, dtype=dtype)
+
+
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attn_impl: str, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(config, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    """Pre-norm block; with `post_norms` (Gemma 2/3) the attention and MLP outputs are normed again before each
+    residual add: x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x)))."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str, rngs: nnx.Rngs):
+        self.attn_norm = _norm(config, dtype)
+        self.attn = Attention(config, layer, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.post_attn_norm = _norm(config, dtype) if config.post_norms else None
+        self.mlp_norm = _norm(config, dtype)
         self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)
+        self.post_mlp_norm = _norm(config, dtype) if config.post_norms else None
+
+    def _residual(self, x, attn_out):
+        if self.post_attn_norm is not None:
+            attn_out = self.post_attn_norm(attn_out)
+        x = x + attn_out
+        mlp_out = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return x + mlp_out
 
     def __call__(self, x, positions, kv_pages, meta):
         attn_out, kv_pages = self.attn(self.attn_norm(x), positions, kv_pages, meta)
-        x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), kv_pages
+        return self._residual(x, attn_out), kv_pages
 
     def forward_dense(self, x, positions):
-        x = x + self.attn.forward_dense(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+        return self._residual(x, self.attn.forward_dense(self.attn_norm(x), positions))
 
 
 class Decoder(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", rngs: nnx.Rngs):
         self.config = config
-        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
-                                for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.embed = Embed(config.vocab_size, config.hidden_size, scale=config.embed_scale, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+                                for i in range(config.num_layers)])
+        self.final_norm = _norm(config, dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
 
@@ -56,9 +73,11 @@ class Decoder(nnx.Module):
         return self.final_norm(x), new_caches
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final hidden states -> float32 logits over the vocabulary."""
+        """Final hidden states -> float32 logits over the vocabulary (soft-capped when the config says so)."""
         out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)
 
     def forward(self, tokens: jax.Array) -> jax.Array:
         """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
@@ -78,6 +97,12 @@ def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
         p = f"layers.{i}."
         targets[p + "attn_norm"] = layer.attn_norm.weight
         targets[p + "mlp_norm"] = layer.mlp_norm.weight
+        if layer.post_attn_norm is not None:
+            targets[p + "post_attn_norm"] = layer.post_attn_norm.weight
+            targets[p + "post_mlp_norm"] = layer.post_mlp_norm.weight
+        if layer.attn.q_norm is not None:
+            targets[p + "q_norm"] = layer.attn.q_norm.weight
+            targets[p + "k_norm"] = layer.attn.k_norm.weight
         for name in ("q", "k", "v", "o"):
             proj = getattr(layer.attn, f"{name}_proj")
             targets[p + f"{name}_proj"] = proj.kernel

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from models.config import ModelConfig, RopeScaling
 from models.weights import check_weights, expected_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -63,33 +63,105 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}  # transformers' defaults; others hidden/heads
+
+
+def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...] | None:
+    """Per-layer attention kinds as transformers' config classes derive them when config.json has no `layer_types`."""
+    if window is None or model_type in ("llama", "mistral"):  # Mistral windows every layer and ignores layer_types
+        return None
+    if cfg.get("layer_types") is not None:
+        return tuple(cfg["layer_types"])
+    if model_type in ("qwen2", "qwen3"):  # Qwen2Config: layers at index >= max_window_layers slide
+        first = int(cfg.get("max_window_layers", 28))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    # Gemma2Config: every second layer global; Gemma3TextConfig: every `sliding_window_pattern`-th (default 6).
+    period = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers))
+
+
+def _window(model_type: str, cfg: dict[str, Any]) -> int | None:
+    """The sliding window transformers uses; its config classes default a missing key to 4096."""
+    if model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None  # Qwen2Config.__post_init__: sliding_window = None unless use_sliding_window
+    window = cfg.get("sliding_window", 4096)
+    return None if window is None else int(window)
+
+
+def _gemma3_rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) of gemma3_text: transformers v5 `rope_parameters` keyed by layer
+    type, or the older `rope_theta` / `rope_scaling` (global layers) / `rope_local_base_freq` (local layers)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full, local = {**params, **(cfg.get("rope_scaling") or {})}, {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling on gemma3 sliding layers ({local.get('rope_type')!r}) is not supported")
+    theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return float(theta), _rope_scaling({"rope_scaling": full}, max_pos), float(local_theta)
+
+
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str = "") -> ModelConfig:
-    """Translate a transformers config dict (llama / mistral / qwen2) into ModelConfig."""
+    """Translate a transformers config dict (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3_text) into ModelConfig.
+
+    Missing keys take the defaults of transformers' own config class for that model_type.
+    """
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    gemma = model_type in ("gemma2", "gemma3_text")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         layers, inter, vocab = int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
     except KeyError as exc:
         raise ValueError(f"{source}: missing required key {exc.args[0]!r}") from None
-    act = cfg.get("hidden_act", "silu")
+    # Gemma's MLP reads `hidden_activation` (its configs may also carry an unused `hidden_act`).
+    act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{source}: unsupported hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    if model_type in ("qwen3", "gemma2", "gemma3_text") and cfg.get("attention_bias", False):
+        raise ValueError(f"{source}: attention_bias=true on {model_type} also puts a bias on o_proj, which pagejax "
+                         "does not support")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention=true (an encoder variant) is not supported")
     max_pos = int(cfg.get("max_position_embeddings") or 4096)
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    if model_type == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope(cfg, max_pos)
+    else:
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        scaling, local_theta = _rope_scaling(cfg, max_pos), None
+    window = _window(model_type, cfg)
     bos = cfg.get("bos_token_id")
+    family: dict[str, Any] = {}
+    if gemma:  # Gemma2Config / Gemma3TextConfig defaults: soft caps 50 / 30 on Gemma 2, none on Gemma 3
+        family = dict(
+            norm_style="gemma", post_norms=True, embed_scale=hidden ** 0.5,
+            query_pre_attn_scalar=_opt_float(cfg.get("query_pre_attn_scalar", 256)),
+            attn_logit_softcap=_opt_float(cfg.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None)),
+            final_logit_softcap=_opt_float(cfg.get("final_logit_softcapping",
+                                                   30.0 if model_type == "gemma2" else None)))
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads), rope_theta=float(theta),
-        rope_scaling=_rope_scaling(cfg, max_pos), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position_embeddings=max_pos,
+        head_dim=int(cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden // heads)),
+        rope_theta=float(theta),
+        rope_scaling=scaling, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)), max_position_embeddings=max_pos,
         # Qwen2 hard-codes q/k/v biases; Llama exposes the switch as `attention_bias`.
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         hidden_act=_ACTIVATIONS[act], bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_token_ids(cfg.get("eos_token_id")), family=model_type, name=name)
+        eos_token_ids=_token_ids(cfg.get("eos_token_id")), family=model_type, name=name,
+        sliding_window=window, layer_types=_layer_types(model_type, cfg, layers, window),
+        qk_norm=model_type in ("qwen3", "gemma3_text"), rope_local_theta=local_theta, **family)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -101,33 +173,44 @@ _LAYER_NAMES = {
     "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj", "self_attn.v_proj.weight": "v_proj",
     "self_attn.o_proj.weight": "o_proj", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias", "mlp.gate_proj.weight": "gate_proj", "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
+    "mlp.down_proj.weight": "down_proj", "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
 }
-_HF_LEAF = {v: k for k, v in _LAYER_NAMES.items()}
+# Gemma 2/3 norm the attention output with `post_attention_layernorm` and have a separate pre-MLP norm, so the same
+# HF name means something else there than in Llama.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
+}
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer old checkpoints saved; recomputed from config
 
 
-def canonical_name(hf_name: str) -> str | None:
+def _layer_names(model_type: str) -> dict[str, str]:
+    return _GEMMA_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
+
+
+def canonical_name(hf_name: str, model_type: str = "llama") -> str | None:
     """`model.layers.3.self_attn.q_proj.weight` -> `layers.3.q_proj`; None for tensors to skip."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _layer_names(model_type)
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}"
     if _IGNORED_RE.fullmatch(hf_name):
         return None
-    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the llama/mistral/qwen2 decoder layout")
+    raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the {model_type} decoder layout")
 
 
-def hf_name(canonical: str) -> str:
+def hf_name(canonical: str, model_type: str = "llama") -> str:
     """Inverse of `canonical_name`, for error messages that point at what the checkpoint should contain."""
     for k, v in _GLOBAL_NAMES.items():
         if v == canonical:
             return k
     _, i, leaf = canonical.split(".", 2)
-    return f"model.layers.{i}.{_HF_LEAF[leaf]}"
+    inverse = {v: k for k, v in _layer_names(model_type).items()}
+    return f"model.layers.{i}.{inverse[leaf]}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -197,7 +280,7 @@ def _read_tensors(folder: str) -> dict[str, np.ndarray]:
 
 def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
                    ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read a llama/mistral/qwen2 HF folder. `dtype=None` keeps the stored dtype (e.g. bf16) instead of float32."""
+    """Read a llama/mistral/qwen2/qwen3/gemma2/gemma3_text HF folder. `dtype=None` keeps the stored dtype (e.g. bf16) instead of float32."""
     folder = os.fspath(folder)
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
@@ -209,7 +292,7 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
         config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
     weights: dict[str, np.ndarray] = {}
     for name, w in _read_tensors(folder).items():
-        canonical = canonical_name(name)
+        canonical = canonical_name(name, config.family)
         if canonical is None or (canonical == "lm_head" and config.tie_word_embeddings):
             continue
         if canonical.rsplit(".", 1)[-1] in _LINEARS:
@@ -217,7 +300,7 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
         weights[canonical] = np.ascontiguousarray(w if dtype is None else w.astype(dtype, copy=False))
     missing = sorted(set(expected_shapes(config)) - set(weights))
     if missing:
-        raise ValueError(f"{folder}: checkpoint lacks tensor {hf_name(missing[0])!r} ({len(missing)} missing in all); "
+        raise ValueError(f"{folder}: checkpoint lacks tensor {hf_name(missing[0], config.family)!r} ({len(missing)} missing in all); "
                          "is the download complete and does config.json match the weights?")
     check_weights(config, weights, folder)
     return config, weights

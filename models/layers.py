@@ -35,24 +35,35 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """RMSNorm over the last axis. style "rms" scales by w (Llama); "gemma" by (1 + w), w stored as HF stores it
+    (zero-initialised), computed in float32 and cast back once, as Gemma2RMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, *, style: str = "rms", dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype) if style == "rms" else jnp.zeros((dim,), dtype))
         self.eps = eps
+        self.style = style
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        w = self.weight[...].astype(jnp.float32)
+        return (normed * (w if self.style == "rms" else 1.0 + w)).astype(x.dtype)
 
 
 class Embed(nnx.Module):
     """Token embedding; `attend` reuses it as the LM head when embeddings are tied."""
 
-    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, dim: int, *, scale: float | None = None, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.embedding = nnx.Param(_normal(rngs, (vocab_size, dim), dtype))
+        self.scale = scale
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if self.scale is None:
+            return x
+        # Gemma multiplies by the scale cast to the embedding dtype (sqrt(3072) becomes 55.5 in bf16), as HF does.
+        return x * jnp.asarray(self.scale, dtype=x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         return x @ self.embedding[...].T

@@ -2,7 +2,9 @@
 
 Loaders (GGUF, HF safetensors, orbax) return `dict[str, np.ndarray]` with these names, linear weights in
 `[in, out]` layout (so `x @ w`), and Q/K projection rows in the Hugging Face "rotate half" RoPE order (llama.cpp's
-interleaved permutation already undone). Keeping one layout means a new format needs only a name map.
+interleaved permutation already undone). Keeping one layout means a new format needs only a name map. Norm weights
+are stored as the checkpoint's model applies them: with `norm_style="gemma"` that is the offset w of (1 + w), as in
+Hugging Face Gemma checkpoints (llama.cpp's Gemma GGUFs store 1 + w and would need 1 subtracted).
 
     embed                      [vocab, hidden]
     layers.{i}.attn_norm       [hidden]
@@ -10,7 +12,11 @@ interleaved permutation already undone). Keeping one layout means a new format n
     layers.{i}.k_proj          [hidden, num_kv_heads * head_dim]   (+ layers.{i}.k_bias)
     layers.{i}.v_proj          [hidden, num_kv_heads * head_dim]   (+ layers.{i}.v_bias)
     layers.{i}.o_proj          [num_heads * head_dim, hidden]
-    layers.{i}.mlp_norm        [hidden]
+    layers.{i}.q_norm          [head_dim]                          (q_norm / k_norm only when qk_norm)
+    layers.{i}.k_norm          [head_dim]
+    layers.{i}.post_attn_norm  [hidden]                            (post_attn_norm / post_mlp_norm only when
+    layers.{i}.post_mlp_norm   [hidden]                             post_norms; Gemma 2/3)
+    layers.{i}.mlp_norm        [hidden]                            (Gemma: pre_feedforward_layernorm)
     layers.{i}.gate_proj       [hidden, intermediate]
     layers.{i}.up_proj         [hidden, intermediate]
     layers.{i}.down_proj       [intermediate, hidden]
@@ -41,6 +47,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         })
         if config.attention_bias:
             shapes.update({p + "q_bias": (q,), p + "k_bias": (kv,), p + "v_bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "q_norm": (config.head_dim,), p + "k_norm": (config.head_dim,)})
+        if config.post_norms:
+            shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})
     return shapes
 
 

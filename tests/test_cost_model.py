@@ -147,25 +147,18 @@ def test_chip_presets() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _WindowedConfig(ModelConfig):
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class _MLAConfig(ModelConfig):
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
 
 
 def test_sliding_window_hook_caps_windowed_layers() -> None:
-    base = get_model_config("mistral-7b")
-    windowed = _WindowedConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)},
-                               sliding_window=4096)
+    windowed = get_model_config("mistral-7b")  # sliding_window=4096 on every layer
+    base = windowed.replace(sliding_window=None)
     assert cm.kv_bytes_per_sequence(windowed, 2048, 2) == cm.kv_bytes_per_sequence(base, 2048, 2)
     assert cm.kv_bytes_per_sequence(windowed, 32768, 2) == cm.kv_bytes_per_sequence(base, 4096, 2)
-    alternating = dataclasses.replace(
-        windowed, layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)))
+    alternating = windowed.replace(
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)))
     per_layer = cm.kv_bytes_per_token(base, 2) / 32
     assert cm.kv_bytes_per_sequence(alternating, 32768, 2) == 16 * per_layer * (4096 + 32768)
 

@@ -1,0 +1,128 @@
+"""Write the per-family reference fixtures that tests/test_families.py checks without transformers.
+
+For each family (mistral, qwen2, qwen3, gemma2, gemma3_text) this builds a tiny random transformers model whose
+config exercises the family's details (sliding windows shorter than the test sequence, QKV bias, QK-norm, Gemma
+norms, soft caps, query_pre_attn_scalar, per-layer-type RoPE), stores it in bfloat16 (config.json +
+model.safetensors, under 200 KB), reloads that folder in float32 with eager attention and records transformers'
+logits for a fixed token sequence:
+
+    tests/fixtures/families/<family>/config.json
+    tests/fixtures/families/<family>/model.safetensors
+    tests/fixtures/families/<family>/reference.npz      input_ids i32[1, L], logits f32[L, vocab], transformers_version
+
+Needs the `reference` extra (transformers + torch). Run from the repository root:
+
+    python -m scripts.make_family_fixtures [--out tests/fixtures/families] [--family gemma2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+SEQ_LEN = 40  # longer than every window below, so windowed layers really drop keys
+WINDOW = 8
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# model_type -> config overrides. Each one exercises what the family adds over Llama.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # Mistral: the window on every layer.
+    "mistral": dict(num_hidden_layers=2, sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False),
+    # Qwen2: q/k/v biases; with use_sliding_window, layers at index >= max_window_layers slide (here layer 1 only).
+    "qwen2": dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                  rope_theta=10000.0, tie_word_embeddings=False),
+    # Qwen3: QK-norm, no bias, no window.
+    "qwen3": dict(num_hidden_layers=2, rope_theta=1_000_000.0, tie_word_embeddings=False),
+    # Gemma 2: sliding / global alternation, both soft caps (small, so tanh bends), query_pre_attn_scalar != head_dim.
+    "gemma2": dict(num_hidden_layers=2, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # Gemma 3 text: QK-norm, 2 local : 1 global via sliding_window_pattern, local RoPE base, linear scaling on the
+    # global layer only, no soft caps.
+    "gemma3_text": dict(num_hidden_layers=3, sliding_window=WINDOW, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+}
+FIXTURE_FILES = ("config.json", "model.safetensors", "reference.npz")
+
+
+def hf_config(family: str):
+    import transformers
+
+    return transformers.AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
+
+
+def _randomize(model, seed: int) -> None:
+    """Weights far from init so every term matters: norms off 1 (or off 0 for Gemma's 1 + w), sizeable biases."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    gemma = model.config.model_type.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(0.3 * noise if gemma else 1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise if not gemma else 0.15 * noise)  # Gemma multiplies by sqrt(hidden) = 8
+            else:
+                p.copy_(0.15 * noise)
+
+
+def build_family(family: str, folder: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Save the tiny `family` model (bf16) into `folder`; return (input_ids [1, L], transformers' f32 logits [L, V])."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    _randomize(model, seed=1000 + list(FAMILIES).index(family))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for extra in os.listdir(folder):
+        if extra not in FIXTURE_FILES:
+            os.remove(os.path.join(folder, extra))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    ref.eval()
+    ids = np.random.default_rng(seed).integers(3, _COMMON["vocab_size"], (1, SEQ_LEN)).astype(np.int32)
+    with torch.no_grad():
+        logits = ref(input_ids=torch.from_numpy(ids.astype(np.int64))).logits[0].float().numpy()
+    return ids, logits
+
+
+def write_fixture(family: str, out_dir: str) -> str:
+    import transformers
+
+    folder = os.path.join(out_dir, family)
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, logits = build_family(family, tmp)
+        os.makedirs(folder, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(os.path.join(tmp, name), os.path.join(folder, name))
+    np.savez(os.path.join(folder, "reference.npz"), input_ids=ids, logits=logits.astype(np.float32),
+             transformers_version=np.array(transformers.__version__))
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join("tests", "fixtures", "families"))
+    parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: all")
+    args = parser.parse_args(argv)
+    for family in args.family or list(FAMILIES):
+        folder = write_fixture(family, args.out)
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        print(f"{folder}: {size / 1024:.0f} KB")
+
+
+if __name__ == "__main__":
+    main()
