@@ -85,7 +85,11 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         padded_tokens, max_q = padded_seqs, 1
     else:
         padded_tokens = bucket(num_tokens, limits.min_tokens, limits.max_tokens)
-        max_q = bucket(max(batch.num_new_tokens), maximum=padded_tokens)
+        longest = max(batch.num_new_tokens)
+        if batch.speculative:  # one shape for every verification step, however many drafts each sequence got
+            longest = max(longest, num_spec + 1)
+        padded_tokens = max(padded_tokens, bucket(longest))
+        max_q = bucket(longest, maximum=padded_tokens)
     max_pages = max(len(seq.pages) for seq in batch.seqs)
     padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq)
 

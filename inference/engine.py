@@ -128,6 +128,11 @@ class Engine:
         with self._lock:
             self.block_manager.reset_prefix_cache()
 
+    def reset_stats(self) -> None:
+        """Start the engine's counters afresh (e.g. after a warm-up that should not count)."""
+        self.stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+
     def metrics_summary(self) -> dict[str, float]:
         return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
 

@@ -39,7 +39,8 @@ flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
-flags.DEFINE_enum("compare", None, ["hf"], "Also run transformers' generate on the same prompts.")
+flags.DEFINE_enum("compare", None, ["hf", "plain"], "Also run, on the same prompts: transformers' generate (hf), "
+                  "or pagejax without speculation (plain, with --speculative).")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
 flags.DEFINE_enum("speculative", None, ["ngram"], "Speculative decoding method (prompt lookup).")
@@ -63,6 +64,7 @@ def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, sampling_params=params.replace(max_tokens=4))  # compile
     llm.engine.reset_prefix_cache()  # the measured run computes its prompts, as the warm-up did
+    llm.engine.reset_stats()
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -88,6 +90,7 @@ def run_serving(llm: LLM) -> dict:
     llm.warmup()  # every decode bucket; prefill buckets compile on first use
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
     llm.engine.reset_prefix_cache()
+    llm.engine.reset_stats()
     engine, outputs, sent = llm.engine, [], 0
     start = time.perf_counter()
     arrivals = start + np.cumsum(gaps)
@@ -178,8 +181,12 @@ def main(argv: list[str]) -> None:
               f"{served['itl_s']['p99'] * 1e3:.0f} ms, {served['output_tok_s']:.1f} output tok/s, prefix hit rate "
               f"{served['engine']['prefix_cache_hit_rate']:.2f}", file=sys.stderr)
         batches = []
-    if FLAGS.compare == "hf":
-        result["hf"], result["ratio"] = {}, {}
+    if FLAGS.compare:
+        result[FLAGS.compare], result["ratio"] = {}, {}
+    plain = None
+    if FLAGS.compare == "plain":
+        plain = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
     for batch in batches:
         prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed, FLAGS.repetitive)
         ours = run_pagejax(llm, prompts, FLAGS.output_len)
@@ -197,6 +204,13 @@ def main(argv: list[str]) -> None:
             result["ratio"][f"batch_{batch}"] = {k: ours[k] / hf[k] for k in ("output_tok_s", "decode_tok_s")}
             print(f"hf      batch {batch}: TTFT {hf['ttft_mean_s'] * 1e3:.0f} ms, decode {hf['decode_tok_s']:.1f} "
                   f"tok/s, end to end {hf['output_tok_s']:.1f} tok/s", file=sys.stderr)
+        if plain is not None:
+            base = result["plain"][f"batch_{batch}"] = run_pagejax(plain, prompts, FLAGS.output_len)
+            result["ratio"][f"batch_{batch}"] = {k: ours[k] / base[k] for k in ("output_tok_s", "decode_tok_s")}
+            print(f"plain   batch {batch}: decode {base['decode_tok_s']:.1f} tok/s, end to end "
+                  f"{base['output_tok_s']:.1f} tok/s; speculation accepted "
+                  f"{ours['engine']['spec_acceptance_rate']:.2f} of drafts, "
+                  f"{ours['engine']['spec_tokens_per_pass']:.2f} tokens per pass", file=sys.stderr)
     if FLAGS.json:
         print(json.dumps(result))
 
