@@ -5,8 +5,8 @@
     python scripts/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
 
 Prompts are random token ids of a fixed length (speed does not depend on the text); generation is greedy with EOS
-ignored so every request produces exactly `output_len` tokens. Each batch size runs once to warm up (compiles) and
-then once measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
+ignored so every request produces exactly `output_len` tokens. Each batch size runs twice: once to compile every
+shape the run meets (reported as warm-up), then measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
 uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to exercise the prefix cache), and
 reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
 "ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size.
@@ -62,7 +62,7 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int, repetitive: boo
 def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
-    llm.generate(prompt_token_ids=prompts, sampling_params=params.replace(max_tokens=4))  # compile
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # the same run once: every shape compiles
     llm.engine.reset_prefix_cache()  # the measured run computes its prompts, as the warm-up did
     llm.engine.reset_stats()
     warmup_s = time.perf_counter() - t0
