@@ -53,9 +53,17 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
-                 attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default"):
+                 attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default",
+                 quantization: str | None = None, tensor_parallel_size: int = 1):
         """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
-        ~/.cache/pagejax/xla; None leaves JAX's cache settings alone)."""
+        ~/.cache/pagejax/xla; None leaves JAX's cache settings alone).
+
+        `quantization`: None (weights in `dtype`), "int8" (per-channel int8 weights, W8A8 matmuls), "int4" (grouped
+        int4 layer linears, int8 LM head) or "gguf" (a .gguf model keeps its Q8_0/Q4_0/Q4_1 blocks); see
+        models/quantized.py.
+
+        `tensor_parallel_size`: shard the model over that many devices (GSPMD tensor parallelism; heads, vocab and
+        MLP width zero-padded to multiples of it; see docs/sharding.md). 1: one device, as before."""
         if compilation_cache_dir is not None:
             enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
         if dtype not in DTYPES:
@@ -64,8 +72,16 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
-        decoder = build_decoder(loaded.config, loaded.weights, dtype=DTYPES[dtype], attn_impl=attn_impl, seed=seed,
-                                source=loaded.source)
+        mesh = _tensor_parallel_mesh(tensor_parallel_size, quantization)
+        if mesh is not None:  # padded for the mesh and placed shard by shard (sharding/partition.py)
+            from sharding.partition import shard_decoder
+            decoder = shard_decoder(loaded.config, loaded.weights, mesh, dtype=DTYPES[dtype], attn_impl=attn_impl,
+                                    seed=seed, source=loaded.source)
+        else:
+            decoder = build_decoder(loaded.config, loaded.weights, dtype=DTYPES[dtype], attn_impl=attn_impl,
+                                    seed=seed, source=loaded.source, quantization=quantization,
+                                    gguf_weights=_gguf_weights(quantization, loaded))
+        self.quantization = quantization
         kv_dtype = DTYPES[kv_cache_dtype or dtype]
         bytes_per_token = loaded.config.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize)
         budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
@@ -74,7 +90,8 @@ class LLM:
             raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
                              f"({bytes_per_token} bytes per token); raise kv_cache_memory_bytes")
         context = min(max_model_len or loaded.config.max_position_embeddings, num_pages * page_size)
-        self.runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+        self.runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
+                                  config=loaded.config)
         self.engine = Engine(self.runner, self.tokenizer,
                              SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              policy=scheduling_policy),
@@ -204,6 +221,29 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+def _gguf_weights(quantization: str | None, loaded) -> dict | None:
+    """The GGUF file's quantized tensors for quantization="gguf" (the model must come from a .gguf file)."""
+    if quantization != "gguf":
+        return None
+    if not str(loaded.source).endswith(".gguf"):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but the model comes from {loaded.source}; "
+                         "use 'int8' or 'int4' to quantize it")
+    from models.quantized import load_gguf_quantized
+    return load_gguf_quantized(loaded.source, loaded.config)
+
+
+def _tensor_parallel_mesh(size: int, quantization: str | None):
+    """The ("data", "model") mesh for tensor parallelism over `size` devices; None for one device."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return None
+    if quantization is not None:
+        raise ValueError("tensor_parallel_size > 1 with quantization is not supported yet")
+    from sharding.mesh import make_mesh
+    return make_mesh(model=size)
 
 
 def _proposer(method: str | None, k: int) -> NgramProposer | None:

@@ -38,24 +38,51 @@ class StepOutput:
     num_accepted: np.ndarray | None = None  # i32[S]
 
 
-def _step(graphdef, treedef, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors, *,
-          use_filters: bool, logprobs: bool, prompt_logprobs: bool):
+def _step(graphdef, treedef, layout: _Layout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
+          *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
+    if layout.kv_sharding is not None:  # the donated caches keep their sharding, so they are updated in place
+        kv_caches = [jax.lax.with_sharding_constraint(c, layout.kv_sharding) for c in kv_caches]
+    logits_of = functools.partial(_logits, model, layout)
     if inp.spec is not None:
-        sampled = _verify(model, hidden, inp.spec, sampling, use_filters=use_filters, logprobs=logprobs)
+        sampled = _verify(logits_of, hidden, inp.spec, sampling, use_filters=use_filters, logprobs=logprobs)
     else:
-        logits = model.logits(hidden[inp.logits_indices])
+        logits = logits_of(hidden[inp.logits_indices])
         # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
         sampled = sample_with_logprobs(logits, sampling, use_filters=use_filters,
                                        num_top=MAX_LOGPROBS if logprobs else 0)
     prompt = None
     if prompt_logprobs:
-        prompt = compute_logprobs(model.logits(hidden), jnp.maximum(inp.target_ids, 0), MAX_LOGPROBS)
+        prompt = compute_logprobs(logits_of(hidden), jnp.maximum(inp.target_ids, 0), MAX_LOGPROBS)
     return sampled, prompt, kv_caches
 
 
-def _verify(model, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_filters: bool, logprobs: bool):
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static facts of a tensor-parallel model for the step: the real vocabulary (logits past it are padding) and
+    the shardings of the KV cache and of the logits sampling reads (replicated). All None: one device."""
+
+    vocab_size: int | None = None
+    kv_sharding: jax.sharding.NamedSharding | None = None
+    logits_sharding: jax.sharding.NamedSharding | None = None
+    vocab_axis: str | None = None  # the mesh axis the LM head's vocab dimension is split over
+
+
+def _logits(model, layout: _Layout, hidden):
+    logits = model.logits(hidden)
+    if layout.vocab_axis is not None:
+        # Pin the LM-head output vocab-parallel first, so XLA gathers the [T, V] logits and not the [D, V] weight.
+        spec = jax.sharding.PartitionSpec(*(None,) * (logits.ndim - 1), layout.vocab_axis)
+        logits = jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(layout.logits_sharding.mesh, spec))
+    if layout.vocab_size is not None and logits.shape[-1] != layout.vocab_size:
+        logits = logits[..., :layout.vocab_size]
+    if layout.logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, layout.logits_sharding)
+    return logits
+
+
+def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_filters: bool, logprobs: bool):
     """Speculative verification: (SamplerOutput for position 0, emitted i32[S, k+1], num_accepted i32[S]).
 
     Drafts are deterministic proposals (n-gram), so the draft distribution is one-hot. Rows with no drafts emit one
@@ -64,7 +91,7 @@ def _verify(model, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_fi
     speculates than when it does not. Logprobs (only requested by rows that
     do not speculate) come from position 0.
     """
-    logits = model.logits(hidden[spec.logits_indices])  # [S, k+1, V]
+    logits = logits_of(hidden[spec.logits_indices])  # [S, k+1, V]
     probs = probs_from_logits(logits, sampling, use_filters)
     emitted, accepted = rejection_sample(probs, None, spec.draft_tokens, sampling.keys(),
                                          greedy=sampling.temperature < SAMPLING_EPS, num_draft=spec.num_draft)
@@ -84,27 +111,49 @@ def _verify(model, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_fi
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32):
-        config = model.config
-        self.config = config
+    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
+                 mesh: jax.sharding.Mesh | None = None, config=None):
+        """`mesh`: tensor parallelism over its "model" axis (sharding/): parameters and KV caches get NamedShardings
+        and XLA inserts the collectives. `config`: the model's real config when `model` was padded for the mesh
+        (sharding.shard_decoder); `self.config` is that one, the KV cache follows the padded `model.config`."""
+        padded = model.config
+        self.config = config = config or padded
         self.page_size = page_size
         self.num_pages = num_pages
+        self.mesh = mesh
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
-        shape = (num_pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-        self.kv_caches = [jnp.zeros(shape, kv_dtype) for _ in range(config.num_layers)]
+        shape = (num_pages, page_size, 2 * padded.num_kv_heads, padded.head_dim)
+        layout = _Layout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
+        self.param_shardings = None
+        if mesh is None:
+            self.kv_caches = [jnp.zeros(shape, kv_dtype) for _ in range(padded.num_layers)]
+        else:
+            from sharding.partition import kv_cache_sharding, param_shardings, replicated
+            self.param_shardings = param_shardings(params, mesh)
+            self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
+            kv_sharding = kv_cache_sharding(mesh, padded.num_kv_heads)
+            zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)  # created in shards
+            self.kv_caches = [zeros() for _ in range(padded.num_layers)]
+            vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
+            layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
+                                         vocab_axis=vocab_axis)
         static = ("use_filters", "logprobs", "prompt_logprobs")
         # Two partials, so each entry point keeps its own compilation cache (and count).
-        step = (_step, self.graphdef, self.param_treedef)
+        step = (_step, self.graphdef, self.param_treedef, layout)
         self.prefill_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
         self.decode_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
-        self._copy_pages = jax.jit(lambda caches, src, dst: [copy_pages(c, src, dst) for c in caches],
-                                   donate_argnums=(0,))
+        kv_sharding = layout.kv_sharding
+        self._copy_pages = jax.jit(
+            lambda caches, src, dst: [copy_pages(c, src, dst) if kv_sharding is None else
+                                      jax.lax.with_sharding_constraint(copy_pages(c, src, dst), kv_sharding)
+                                      for c in caches], donate_argnums=(0,))
 
     @property
     def kv_cache_bytes(self) -> int:
+        """Bytes of the whole KV cache, summed over devices."""
         return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
 
     def num_compilations(self) -> dict[str, int]:
@@ -164,4 +213,7 @@ class ModelRunner:
             if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
                                  f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
-        self.param_leaves = [jnp.asarray(x) for x in leaves]
+        if self.param_shardings is None:
+            self.param_leaves = [jnp.asarray(x) for x in leaves]
+        else:
+            self.param_leaves = [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]

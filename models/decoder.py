@@ -16,6 +16,8 @@ from flax import nnx
 from models.attention import Attention, AttentionMetadata
 from models.config import ModelConfig
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
+from models.quantized import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
+                              quantize_linear)
 from models.weights import check_weights
 
 
@@ -117,14 +119,65 @@ def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "
     """Copy canonical weights into the model in place, cast to each parameter's dtype."""
     check_weights(model.config, weights, source)
     for name, param in weight_targets(model).items():
+        if is_quantized(param.get_value()):
+            raise ValueError(f"load_weights: {name} is quantized; load float weights before quantize_decoder")
         param.set_value(jnp.asarray(weights[name], dtype=param.get_value().dtype))
 
 
+def linear_weight_names(model: Decoder) -> list[str]:
+    """Canonical names of the layer projections (q/k/v/o, gate/up/down) and the untied LM head."""
+    suffixes = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [n for n in weight_targets(model) if n == "lm_head" or n.rsplit(".", 1)[-1] in suffixes]
+
+
+def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = None,
+                     group_size: int | None = None) -> Decoder:
+    """Replace the model's linear weights (and embedding) by QuantizedWeights in place; returns the model.
+
+    mode "int8": per-channel int8 everywhere (W8A8 matmuls); "int4": the layer projections grouped asymmetric int4
+    (`group_size`, default 32 if it divides every input dimension, else 64) with the LM head and embedding per-channel
+    int8; "gguf": the QuantizedWeights in `gguf_weights` (`models.quantized.load_gguf_quantized`), float elsewhere.
+    See models/quantized.py. Norms and biases stay float.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+    targets = weight_targets(model)
+    linears = linear_weight_names(model)
+    if mode == "gguf":
+        if gguf_weights is None:
+            raise ValueError("quantization='gguf' needs the GGUF file's quantized tensors (gguf_weights)")
+        for name, qw in gguf_weights.items():
+            want = targets[name].get_value().shape
+            want = want[::-1] if name == "embed" else want
+            if tuple(qw.shape) != tuple(want):
+                raise ValueError(f"GGUF tensor {name} is {qw.shape}, the model expects {want}")
+            targets[name].set_value(qw)
+        return model
+    layer_linears = [n for n in linears if n != "lm_head"]
+    if mode == "int4" and group_size is None:
+        group_size = int4_group_size([targets[n].get_value().shape[0] for n in layer_linears])
+    for name in linears:
+        param = targets[name]
+        w = param.get_value()
+        if is_quantized(w):
+            raise ValueError(f"quantize_decoder: {name} is already quantized")
+        param.set_value(quantize_linear(w, "int8" if name == "lm_head" else mode,
+                                        None if name == "lm_head" or mode == "int8" else group_size))
+    if not is_quantized(targets["embed"].get_value()):
+        targets["embed"].set_value(quantize_embedding(targets["embed"].get_value()))
+    return model
+
+
 def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = None, *, dtype=jnp.float32,
-                  attn_impl: str = "auto", seed: int = 0, source: str = "checkpoint") -> Decoder:
-    """A decoder with random weights, or with `weights` when given (random init is then skipped)."""
+                  attn_impl: str = "auto", seed: int = 0, source: str = "checkpoint",
+                  quantization: str | None = None, gguf_weights: dict | None = None) -> Decoder:
+    """A decoder with random weights, or with `weights` when given (random init is then skipped); `quantization`
+    ("int8", "int4", "gguf"; see `quantize_decoder`) quantizes it after loading."""
     if weights is None:
-        return Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
-    load_weights(model, weights, source)
+        model = Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
+    else:
+        model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
+        load_weights(model, weights, source)
+    if quantization is not None:
+        quantize_decoder(model, quantization, gguf_weights=gguf_weights)
     return model

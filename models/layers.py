@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
+from models.quantized import embedding_lookup, is_quantized, quantized_matmul
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -22,15 +23,18 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) ->
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias)."""
+    """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantized.py); its matmul is
+    then `matmul_method`, or the one `models.quantized.pick_method` chooses when that is None."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.matmul_method: str | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        kernel = self.kernel.get_value()
+        y = quantized_matmul(x, kernel, self.matmul_method) if is_quantized(kernel) else x @ kernel
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -51,22 +55,32 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding; `attend` reuses it as the LM head when embeddings are tied."""
+    """Token embedding; `attend` reuses it as the LM head when embeddings are tied.
+
+    `embedding` is a float [vocab, dim] Param, or holds a `QuantizedWeight` of the transposed [dim, vocab] (LM-head)
+    layout: lookups then dequantize only the selected columns, `attend` runs the quantized matmul."""
 
     def __init__(self, vocab_size: int, dim: int, *, scale: float | None = None, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.embedding = nnx.Param(_normal(rngs, (vocab_size, dim), dtype))
         self.scale = scale
+        self.dtype = dtype
+        self.matmul_method: str | None = None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], tokens, axis=0)
+        table = self.embedding.get_value()
+        if is_quantized(table):
+            x = embedding_lookup(table, tokens, self.dtype)
+        else:
+            x = jnp.take(table, tokens, axis=0)
         if self.scale is None:
             return x
         # Gemma multiplies by the scale cast to the embedding dtype (sqrt(3072) becomes 55.5 in bf16), as HF does.
         return x * jnp.asarray(self.scale, dtype=x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return x @ self.embedding[...].T
+        table = self.embedding.get_value()
+        return quantized_matmul(x, table, self.matmul_method) if is_quantized(table) else x @ table.T
 
 
 class GatedMLP(nnx.Module):
