@@ -1,8 +1,11 @@
 """Choose an attention implementation by name or by backend.
 
-`impl="auto"` picks the kernel for the default backend: the Pallas Mosaic kernel on TPU, the pure-JAX reference on
-CPU (and any backend without a kernel yet). `impl="tpu"` forces the Mosaic kernel; off TPU it only runs with
-`interpret=pltpu.InterpretParams()` (or `interpret=True`). Every implementation shares the reference's signature.
+`impl="auto"` picks the kernel for the default backend: the Pallas Mosaic kernel on TPU, the Pallas Triton kernel
+on GPU (unless page_size or head_dim is not a power of two, which Triton cannot tile), the pure-JAX reference on
+CPU (and any other backend). `impl="tpu"` / `impl="gpu"` force a kernel; off its
+hardware it only runs in interpret mode (`interpret=pltpu.InterpretParams()` for TPU, `interpret=True` for GPU).
+Every implementation shares the reference's signature, including `kv_scales` for an int8 cache (see
+`kv_cache.py`).
 """
 
 from __future__ import annotations
@@ -11,25 +14,40 @@ import jax
 
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("auto", "reference", "tpu")
+IMPLEMENTATIONS = ("auto", "reference", "tpu", "gpu")
+
+
+def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
+    """'auto' -> the implementation for the default backend (the reference where the GPU kernel cannot tile the
+    shapes: page_size or head_dim not a power of two); other names are checked and returned."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend == "gpu":
+        from kernels_pallas.ragged_paged_attention_gpu import tiles_ok
+
+        return "gpu" if tiles_ok(page_size, head_dim) else "reference"
+    return "tpu" if backend == "tpu" else "reference"
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float = 1.0,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            k_scale: float | None = None, v_scale: float | None = None, impl: str = "auto",
-                           interpret=False, max_q_len: int | None = None) -> jax.Array:
+                           interpret=False, max_q_len: int | None = None,
+                           kv_scales: jax.Array | None = None) -> jax.Array:
     """See `ragged_paged_attention_reference` for the contract. `interpret` goes to the Pallas kernels only."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
-    if impl == "auto":
-        impl = "tpu" if jax.default_backend() == "tpu" else "reference"
+    impl = resolve_impl(impl, kv_pages.shape[1], q.shape[-1])
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+              v_scale=v_scale, max_q_len=max_q_len, kv_scales=kv_scales)
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "tpu":
         from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
-        return ragged_paged_attention_tpu(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len,
-            interpret=interpret)
-    return ragged_paged_attention_reference(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len)
+        return ragged_paged_attention_tpu(*args, interpret=interpret, **kw)
+    if impl == "gpu":
+        from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(*args, interpret=interpret, **kw)
+    return ragged_paged_attention_reference(*args, **kw)

@@ -13,10 +13,85 @@ bound on the longest query run pass `max_q_len` (1 for decode) to keep decode ch
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_cache import check_kv_scales
+
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Array | None,
+                           sliding_window: int | None) -> tuple[int, int]:
+    """The contract's shape checks, shared by every impl; returns (num_kv_heads, query heads per KV head)."""
+    num_q_heads, head_dim = q.shape[1:]
+    if kv_pages.ndim != 4 or kv_pages.shape[3] != head_dim or kv_pages.shape[2] % 2:
+        raise ValueError(f"kv_pages shape {kv_pages.shape} does not match q shape {q.shape}: expected "
+                         "[num_pages, page_size, 2 * num_kv_heads, head_dim]")
+    check_kv_scales(kv_pages, kv_scales)
+    num_kv_heads = kv_pages.shape[2] // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return num_kv_heads, num_q_heads // num_kv_heads
+
+
+class QueryBlocks(NamedTuple):
+    """Where each sequence's queries sit: row r of sequence s is packed token `gather_index[s, r]` (T for padding
+    rows, which read a zero row and are never written back) at cache position `q_pos[s, r]`."""
+
+    gather_index: jax.Array  # i32[S, Qb]
+    row_valid: jax.Array  # bool[S, Qb]
+    q_pos: jax.Array  # i32[S, Qb]
+
+
+def query_blocks(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int,
+                 q_block: int) -> QueryBlocks:
+    """Cut packed ragged queries into a `[S, q_block]` block per sequence (q_block bounds every query length)."""
+    max_seqs = kv_lens.shape[0]
+    q_starts = cu_q_lens[:-1]
+    q_lens = cu_q_lens[1:] - q_starts
+    q_offsets = jnp.arange(q_block, dtype=jnp.int32)
+    token_index = q_starts[:, None] + q_offsets[None, :]  # [S, Qb]
+    seq_valid = jnp.arange(max_seqs) < num_seqs[0]
+    row_valid = seq_valid[:, None] & (q_offsets[None, :] < q_lens[:, None])
+    gather_index = jnp.where(row_valid, token_index, num_tokens)
+    q_pos = (kv_lens - q_lens)[:, None] + q_offsets[None, :]
+    return QueryBlocks(gather_index, row_valid, q_pos)
+
+
+def gather_queries(x: jax.Array, blocks: QueryBlocks) -> jax.Array:
+    """[T, ...] packed rows -> [S, Qb, ...] float32 (padding rows are zeros)."""
+    padded = jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)], axis=0)
+    return padded[blocks.gather_index].astype(jnp.float32)
+
+
+def visible_keys(blocks: QueryBlocks, kv_lens: jax.Array, kv_len_max: int,
+                 sliding_window: int | None) -> jax.Array:
+    """bool[S, Qb, L]: causal (key position <= query position), inside kv_len, inside the sliding window."""
+    k_pos = jnp.arange(kv_len_max, dtype=jnp.int32)
+    q_pos = blocks.q_pos[:, :, None]
+    visible = (k_pos[None, None, :] <= q_pos) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= k_pos[None, None, :] > q_pos - sliding_window
+    return visible
+
+
+def masked_softmax(scores: jax.Array, visible: jax.Array, soft_cap: float | None, mask_value: float) -> jax.Array:
+    """Soft cap (Gemma 2), then mask, then softmax over the last (key) axis."""
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    return jax.nn.softmax(jnp.where(visible, scores, mask_value), axis=-1)
+
+
+def scatter_queries(out: jax.Array, blocks: QueryBlocks, num_tokens: int) -> jax.Array:
+    """[S, Qb, ...] -> packed [T, ...] float32; rows of no valid sequence are zeros."""
+    out = jnp.where(blocks.row_valid.reshape(*blocks.row_valid.shape, *(1,) * (out.ndim - 2)), out, 0.0)
+    packed = jnp.zeros((num_tokens + 1, *out.shape[2:]), jnp.float32)
+    return packed.at[blocks.gather_index].add(out)[:num_tokens]
 
 
 def ragged_paged_attention_reference(
@@ -34,21 +109,18 @@ def ragged_paged_attention_reference(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
+    kv_scales: jax.Array | None = None,  # f32[num_pages, page_size, 2 * Hkv] for an int8 cache
 ) -> jax.Array:
     """Attention of packed ragged queries over paged KV. Returns `[T, Hq, D]` in q's dtype.
 
     Rows of q that belong to no valid sequence (padding, or sequences at index >= num_seqs) come back as zeros.
     `max_q_len` is a static upper bound on any valid sequence's query length (default: T).
+    `kv_scales` (int8 cache, see `kv_cache.py`): per-token-per-head scales in the pages' slot layout; K/V are
+    dequantized as `int8 * scale` (and then by the static `k_scale`/`v_scale` if given).
     """
+    num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_kv_heads, kv_head_dim = kv_pages.shape
-    if kv_head_dim != head_dim or num_combined_kv_heads % 2:
-        raise ValueError(f"kv_pages shape {kv_pages.shape} does not match q shape {q.shape}: expected "
-                         "[num_pages, page_size, 2 * num_kv_heads, head_dim]")
-    num_kv_heads = num_combined_kv_heads // 2
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    group = num_q_heads // num_kv_heads
+    _, page_size, num_combined_kv_heads, _ = kv_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
     q_block = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
     kv_len_max = pages_per_seq * page_size
@@ -57,33 +129,19 @@ def ragged_paged_attention_reference(
     kv = kv_pages[page_indices].reshape(max_seqs, kv_len_max, num_combined_kv_heads, head_dim)
     k = kv[:, :, 0::2].astype(jnp.float32)
     v = kv[:, :, 1::2].astype(jnp.float32)
+    if kv_scales is not None:
+        scales = kv_scales[page_indices].reshape(max_seqs, kv_len_max, num_combined_kv_heads, 1)
+        k = k * scales[:, :, 0::2]
+        v = v * scales[:, :, 1::2]
     if k_scale is not None:
         k = k * k_scale
     if v_scale is not None:
         v = v * v_scale
 
-    q_starts = cu_q_lens[:-1]
-    q_lens = cu_q_lens[1:] - q_starts
-    q_offsets = jnp.arange(q_block, dtype=jnp.int32)
-    token_index = q_starts[:, None] + q_offsets[None, :]  # [S, Qb]
-    seq_valid = jnp.arange(max_seqs) < num_seqs[0]
-    row_valid = seq_valid[:, None] & (q_offsets[None, :] < q_lens[:, None])  # [S, Qb]
-    gather_index = jnp.where(row_valid, token_index, num_tokens)
-    q_padded = jnp.concatenate([q, jnp.zeros((1, num_q_heads, head_dim), q.dtype)], axis=0)
-    qs = q_padded[gather_index].astype(jnp.float32).reshape(max_seqs, q_block, num_kv_heads, group, head_dim)
-
+    blocks = query_blocks(kv_lens, cu_q_lens, num_seqs, num_tokens, q_block)
+    qs = gather_queries(q, blocks).reshape(max_seqs, q_block, num_kv_heads, group, head_dim)
     scores = jnp.einsum("sqhgd,slhd->shgql", qs, k) * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    q_pos = (kv_lens - q_lens)[:, None] + q_offsets[None, :]  # [S, Qb]
-    k_pos = jnp.arange(kv_len_max, dtype=jnp.int32)
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
-    if sliding_window is not None:
-        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, mask_value)
-    probs = jax.nn.softmax(scores, axis=-1)
+    visible = visible_keys(blocks, kv_lens, kv_len_max, sliding_window)
+    probs = masked_softmax(scores, visible[:, None, None], soft_cap, mask_value)
     out = jnp.einsum("shgql,slhd->sqhgd", probs, v).reshape(max_seqs, q_block, num_q_heads, head_dim)
-    out = jnp.where(row_valid[:, :, None, None], out, 0.0)
-    packed = jnp.zeros((num_tokens + 1, num_q_heads, head_dim), jnp.float32)
-    packed = packed.at[gather_index].add(out)
-    return packed[:num_tokens].astype(q.dtype)
+    return scatter_queries(out, blocks, num_tokens).astype(q.dtype)

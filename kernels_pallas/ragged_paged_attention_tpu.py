@@ -58,6 +58,11 @@ the garbage it accumulates is wiped by `alpha = exp(mask - m_new) = 0` as soon a
 (`preferred_element_type`); for bf16 inputs the probabilities are cast to the V dtype for the second matmul (the
 MXU's native bf16 path), which costs ~3 significant digits and is why bf16 is tested at ~2e-2.
 
+int8 KV cache (`kv_scales`, see `kv_cache.py`): each page's `[page_size, 2]` (K scale, V scale) columns of this KV
+head are DMA'd with its K/V rows into a third double buffer on the same semaphore, and K/V are dequantized in VMEM
+as `int8 * scale` in f32 (the scale is a per-row column broadcast along lanes, which Mosaic does natively) before
+the matmuls. HBM traffic per token and head is D int8 values + 4 bytes of scale each for K and V.
+
 Known costs of this design (deliberate simplicity, not correctness issues): KV for the next grid point is not
 prefetched across grid points, so every grid point pays one exposed DMA latency; per-(page, head) DMAs move
 `page_size` rows of `head_dim` elements each (short bursts; a head-major page layout would make them contiguous);
@@ -74,7 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.ragged_paged_attention_ref import DEFAULT_MASK_VALUE
+from kernels_pallas.ragged_paged_attention_ref import DEFAULT_MASK_VALUE, check_attention_inputs
 
 
 def _div(a, b):
@@ -91,16 +96,17 @@ def _cdiv(a, b):
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
-    # inputs (HBM)
-    q_hbm, kv_hbm, out_init_hbm,
-    # output (HBM, aliased to out_init_hbm)
-    out_hbm,
-    # scratch
-    q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sems,
-    *, block_q, group, page_size, pages_per_block, pages_per_seq, num_tokens, sm_scale, sliding_window, soft_cap,
-    mask_value, k_scale, v_scale,
+    # inputs (HBM): q_hbm, kv_hbm, [scales_hbm,] out_init_hbm; output (HBM, aliased to out_init_hbm): out_hbm;
+    # scratch: q_vmem, o_vmem, k_vmem, v_vmem, [s_vmem,] kv_sems, io_sems  ([...] only for an int8 cache)
+    *refs,
+    block_q, group, page_size, pages_per_block, pages_per_seq, num_tokens, sm_scale, sliding_window, soft_cap,
+    mask_value, k_scale, v_scale, quantized,
 ):
-    del out_init_hbm  # Same buffer as out_hbm.
+    if quantized:
+        q_hbm, kv_hbm, scales_hbm, _, out_hbm, q_vmem, o_vmem, k_vmem, v_vmem, s_vmem, kv_sems, io_sems = refs
+    else:
+        q_hbm, kv_hbm, _, out_hbm, q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sems = refs
+        scales_hbm = s_vmem = None
     h = pl.program_id(0)
     s = pl.program_id(1)
     qb = pl.program_id(2)
@@ -141,32 +147,35 @@ def _kernel(
         seq_pages = jnp.minimum(_cdiv(kv_len, page_size), pages_per_seq)
 
         def kv_copies(b, slot):
-            """(condition, K copy, V copy) for each page of KV block b into buffer slot `slot`."""
+            """(condition, copies) for each page of KV block b into buffer slot `slot`: its K head slot, its V
+            head slot and, for an int8 cache, the page's [page_size, 2] (K scale, V scale) columns."""
             out = []
             for j in range(pages_per_block):
                 page_no = b * pages_per_block + j
                 page = page_indices_ref[s * pages_per_seq + jnp.minimum(page_no, pages_per_seq - 1)]
                 dst = pl.ds(j * page_size, page_size)
-                out.append((page_no < seq_pages,
-                            pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h], k_vmem.at[slot, dst],
-                                                  kv_sems.at[slot]),
-                            pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1], v_vmem.at[slot, dst],
-                                                  kv_sems.at[slot])))
+                copies = [pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h], k_vmem.at[slot, dst], kv_sems.at[slot]),
+                          pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1], v_vmem.at[slot, dst],
+                                                kv_sems.at[slot])]
+                if quantized:
+                    copies.append(pltpu.make_async_copy(scales_hbm.at[page, :, pl.ds(2 * h, 2)],
+                                                        s_vmem.at[slot, dst], kv_sems.at[slot]))
+                out.append((page_no < seq_pages, copies))
             return out
 
         def start_kv(b, slot):
-            for cond, k_cp, v_cp in kv_copies(b, slot):
+            for cond, copies in kv_copies(b, slot):
                 @pl.when(cond)
                 def _():
-                    k_cp.start()
-                    v_cp.start()
+                    for cp in copies:
+                        cp.start()
 
         def wait_kv(b, slot):
-            for cond, k_cp, v_cp in kv_copies(b, slot):
+            for cond, copies in kv_copies(b, slot):
                 @pl.when(cond)
                 def _():
-                    k_cp.wait()
-                    v_cp.wait()
+                    for cp in copies:
+                        cp.wait()
 
         for g in range(group):
             q_copy(g).start()
@@ -186,7 +195,7 @@ def _kernel(
         q_pos = kv_len - q_len + q_idx  # [rows, 1]
 
         q = q_vmem[...]
-        compute_dtype = q.dtype if kv_hbm.dtype == q.dtype else jnp.float32
+        compute_dtype = q.dtype if kv_hbm.dtype == q.dtype and not quantized else jnp.float32
         q = q.astype(compute_dtype)
 
         def body(b, carry):
@@ -200,6 +209,10 @@ def _kernel(
             wait_kv(b, slot)
             k = k_vmem[slot].astype(compute_dtype)  # [block_kv, D]
             v = v_vmem[slot]
+            if quantized:  # per-token scales broadcast along D (lanes): dequantize in f32 before the matmuls
+                kv_sc = s_vmem[slot]  # [block_kv, 2]
+                k = k * kv_sc[:, 0:1]
+                v = v.astype(jnp.float32) * kv_sc[:, 1:2]
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             scale = sm_scale if k_scale is None else sm_scale * k_scale
             scores = scores * scale
@@ -257,25 +270,21 @@ def ragged_paged_attention_tpu(
     interpret=False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`; returns `[T, Hq, D]` in q's dtype.
 
     `max_q_len` (static) bounds any valid sequence's query length and sets the number of query blocks per
     sequence (default: T). `interpret` is passed to `pl.pallas_call` (e.g. `pltpu.InterpretParams()` on CPU).
     `block_q` (query tokens per block, default 8 for 4-byte and 16 for narrower q) and `pages_per_block` (pages per
-    KV block, default: enough for ~128 tokens, at most pages_per_seq) are tuning knobs.
+    KV block, default: enough for ~128 tokens, at most pages_per_seq) are tuning knobs. `kv_scales` (int8 cache,
+    `[num_pages, page_size, 2 * Hkv]` f32): each page's two scale columns of this KV head are DMA'd beside its K/V
+    rows and K/V are dequantized in VMEM (f32) before the matmuls.
     """
+    num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_kv_heads, kv_head_dim = kv_pages.shape
-    if kv_head_dim != head_dim or num_combined_kv_heads % 2:
-        raise ValueError(f"kv_pages shape {kv_pages.shape} does not match q shape {q.shape}: expected "
-                         "[num_pages, page_size, 2 * num_kv_heads, head_dim]")
-    num_kv_heads = num_combined_kv_heads // 2
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    group = num_q_heads // num_kv_heads
+    page_size = kv_pages.shape[1]
+    quantized = kv_scales is not None
     max_seqs, pages_per_seq = page_indices.shape
     if block_q is None:
         block_q = 8 if jnp.dtype(q.dtype).itemsize >= 4 else 16
@@ -294,31 +303,33 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq, num_tokens=padded_tokens, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale)
+        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, quantized=quantized)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_kv_heads, max_seqs, num_q_blocks),
-        in_specs=[any_spec, any_spec, any_spec],
+        in_specs=[any_spec] * (4 if quantized else 3),
         out_specs=any_spec,
         scratch_shapes=[
             pltpu.VMEM((group * block_q, head_dim), q.dtype),  # q rows, head-major
             pltpu.VMEM((group * block_q, head_dim), q.dtype),  # output window (read-modify-write)
             pltpu.VMEM((2, block_kv, head_dim), kv_pages.dtype),  # K double buffer
             pltpu.VMEM((2, block_kv, head_dim), kv_pages.dtype),  # V double buffer
+            *([pltpu.VMEM((2, block_kv, 2), jnp.float32)] if quantized else []),  # (K, V) scales double buffer
             pltpu.SemaphoreType.DMA((2,)),  # one per KV buffer slot
             pltpu.SemaphoreType.DMA((3,)),  # q read, out read, out write
         ],
     )
+    scales_in = (kv_scales.astype(jnp.float32),) if quantized else ()
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), q.dtype),
-        # Operand indices count the scalar-prefetch operands: 4 prefetch + q, kv_pages, out_init.
-        input_output_aliases={6: 0},
+        # Operand indices count the scalar-prefetch operands: 4 prefetch + q, kv_pages, [kv_scales,] out_init.
+        input_output_aliases={7 if quantized else 6: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu_q_lens.astype(jnp.int32),
-      num_seqs.astype(jnp.int32), q, kv_pages, out_init)
+      num_seqs.astype(jnp.int32), q, kv_pages, *scales_in, out_init)
     return out[:num_tokens]

@@ -71,7 +71,8 @@ def test_reference_matches_naive_loop(case, heads, page_size):
     pages_per_seq = -(-max(kv_lens) // page_size)
     args = make_case(rng, q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
                      page_size=page_size, pages_per_seq=pages_per_seq, num_pages=pages_per_seq * len(q_lens) + 2)
-    got = ragged_paged_attention_reference(*map(jnp.asarray, args), sm_scale=0.2, max_q_len=max(q_lens))
+    fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=0.2, max_q_len=max(q_lens)))
+    got = fn(*map(jnp.asarray, args))  # jitted: one compile per shape, not one per eager op
     np.testing.assert_allclose(np.asarray(got), naive(*args, sm_scale=0.2), atol=2e-5, rtol=1e-5)
 
 
@@ -135,3 +136,60 @@ def test_write_kv_places_tokens_and_skips_padding():
     written = np.zeros(out.shape[:2], bool)
     written[3, 1] = written[0, 2] = True
     assert np.all(out[~written] == 0), "padding token or untouched slot was written"
+
+
+def test_int8_write_kv_quantizes_per_token_per_head_and_reference_dequantizes():
+    """write_kv with kv_scales stores round(x / scale) with scale = max|x| / 127 per (token, KV head), zero rows stay
+    exact; the reference on the int8 cache equals the reference on the dequantized f32 cache."""
+    from kernels_pallas.kv_cache import quantize_int8
+
+    rng = np.random.default_rng(5)
+    num_pages, page_size, hkv, d = 6, 4, 2, 16
+    k = rng.standard_normal((5, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((5, hkv, d)).astype(np.float32) * 3
+    k[1, 0] = 0.0  # an all-zero row: scale 0, no division by zero
+    slots = jnp.array([0, 5, -1, 9, 23], jnp.int32)
+    pages = jnp.zeros((num_pages, page_size, 2 * hkv, d), jnp.int8)
+    scales = jnp.zeros((num_pages, page_size, 2 * hkv), jnp.float32)
+    pages, scales = jax.jit(write_kv)(pages, k, v, slots, scales)
+    assert pages.dtype == jnp.int8 and scales.dtype == jnp.float32
+    flat_p = np.asarray(pages).reshape(-1, 2 * hkv, d)
+    flat_s = np.asarray(scales).reshape(-1, 2 * hkv)
+    for i, slot in enumerate([0, 5, -1, 9, 23]):
+        if slot < 0:
+            continue
+        for x, off in ((k[i], 0), (v[i], 1)):
+            np.testing.assert_allclose(flat_s[slot, off::2], np.abs(x).max(-1) / 127, rtol=1e-6)
+            deq = flat_p[slot, off::2].astype(np.float32) * flat_s[slot, off::2, None]
+            np.testing.assert_allclose(deq, x, atol=np.abs(x).max() / 254 + 1e-7)
+    assert np.all(flat_p[5, 0] == 0) and flat_s[5, 0] == 0
+    untouched = np.ones(len(flat_p), bool)
+    untouched[[0, 5, 9, 23]] = False
+    assert np.all(flat_p[untouched] == 0) and np.all(flat_s[untouched] == 0)
+
+    q, kv_f32, *rest = make_case(rng, [2, 1], [7, 12], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                                 pages_per_seq=3, num_pages=8)
+    kv_q, kv_s = quantize_int8(jnp.asarray(kv_f32))
+    deq = kv_q.astype(jnp.float32) * kv_s[..., None]
+    got = ragged_paged_attention(jnp.asarray(q), kv_q, *map(jnp.asarray, rest), sm_scale=0.3, kv_scales=kv_s,
+                                 k_scale=0.5, v_scale=2.0)
+    want = naive(q, np.asarray(deq) * np.array([0.5, 2.0] * 2)[None, None, :, None], *rest, sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="kv_scales shape"):
+        ragged_paged_attention(jnp.asarray(q), kv_q, *map(jnp.asarray, rest), kv_scales=kv_s[:, :, :2])
+    with pytest.raises(ValueError, match="int8"):
+        write_kv(jnp.zeros((2, 4, 4, 16)), jnp.asarray(k[:1]), jnp.asarray(v[:1]), slots[:1], scales[:2])
+
+
+def test_copy_pages_copies_scales_with_pages():
+    from kernels_pallas import copy_pages
+
+    pages = jnp.arange(4 * 2 * 2 * 3, dtype=jnp.int32).astype(jnp.int8).reshape(4, 2, 2, 3)
+    scales = jnp.arange(4 * 2 * 2, dtype=jnp.float32).reshape(4, 2, 2)
+    src, dst = jnp.array([1, 3], jnp.int32), jnp.array([2, 0], jnp.int32)
+    new_pages, new_scales = jax.jit(copy_pages)(pages, src, dst, scales)
+    np.testing.assert_array_equal(new_pages[2], pages[1])
+    np.testing.assert_array_equal(new_scales[2], scales[1])
+    np.testing.assert_array_equal(new_scales[0], scales[3])
+    np.testing.assert_array_equal(np.asarray(new_scales)[[1, 3]], np.asarray(scales)[[1, 3]])
+    np.testing.assert_array_equal(np.asarray(copy_pages(pages, src, dst)), np.asarray(new_pages))
