@@ -48,6 +48,21 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         embed_scale=8.0, qk_norm=True, sliding_window=6,
         layer_types=("sliding_attention", "sliding_attention", "full_attention"), query_pre_attn_scalar=16.0,
         family="gemma3_text"),
+    # DeepSeek-V2 in miniature: MLA with a query low rank, YaRN, interleaved RoPE, one dense layer then MoE layers
+    # with shared experts and group-limited routing.
+    "tiny-deepseek-v2": ModelConfig(
+        name="tiny-deepseek-v2", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+        num_kv_heads=1, head_dim=8, max_position_embeddings=1024, eos_token_ids=(0,), rms_norm_eps=1e-6,
+        rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.707,
+                                 mscale_all_dim=0.707),
+        rope_interleaved=True, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=2,
+        first_k_dense_replace=1, routed_scaling_factor=1.5, topk_method="group_limited_greedy", n_group=4,
+        topk_group=2, family="deepseek_v2"),
+    # Cross-layer attention: layers 0-1 and 2-3 each share one KV cache (half the cache of tiny-llama's shape).
+    "tiny-cla": ModelConfig(
+        name="tiny-cla", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), cla_factor=2),
     # Real-size configs, copied from each model's Hugging Face config.json. Used by the cost model and sharding
     # tests without materializing weights. Only models that ModelConfig expresses faithfully are listed.
     "llama-2-7b": ModelConfig(
@@ -76,6 +91,41 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=131072, attention_bias=True, bos_token_id=151643, eos_token_ids=(151643,),
         family="qwen2"),
+    # Qwen3-8B: QK-norm, no biases, untied head.
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,),
+        family="qwen3"),
+    # Gemma-2-9B: local (4096) and global layers alternate, starting local; soft caps 50 / 30; head_dim 256.
+    "gemma-2-9b": ModelConfig(
+        name="gemma-2-9b", vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42,
+        num_heads=16, num_kv_heads=8, head_dim=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, tie_word_embeddings=True, hidden_act="gelu_tanh", norm_style="gemma",
+        post_norms=True, embed_scale=3584 ** 0.5, sliding_window=4096,
+        layer_types=tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(42)),
+        attn_logit_softcap=50.0, final_logit_softcap=30.0, query_pre_attn_scalar=256.0, bos_token_id=2,
+        eos_token_ids=(1,), family="gemma2"),
+    # Gemma-3-12B (text): five local (1024) layers to one global; global RoPE 1e6 with linear scaling 8, local 1e4.
+    "gemma-3-12b": ModelConfig(
+        name="gemma-3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48,
+        num_heads=16, num_kv_heads=8, head_dim=256, rope_theta=1000000.0, rope_local_theta=10000.0,
+        rope_scaling=RopeScaling(kind="linear", factor=8.0), rms_norm_eps=1e-6, max_position_embeddings=131072,
+        tie_word_embeddings=True, hidden_act="gelu_tanh", norm_style="gemma", post_norms=True,
+        embed_scale=3840 ** 0.5, qk_norm=True, sliding_window=1024,
+        layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(48)),
+        query_pre_attn_scalar=256.0, bos_token_id=2, eos_token_ids=(1, 106), family="gemma3_text"),
+    # DeepSeek-V2-Lite: MLA (latent 512 + RoPE 64 cached per token and layer, no query low rank), 64 routed experts
+    # (6 per token) + 2 shared from layer 1 on, YaRN x40.
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+        num_heads=16, num_kv_heads=1, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=163840, bos_token_id=100000, eos_token_ids=(100001,),
+        rope_scaling=RopeScaling(kind="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+                                 mscale_all_dim=0.707),
+        rope_interleaved=True, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, num_shared_experts=2,
+        first_k_dense_replace=1, family="deepseek_v2"),
 }
 
 

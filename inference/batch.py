@@ -43,6 +43,7 @@ class SpecInput:
     logits_indices: jax.Array  # i32[S, k+1]: token rows of the last token and each draft (clipped to the chunk)
     draft_tokens: jax.Array  # i32[S, k]
     num_draft: jax.Array  # i32[S]: real drafts per sequence (0 = a plain decode)
+    draft_probs: jax.Array | None = None  # f32[S, k, V]: the distributions a draft model sampled from; None: one-hot
 
 
 @struct.dataclass
@@ -55,10 +56,14 @@ class ModelInput:
     spec: SpecInput | None = None  # draft tokens to verify (speculative steps only)
 
     @classmethod
-    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int) -> "ModelInput":
-        """An input of the given bucket shape that reads and writes nothing (num_seqs = 0): for warm-up."""
-        attn = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), kv_lens=np.zeros(num_seqs, np.int32),
-                                 page_indices=np.zeros((num_seqs, pages_per_seq), np.int32),
+    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int,
+              num_groups: int = 1) -> "ModelInput":
+        """An input of the given bucket shape that reads and writes nothing (num_seqs = 0): for warm-up.
+        `num_groups` > 1: stacked per-group slots and page tables, as `build_model_input` makes them."""
+        lead = () if num_groups == 1 else (num_groups,)
+        attn = AttentionMetadata(slot_mapping=np.full((*lead, num_tokens), -1, np.int32),
+                                 kv_lens=np.zeros(num_seqs, np.int32),
+                                 page_indices=np.zeros((*lead, num_seqs, pages_per_seq), np.int32),
                                  cu_q_lens=np.zeros(num_seqs + 1, np.int32), num_seqs=np.zeros(1, np.int32),
                                  max_q_len=max_q_len)
         return cls(tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32), attn=attn,
@@ -77,7 +82,9 @@ class BucketLimits:
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
                       num_spec: int = 0) -> tuple[ModelInput, int]:
     """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
-    `num_spec` (the static draft length) draft slots per sequence."""
+    `num_spec` (the static draft length) draft slots per sequence. With several KV cache groups
+    (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P]."""
+    num_groups = len(batch.seqs[0].block_tables)
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
     padded_seqs = bucket(num_seqs, maximum=limits.max_seqs)
@@ -95,10 +102,10 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
 
     tokens = np.zeros(padded_tokens, np.int32)
     positions = np.zeros(padded_tokens, np.int32)
-    slot_mapping = np.full(padded_tokens, -1, np.int32)
+    slot_mapping = np.full((num_groups, padded_tokens), -1, np.int32)
     target_ids = np.full(padded_tokens, -1, np.int32)
     kv_lens = np.zeros(padded_seqs, np.int32)
-    page_indices = np.zeros((padded_seqs, padded_pages), np.int32)
+    page_indices = np.zeros((num_groups, padded_seqs, padded_pages), np.int32)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     logits_indices = np.zeros(padded_seqs, np.int32)
 
@@ -106,19 +113,22 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = seq.num_computed_tokens
         pos = np.arange(start, start + count, dtype=np.int32)
-        pages = np.asarray(seq.pages, np.int32)
         source = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
         tokens[offset:offset + count] = source[start:start + count]
         positions[offset:offset + count] = pos
-        slot_mapping[offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
+        for g, table in enumerate(seq.block_tables):
+            pages = np.asarray(table, np.int32)
+            slot_mapping[g, offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
+            page_indices[g, i, :len(pages)] = pages
         nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
         target_ids[offset:offset + len(nxt)] = nxt
         kv_lens[i] = start + count
-        page_indices[i, :len(pages)] = pages
         offset += count
         cu_q_lens[i + 1] = offset
         logits_indices[i] = offset - 1
     cu_q_lens[num_seqs + 1:] = offset
+    if num_groups == 1:  # one group: the plain [T] and [S, P] layout every kernel and test knows
+        slot_mapping, page_indices = slot_mapping[0], page_indices[0]
 
     attn = AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
                              cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)

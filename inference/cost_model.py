@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from configs.chips import CHIP_PRESETS, ChipSpec, get_chip
 from configs.presets import MODEL_PRESETS
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig
+from models.hf_loader import config_from_hf
+from models.weights import expected_shapes
 
 GB = 1e9  # decimal gigabyte, as in the lecture's table
 
@@ -60,23 +62,38 @@ class ParamCount:
         return self.matrices + self.norms + self.biases
 
 
+_ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
+
+
 def param_count(config: ModelConfig) -> ParamCount:
-    """Count parameters of a dense decoder (SwiGLU MLP, GQA attention, RMSNorm) by kind."""
-    d, f, v, layers = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    return ParamCount(
-        embeddings=v * d * (1 if config.tie_word_embeddings else 2),
-        attention=layers * (2 * d * q + 2 * d * kv),  # q_proj + o_proj, k_proj + v_proj
-        mlp=layers * 3 * d * f,  # gate, up, down
-        norms=layers * 2 * d + d,  # attention and MLP norms per layer, plus the final norm
-        biases=layers * (q + 2 * kv) if config.attention_bias else 0,
-    )
+    """Count parameters by kind, from the weight layout the config implies (models/weights.py): so MLA's low-rank
+    projections, experts, CLA's missing K/V and Gemma's extra norms are counted exactly as loaded."""
+    counts = dict(embeddings=0, attention=0, mlp=0, norms=0, biases=0)
+    for name, shape in expected_shapes(config).items():
+        leaf = name.rsplit(".", 1)[-1]
+        kind = ("embeddings" if name in ("embed", "lm_head") else "biases" if leaf.endswith("_bias")
+                else "norms" if leaf.endswith("norm") else "attention" if leaf in _ATTENTION_LEAVES else "mlp")
+        counts[kind] += math.prod(shape)
+    return ParamCount(**counts)
 
 
 def weight_bytes(config: ModelConfig, bytes_per_element: float) -> float:
-    """Bytes of all weights at `bytes_per_element` (2 for bf16): what one decode step reads."""
+    """Bytes of all weights at `bytes_per_element` (2 for bf16): what one decode step of a dense model reads."""
     return param_count(config).total * bytes_per_element
+
+
+def weight_bytes_read(config: ModelConfig, batch: int, bytes_per_element: float) -> float:
+    """Weight bytes one decode step of `batch` sequences reads. Dense models read every weight. A mixture of experts
+    reads only the routed experts some token picked: under uniform routing E·(1 − (1 − k/E)^B) of the E per layer
+    (k at batch 1, nearly all once B ≫ E/k), so small batches of a sparse model cost far less than its size."""
+    total = weight_bytes(config, bytes_per_element)
+    if not config.num_experts:
+        return total
+    e, k = config.num_experts, config.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch)
+    moe_layers = sum(config.is_moe(i) for i in range(config.num_layers))
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * bytes_per_element
+    return total - moe_layers * (e - touched) * expert_bytes
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -85,44 +102,21 @@ def weight_bytes(config: ModelConfig, bytes_per_element: float) -> float:
 
 
 def _kv_elements_per_token(config: ModelConfig, layer: int) -> int:
-    """Cache elements one token adds to one layer.
-
-    Hook for multi-head latent attention: a config with `kv_lora_rank` and `qk_rope_head_dim` (DeepSeek-V2 naming)
-    caches one joint latent plus a decoupled RoPE key, e.g. 512 + 64 = 576, with no separate K and V. Otherwise,
-    ordinary (GQA/MQA/MHA) attention caches K and V: 2·K·H. `ModelConfig` has no MLA fields today, so only the GQA
-    branch runs; the layer argument is there for configs whose layers differ.
-    """
-    del layer  # every layer is alike until configs say otherwise
-    latent = getattr(config, "kv_lora_rank", None)
-    rope = getattr(config, "qk_rope_head_dim", None)
-    if latent and rope:
-        return latent + rope
-    return 2 * config.num_kv_heads * config.head_dim
+    """Cache elements one token adds to one layer: 2·K·H for ordinary attention, the latent plus the RoPE key for
+    MLA (512 + 64 = 576 for DeepSeek-V2), nothing for a CLA layer that reads an earlier layer's cache."""
+    return config.kv_width if config.owns_kv(layer) else 0
 
 
 def _cached_tokens(config: ModelConfig, layer: int, context: int) -> int:
-    """Tokens a layer keeps for a sequence of `context` tokens.
-
-    Hook for sliding-window attention: a config with `sliding_window` caps windowed layers at the window, while
-    layers marked global in `layer_types` (Hugging Face naming: "full_attention" / "sliding_attention") keep the
-    whole history. `ModelConfig` has no window today, so every layer keeps `context` tokens.
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return context
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[layer] != "sliding_attention":
-        return context
-    return min(context, window)
+    """Tokens a layer keeps for a sequence of `context` tokens: windowed layers keep at most their window."""
+    window = config.layer_window(layer)
+    return context if window is None else min(context, window)
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_element: float) -> float:
-    """KV cache bytes one token occupies across all layers (2·L·K·H·b for ordinary attention).
-
-    This is the single place later attention variants extend (through `_kv_elements_per_token`); it ignores
-    sliding windows, which bound tokens rather than bytes per token (see `kv_bytes_per_sequence`).
-    """
-    return sum(_kv_elements_per_token(config, i) for i in range(config.num_layers)) * bytes_per_element
+    """KV cache bytes one token occupies across all layers (2·L·K·H·b for ordinary attention); sliding windows
+    bound tokens rather than bytes per token (see `kv_bytes_per_sequence`)."""
+    return config.kv_bytes_per_token(bytes_per_element)
 
 
 def kv_bytes_per_sequence(config: ModelConfig, context: int, bytes_per_element: float) -> float:
@@ -284,6 +278,7 @@ def summarize(config: ModelConfig, context: int, bytes_per_element: float) -> Mo
 def estimate_decode_step(config: ModelConfig, batch: int, context: int, chip: ChipSpec,
                          bytes_per_element: float = 2) -> StepEstimate:
     """Bandwidth-only decode step: τ = (W + B·C)/β, with the linear-layer and attention intensities at this batch.
+    W is the weight bytes the step reads (`weight_bytes_read`: all of them unless experts are routed).
 
     The linear intensity is that of the MLP's [B, D] × [D, F] up projection, the largest matmul of a layer.
     """
@@ -294,7 +289,8 @@ def estimate_decode_step(config: ModelConfig, batch: int, context: int, chip: Ch
     attn = attention_intensity(context, 1, config.num_heads, config.num_kv_heads, bytes_per_element)
     return StepEstimate(
         kv_heads=config.num_kv_heads, batch=batch, context=context, weight_bytes=summary.weight_bytes, kv_bytes=kv,
-        step_s=(summary.weight_bytes + kv) / chip.bandwidth_bytes_per_s, linear_intensity=lin,
+        step_s=(weight_bytes_read(config, batch, bytes_per_element) + kv) / chip.bandwidth_bytes_per_s,
+        linear_intensity=lin,
         linear_intensity_approx=linear_intensity_approx(batch, bytes_per_element), linear_bound=bound(lin, chip),
         attention_intensity=attn, attention_bound=bound(attn, chip))
 
@@ -407,11 +403,6 @@ def plot_report(report: CostReport, path: str) -> None:
 # Inputs: model source, chip, integer lists
 # --------------------------------------------------------------------------------------------------------------
 
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_MLA_KEYS = ("kv_lora_rank",)
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
 def load_model_config(source: str) -> ModelConfig:
     """A preset name, a Hugging Face config.json, or a folder holding one."""
     if source in MODEL_PRESETS:
@@ -424,11 +415,8 @@ def load_model_config(source: str) -> ModelConfig:
 
 
 def config_from_hf_json(path: str) -> ModelConfig:
-    """Translate a Hugging Face config.json for a dense Llama-shaped decoder into a ModelConfig.
-
-    Refuses mixture-of-experts and MLA configs, whose cost this dense model would misstate, and warns when a
-    sliding window (which ModelConfig cannot hold yet) would make KV figures upper bounds.
-    """
+    """A Hugging Face config.json through the loader's own translation (models.hf_loader.config_from_hf): windows,
+    MLA and mixtures of experts come out as the model would load them."""
     with open(path, encoding="utf-8") as f:
         try:
             hf = json.load(f)
@@ -436,55 +424,7 @@ def config_from_hf_json(path: str) -> ModelConfig:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    unsupported = [k for k in _MOE_KEYS + _MLA_KEYS if hf.get(k)]
-    if unsupported:
-        raise ValueError(f"{path}: sets {', '.join(unsupported)} (mixture-of-experts or MLA), which ModelConfig "
-                         "cannot express yet; the dense cost model would misstate it")
-    try:
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported activation {act!r}")
-        config = ModelConfig(
-            name=os.path.basename(os.path.dirname(os.path.abspath(path))), vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden, intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads), rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(hf.get("rope_scaling")), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
-            hidden_act=_ACTIVATIONS[act], bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_int_tuple(hf.get("eos_token_id")), family=str(hf.get("model_type", "llama")))
-    except KeyError as e:
-        raise ValueError(f"{path}: missing required field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
-    window = hf.get("sliding_window")
-    if window and hf.get("use_sliding_window", True) and window < config.max_position_embeddings:
-        warnings.warn(f"{path}: sliding_window={window} is ignored (ModelConfig has no window yet); KV figures for "
-                      f"contexts above {window} are upper bounds", stacklevel=2)
-    return config
-
-
-def _rope_scaling(hf: dict[str, Any] | None) -> RopeScaling | None:
-    if not hf:
-        return None
-    kind = hf.get("rope_type", hf.get("type"))
-    if kind in (None, "default"):
-        return None
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"kind"}
-    return RopeScaling(kind=kind, **{k: v for k, v in hf.items() if k in fields})
-
-
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    return config_from_hf(hf, path, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
 
 
 def resolve_chip(name: str, flops: float | None = None, bandwidth: float | None = None) -> ChipSpec:

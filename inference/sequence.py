@@ -32,7 +32,8 @@ class Sequence:
     priority: int = 0  # lower runs sooner (vLLM's convention)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    pages: list[int] = dataclasses.field(default_factory=list)
+    # One page table per KV cache group (inference/kv_cache_manager.py); a model without windows has one.
+    block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -41,6 +42,15 @@ class Sequence:
     output_text: str = ""
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
+
+    @property
+    def pages(self) -> list[int]:
+        """The page table of KV cache group 0 (the only one of a model without sliding windows)."""
+        return self.block_tables[0]
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        self.block_tables[0] = pages
 
     @property
     def num_tokens(self) -> int:

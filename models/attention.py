@@ -10,9 +10,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kernels_pallas import ragged_paged_attention, write_kv
+from kernels_pallas import ragged_paged_attention, sharded_ragged_paged_attention, write_kv
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+
+
+@struct.dataclass
+class QuantizedKV:
+    """One layer's int8 KV cache: int8 `pages` [P, page_size, 2·Hkv, D] and float32 per-token-per-head `scales`
+    [P, page_size, 2·Hkv] (kernels_pallas/kv_cache.py says why per token and head). A pytree, so the steps donate
+    and shard it like a plain cache array."""
+
+    pages: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.pages.shape
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> "QuantizedKV":
+        return cls(pages=jnp.zeros(shape, jnp.int8), scales=jnp.zeros(shape[:3], jnp.float32))
 
 
 @struct.dataclass
@@ -26,55 +44,90 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32[1]
     max_q_len: int = struct.field(pytree_node=False, default=1)
 
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The slots and page table of KV cache group `group` (`ModelConfig.kv_group`). A model with several groups
+        gets them stacked, slot_mapping [G, T] and page_indices [G, S, P]; unstacked ones serve every layer."""
+        if self.page_indices.ndim == 2:
+            return self
+        return self.replace(slot_mapping=self.slot_mapping[group], page_indices=self.page_indices[group])
+
 
 class Attention(nnx.Module):
     """Attention of layer `layer`: its window, RoPE base and scaling come from the config (`layer_window`,
-    `layer_rope`); QK-norm, the score scale and the logit soft cap are config values shared by all layers."""
+    `layer_rope`); QK-norm, the score scale and the logit soft cap are config values shared by all layers.
+
+    Under cross-layer attention (`cla_factor` > 1) a layer that does not own its KV (`config.owns_kv`) has no K/V
+    projections: it attends over the cache the first layer of its run wrote in the same step."""
 
     def __init__(self, config: ModelConfig, layer: int = 0, *, dtype=jnp.float32, attn_impl: str = "auto",
                  rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(config.num_heads * hd, d, dtype=dtype, rngs=rngs)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)
+        self.owns_kv = config.owns_kv(layer)
+        if self.owns_kv:
+            self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
+            self.v_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
         else:
-            self.q_norm = self.k_norm = None
+            self.k_proj = self.v_proj = None
+        self.o_proj = Linear(config.num_heads * hd, d, dtype=dtype, rngs=rngs)
+        norm = lambda: RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)  # noqa: E731
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm and self.owns_kv else None
         self.rope = (hd, *config.layer_rope(layer))  # static; the frequencies are trace-time numpy
         self.sm_scale = config.attn_scale
         self.sliding_window = config.layer_window(layer)
+        self.kv_group = config.kv_group(layer)  # static: which page table of the metadata this layer reads
+        # Set by the runner under tensor parallelism: attention then runs one head shard per device through
+        # shard_map (kernels_pallas/sharded.py), since XLA cannot partition a Pallas kernel itself.
+        self.mesh = None
         self.soft_cap = config.attn_logit_softcap
         self.attn_impl = attn_impl
 
-    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        """Roped q [T, Hq, D], and roped k and v [T, Hkv, D] (None, None for a layer that shares its KV)."""
         lead = x.shape[:-1]
+        inv_freq = rope_inv_freq(*self.rope)
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3Attention, Gemma3Attention)
+            q = self.q_norm(q)
+        q = apply_rope(q, positions, inv_freq)
+        if not self.owns_kv:
+            return q, None, None
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3Attention, Gemma3Attention)
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(*self.rope)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return q, apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, kv_pages: jax.Array,
-                 meta: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        """x[T, D] packed tokens -> (out[T, D], updated kv_pages)."""
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_pages: jax.Array | QuantizedKV,
+                 meta: AttentionMetadata) -> tuple[jax.Array, jax.Array | QuantizedKV]:
+        """x[T, D] packed tokens -> (out[T, D], updated kv_pages); an int8 cache (QuantizedKV) is quantized on
+        write and dequantized by the attention kernel."""
+        meta = meta.for_group(self.kv_group)
         q, k, v = self._qkv(x, positions)
-        kv_pages = write_kv(kv_pages, k, v, meta.slot_mapping)
-        out = ragged_paged_attention(q, kv_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-                                     sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                                     soft_cap=self.soft_cap, impl=self.attn_impl, max_q_len=meta.max_q_len)
+        quantized = isinstance(kv_pages, QuantizedKV)
+        pages, scales = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages, None)
+        if self.owns_kv and quantized:
+            pages, scales = write_kv(pages, k, v, meta.slot_mapping, kv_scales=scales)
+            kv_pages = QuantizedKV(pages=pages, scales=scales)
+        elif self.owns_kv:
+            kv_pages = pages = write_kv(pages, k, v, meta.slot_mapping)
+        kw = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+                  impl=self.attn_impl, max_q_len=meta.max_q_len, kv_scales=scales)
+        args = (q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+        out = (ragged_paged_attention(*args, **kw) if self.mesh is None
+               else sharded_ragged_paged_attention(*args, mesh=self.mesh, **kw))
         return self.o_proj(out.reshape(x.shape[0], -1)), kv_pages
 
-    def forward_dense(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def forward_dense(self, x: jax.Array, positions: jax.Array, shared_kv=None):
         """Cache-free causal attention over x[B, L, D] (positions[L] shared by the batch), with the same window and
-        soft cap as the paged path: key m is visible to query l when m <= l and m > l - window."""
+        soft cap as the paged path: key m is visible to query l when m <= l and m > l - window. Returns (out, (k,
+        v)); a layer that shares its KV takes the owner's (k, v) as `shared_kv`."""
         batch, length, _ = x.shape
         q, k, v = jax.vmap(lambda xb: self._qkv(xb, positions))(x)
+        if not self.owns_kv:
+            k, v = shared_kv
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim).astype(jnp.float32)
         scores = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32)) * self.sm_scale
@@ -85,5 +138,5 @@ class Attention(nnx.Module):
             causal &= ~jnp.tril(jnp.ones((length, length), bool), k=-self.sliding_window)
         probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
         out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out.reshape(batch, length, -1))
+        return self.o_proj(out.reshape(batch, length, -1)), (k, v)
 

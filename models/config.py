@@ -8,6 +8,7 @@ directly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -20,11 +21,28 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # YaRN (DeepSeek-style) knobs.
+    # YaRN knobs, as Hugging Face's `_compute_yarn_parameters` reads them (None: the key is absent).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # multiplies cos and sin; None: derived from factor and the mscales
+    truncate: bool = True  # round the YaRN correction range outwards
+
+    def yarn_mscale(self, mscale: float | None = 1.0) -> float:
+        """0.1·mscale·ln(factor) + 1 for factor > 1, else 1 (YaRN's attention temperature)."""
+        return 1.0 if self.factor <= 1 else 0.1 * (mscale or 1.0) * math.log(self.factor) + 1.0
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor Hugging Face multiplies the rotary cos/sin by (1 except for YaRN)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.mscale) / self.yarn_mscale(self.mscale_all_dim)
+        return self.yarn_mscale()
 
     def __post_init__(self) -> None:
         if self.kind not in ("linear", "llama3", "yarn"):
@@ -71,6 +89,29 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # same on the LM head's logits
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim ** -0.5
     rope_local_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3); None: as global layers
+    rope_interleaved: bool = False  # rotate (x0, x1), (x2, x3), ... pairs (DeepSeek) instead of the two halves
+    # ---- Multi-head latent attention (DeepSeek-V2 §2.1.2). With kv_lora_rank set, a layer caches one latent of
+    # kv_lora_rank values plus a shared RoPE key of qk_rope_head_dim per token (no per-head K/V); queries have
+    # qk_nope_head_dim + qk_rope_head_dim per head and values v_head_dim. head_dim / num_kv_heads are then unused.
+    q_lora_rank: int | None = None  # None: a full-rank q_proj
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # ---- Mixture of experts (DeepSeek-V2 MoE): layers from first_k_dense_replace on, when num_experts > 0, replace
+    # the MLP by num_shared_experts always-on experts plus num_experts_per_tok of num_experts routed ones.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # "greedy" or "group_limited_greedy" (top topk_group of n_group expert groups)
+    n_group: int = 1
+    topk_group: int = 1
+    # ---- Cross-layer attention (Brandon et al. 2024): each run of cla_factor layers reads the KV cache its first
+    # layer writes; the others have no K/V projections and no cache of their own.
+    cla_factor: int = 1
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -100,6 +141,32 @@ class ModelConfig:
             value = getattr(self, field)
             if value is not None and value <= 0:
                 raise ValueError(f"ModelConfig.{field} must be positive or None, got {value}")
+        if self.cla_factor < 1:
+            raise ValueError(f"ModelConfig.cla_factor must be >= 1, got {self.cla_factor}")
+        if self.is_mla:
+            if self.cla_factor > 1:
+                raise ValueError("cross-layer attention (cla_factor > 1) is not supported with MLA; the latent cache "
+                                 "is already shared by all heads")
+            for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, field) <= 0:
+                    raise ValueError(f"ModelConfig.{field} must be positive for multi-head latent attention, got "
+                                     f"{getattr(self, field)}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(f"a mixture of experts needs 0 < num_experts_per_tok <= num_experts and a positive "
+                                 f"moe_intermediate_size, got {self.num_experts_per_tok}, {self.num_experts}, "
+                                 f"{self.moe_intermediate_size}")
+            if self.topk_method not in ("greedy", "group_limited_greedy"):
+                raise ValueError(f"unsupported topk_method {self.topk_method!r}; expected greedy or "
+                                 "group_limited_greedy")
+            if self.topk_method == "group_limited_greedy" and (
+                    self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group
+                    or self.num_experts_per_tok > self.topk_group * self.num_experts // self.n_group):
+                raise ValueError(f"group-limited routing needs n_group ({self.n_group}) to divide num_experts "
+                                 f"({self.num_experts}), 0 < topk_group ({self.topk_group}) <= n_group, and "
+                                 "enough experts in the chosen groups for num_experts_per_tok")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
@@ -119,29 +186,83 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """Multiplier of q·k: query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5."""
+        """Multiplier of q·k: query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5; MLA: the query width
+        (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim)² as DeepSeek-V2 applies it."""
+        if self.is_mla:
+            scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+            rs = self.rope_scaling
+            if rs is not None and rs.mscale_all_dim:
+                scale *= rs.yarn_mscale(rs.mscale_all_dim) ** 2
+            return scale
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """KV cache bytes one token occupies across all layers: 2 (K and V) * L * K * H * b."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward block is the mixture of experts."""
+        return self.num_experts > 0 and layer >= self.first_k_dense_replace
+
+    def kv_layer(self, layer: int) -> int:
+        """Index of the KV cache `layer` reads: with cross-layer attention, that of the first layer of its run."""
+        return layer // self.cla_factor
+
+    def owns_kv(self, layer: int) -> bool:
+        """Whether `layer` computes and writes K/V (false for the later layers of a CLA run)."""
+        return layer % self.cla_factor == 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        """How many layers have a KV cache of their own."""
+        return -(-self.num_layers // self.cla_factor)
+
+    @property
+    def kv_width(self) -> int:
+        """Cache elements per token per caching layer: 2·K·H, or the latent plus the RoPE key for MLA."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """One caching layer's paged cache: [pages, page_size, 2·K, H] (K even, V odd), or [pages, page_size,
+        kv_lora_rank + qk_rope_head_dim] for MLA."""
+        if self.is_mla:
+            return (num_pages, page_size, self.kv_width)
+        return (num_pages, page_size, 2 * self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, bytes_per_element: float, scale_bytes: int = 0) -> float:
+        """KV cache bytes one token occupies across all layers: 2·L·K·H·b, with L the caching layers (fewer under
+        CLA) and 2·K·H replaced by the latent + RoPE width for MLA (576·L·b for DeepSeek-V2). `scale_bytes`: an
+        int8 cache's per-token scale for each of the 2·K heads (4 for float32 scales)."""
+        scales = 0 if self.is_mla else 2 * self.num_kv_heads * scale_bytes
+        return self.num_kv_layers * (self.kv_width * bytes_per_element + scales)
 
     def num_params(self) -> int:
-        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d
-        if self.attention_bias:
-            attn += q + 2 * kv
-        per_layer = attn + 3 * d * f + 2 * d + (2 * d if self.post_norms else 0)
-        if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        embed = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        """Every parameter the layout of `models.weights` holds for this config (all experts counted)."""
+        from models.weights import expected_shapes  # weights.py imports this module
+
+        return sum(math.prod(shape) for shape in expected_shapes(self).values())
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """The KV cache groups, one per distinct window of the caches (None, full attention, first): the caches
+        of a group share a page pool and one page table per sequence (inference/kv_cache_manager.py). A cache
+        read by several layers (CLA) belongs to the widest window among them."""
+        windows = {self._cache_window(self.kv_layer(i)) for i in range(self.num_layers)}
+        return tuple(sorted(windows, key=lambda w: -1 if w is None else w))
+
+    def kv_group(self, layer: int) -> int:
+        """Index into `kv_group_windows` of the cache `layer` reads: which page table its attention uses."""
+        return self.kv_group_windows.index(self._cache_window(self.kv_layer(layer)))
+
+    def _cache_window(self, cache: int) -> int | None:
+        windows = [self.layer_window(i) for i in range(self.num_layers) if self.kv_layer(i) == cache]
+        return None if None in windows else max(windows)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

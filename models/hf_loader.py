@@ -19,7 +19,7 @@ from safetensors import safe_open
 from models.config import ModelConfig, RopeScaling
 from models.weights import check_weights, expected_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -52,8 +52,10 @@ def _rope_scaling(cfg: dict[str, Any], max_pos: int) -> RopeScaling | None:
                            original_max_position_embeddings=orig)
     if kind == "yarn":
         return RopeScaling(kind="yarn", factor=factor, original_max_position_embeddings=orig,
-                           beta_fast=float(rs.get("beta_fast", 32.0)), beta_slow=float(rs.get("beta_slow", 1.0)),
-                           mscale=float(rs.get("mscale", 1.0)), mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)))
+                           beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+                           mscale=_opt_float(rs.get("mscale")), mscale_all_dim=_opt_float(rs.get("mscale_all_dim")),
+                           attention_factor=_opt_float(rs.get("attention_factor")),
+                           truncate=bool(rs.get("truncate", True)))
     raise ValueError(f"unsupported rope_scaling type {kind!r} in config.json; supported: default, linear, llama3, yarn")
 
 
@@ -72,7 +74,7 @@ _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}  # transfo
 
 def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...] | None:
     """Per-layer attention kinds as transformers' config classes derive them when config.json has no `layer_types`."""
-    if window is None or model_type in ("llama", "mistral"):  # Mistral windows every layer and ignores layer_types
+    if window is None or model_type in ("llama", "mistral", "deepseek_v2"):  # Mistral windows every layer and ignores layer_types
         return None
     if cfg.get("layer_types") is not None:
         return tuple(cfg["layer_types"])
@@ -86,7 +88,7 @@ def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int 
 
 def _window(model_type: str, cfg: dict[str, Any]) -> int | None:
     """The sliding window transformers uses; its config classes default a missing key to 4096."""
-    if model_type == "llama":
+    if model_type in ("llama", "deepseek_v2"):  # no sliding window in either
         return None
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None  # Qwen2Config.__post_init__: sliding_window = None unless use_sliding_window
@@ -107,6 +109,29 @@ def _gemma3_rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling 
     theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
     return float(theta), _rope_scaling({"rope_scaling": full}, max_pos), float(local_theta)
+
+
+def _deepseek_v2_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """MLA and MoE fields of a deepseek_v2 config.json, with DeepseekV2Config's defaults."""
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: attention_bias / mlp_bias on deepseek_v2 are not supported")
+    rope = int(cfg.get("qk_rope_head_dim", 64))
+    experts = int(cfg.get("n_routed_experts", 64) or 0)
+    top_k = cfg.get("num_experts_per_tok")
+    if experts and not top_k:
+        raise ValueError(f"{source}: n_routed_experts={experts} but num_experts_per_tok is not set")
+    q_lora = cfg.get("q_lora_rank", 1536)
+    return dict(
+        num_kv_heads=1, head_dim=rope, rope_interleaved=True,
+        q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)), qk_rope_head_dim=rope,
+        v_head_dim=int(cfg.get("v_head_dim", 128)), num_experts=experts, num_experts_per_tok=int(top_k or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 1407)),
+        num_shared_experts=int(cfg.get("n_shared_experts", 2) or 0),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        topk_method=cfg.get("topk_method") or "greedy", n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1))
 
 
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str = "") -> ModelConfig:
@@ -149,7 +174,9 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str =
             attn_logit_softcap=_opt_float(cfg.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None)),
             final_logit_softcap=_opt_float(cfg.get("final_logit_softcapping",
                                                    30.0 if model_type == "gemma2" else None)))
-    return ModelConfig(
+    if model_type == "deepseek_v2":
+        family = _deepseek_v2_fields(cfg, source)
+    return ModelConfig(**{**dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type, hidden // heads)),
@@ -161,7 +188,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str =
         hidden_act=_ACTIVATIONS[act], bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_token_ids(cfg.get("eos_token_id")), family=model_type, name=name,
         sliding_window=window, layer_types=_layer_types(model_type, cfg, layers, window),
-        qk_norm=model_type in ("qwen3", "gemma3_text"), rope_local_theta=local_theta, **family)
+        qk_norm=model_type in ("qwen3", "gemma3_text"), rope_local_theta=local_theta), **family})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -181,12 +208,25 @@ _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
     "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
 }
-_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+_DEEPSEEK_LAYER_NAMES = {
+    **_LAYER_NAMES, "self_attn.q_a_proj.weight": "q_a_proj", "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "q_b_proj", "self_attn.kv_a_proj_with_mqa.weight": "kv_a_proj",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm", "self_attn.kv_b_proj.weight": "kv_b_proj",
+    "mlp.gate.weight": "router", "mlp.shared_experts.gate_proj.weight": "shared.gate_proj",
+    "mlp.shared_experts.up_proj.weight": "shared.up_proj", "mlp.shared_experts.down_proj.weight": "shared.down_proj",
+    # transformers >= 5 in memory (and checkpoints saved from it unconverted): experts fused into 3-D tensors.
+    "mlp.experts.gate_up_proj": "experts.gate_up_proj", "mlp.experts.down_proj": "experts.down_proj_fused",
+}
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "q_a_proj",
+            "q_b_proj", "kv_a_proj", "kv_b_proj", "router"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer old checkpoints saved; recomputed from config
 
 
 def _layer_names(model_type: str) -> dict[str, str]:
+    if model_type == "deepseek_v2":
+        return _DEEPSEEK_LAYER_NAMES
     return _GEMMA_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
 
 
@@ -198,6 +238,9 @@ def canonical_name(hf_name: str, model_type: str = "llama") -> str | None:
     names = _layer_names(model_type)
     if m and m.group(2) in names:
         return f"layers.{m.group(1)}.{names[m.group(2)]}"
+    expert = _EXPERT_RE.fullmatch(m.group(2)) if m and model_type == "deepseek_v2" else None
+    if expert:  # one expert's linear of the hub layout: stacked into experts.* by `_stack_experts`
+        return f"layers.{m.group(1)}.experts.{expert.group(1)}.{expert.group(2)}"
     if _IGNORED_RE.fullmatch(hf_name):
         return None
     raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the {model_type} decoder layout")
@@ -275,6 +318,33 @@ def _read_tensors(folder: str) -> dict[str, np.ndarray]:
     raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
+def _stack_experts(weights: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
+    """Per-expert `layers.{i}.experts.{e}.{proj}` (the hub layout, already transposed to [in, out]) or transformers' fused 3-D tensors ->
+    the canonical stacked `layers.{i}.experts.{proj}`: gate/up [E, hidden, I], down [E, I, hidden]."""
+    out: dict[str, np.ndarray] = {}
+    per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if len(parts) == 5 and parts[2] == "experts":  # layers.i.experts.e.proj
+            per_expert.setdefault((f"layers.{parts[1]}.", parts[4]), {})[int(parts[3])] = w
+        elif name.endswith(".experts.gate_up_proj"):  # [E, 2I, hidden]: gate rows first, then up
+            half = w.shape[1] // 2
+            prefix = name[:-len("gate_up_proj")]
+            out[prefix + "gate_proj"] = np.ascontiguousarray(np.swapaxes(w[:, :half], 1, 2))
+            out[prefix + "up_proj"] = np.ascontiguousarray(np.swapaxes(w[:, half:], 1, 2))
+        elif name.endswith(".experts.down_proj_fused"):  # [E, hidden, I]
+            out[name[:-len("_fused")]] = np.ascontiguousarray(np.swapaxes(w, 1, 2))
+        else:
+            out[name] = w
+    for (prefix, proj), by_index in per_expert.items():
+        if sorted(by_index) != list(range(config.num_experts)):
+            missing = sorted(set(range(config.num_experts)) - set(by_index))
+            raise ValueError(f"{prefix}experts: the checkpoint lacks {proj} of expert(s) {missing[:4]} of "
+                             f"{config.num_experts}; is it complete and does config.json match?")
+        out[f"{prefix}experts.{proj}"] = np.stack([by_index[e] for e in range(config.num_experts)])  # [in, out] already
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Public entry point.
 
@@ -298,6 +368,8 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
         if canonical.rsplit(".", 1)[-1] in _LINEARS:
             w = w.T
         weights[canonical] = np.ascontiguousarray(w if dtype is None else w.astype(dtype, copy=False))
+    if config.num_experts:
+        weights = _stack_experts(weights, config)
     missing = sorted(set(expected_shapes(config)) - set(weights))
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks tensor {hf_name(missing[0], config.family)!r} ({len(missing)} missing in all); "

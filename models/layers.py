@@ -18,7 +18,7 @@ from models.config import ModelConfig, RopeScaling
 from models.quantized import embedding_lookup, is_quantized, quantized_matmul
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
 
 
@@ -28,7 +28,7 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype))
+        self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.matmul_method: str | None = None
 
@@ -62,7 +62,7 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab_size: int, dim: int, *, scale: float | None = None, dtype=jnp.float32,
                  rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_normal(rngs, (vocab_size, dim), dtype))
+        self.embedding = nnx.Param(normal_init(rngs, (vocab_size, dim), dtype))
         self.scale = scale
         self.dtype = dtype
         self.matmul_method: str | None = None
@@ -83,20 +83,25 @@ class Embed(nnx.Module):
         return quantized_matmul(x, table, self.matmul_method) if is_quantized(table) else x @ table.T
 
 
-class GatedMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU (tanh GELU) for Gemma."""
+def activation(x: jax.Array, kind: str) -> jax.Array:
+    """The MLP gate nonlinearity a config names: "silu" or "gelu_tanh"."""
+    return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        d, f = config.hidden_size, config.intermediate_size
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU (tanh GELU) for Gemma. `intermediate_size` overrides the
+    config's width (DeepSeek's shared experts)."""
+
+    def __init__(self, config: ModelConfig, *, intermediate_size: int | None = None, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = Linear(d, f, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, dtype=dtype, rngs=rngs)
         self.act = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x)
-        gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(activation(self.gate_proj(x), self.act) * self.up_proj(x))
 
 
 @functools.lru_cache(maxsize=64)
@@ -117,15 +122,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise ValueError(f"rope scaling {scaling.kind!r} is not supported by the rotary embedding yet")
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE on `x[..., T, H, D]` at integer `positions[T]` (Hugging Face convention)."""
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN (Peng et al. 2023): high frequencies kept, low ones interpolated by `factor`, a linear ramp between,
+    as transformers' `_compute_yarn_parameters` computes it."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    interpolated = inv_freq / scaling.factor
+    return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, interleaved: bool = False,
+               scale: float = 1.0) -> jax.Array:
+    """RoPE on `x[..., T, H, D]` at integer `positions[T]`. Rotate-half pairs (i, i + D/2) by default (Hugging Face
+    Llama); `interleaved` pairs (2i, 2i + 1) as DeepSeek's complex form does. `scale` multiplies cos and sin
+    (YaRN's attention factor)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos = jnp.cos(freqs)[:, None, :]
-    sin = jnp.sin(freqs)[:, None, :]
+    cos = (jnp.cos(freqs) * scale)[:, None, :]
+    sin = (jnp.sin(freqs) * scale)[:, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if interleaved:
+        pairs = x32.reshape(*x32.shape[:-1], -1, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x32.shape)
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -22,6 +22,24 @@ Hugging Face Gemma checkpoints (llama.cpp's Gemma GGUFs store 1 + w and would ne
     layers.{i}.down_proj       [intermediate, hidden]
     final_norm                 [hidden]
     lm_head                    [hidden, vocab]                     (absent when tie_word_embeddings)
+
+Multi-head latent attention (kv_lora_rank set; n, r, v = qk_nope / qk_rope / v head dims, C = kv_lora_rank)
+replaces q/k/v_proj (o_proj stays, [num_heads * v, hidden]):
+
+    layers.{i}.q_proj          [hidden, num_heads * (n + r)]       (without q_lora_rank), or
+    layers.{i}.q_a_proj        [hidden, q_lora_rank]  + q_a_norm [q_lora_rank] + q_b_proj [q_lora_rank, heads*(n+r)]
+    layers.{i}.kv_a_proj       [hidden, C + r]                     (the latent, then the shared RoPE key)
+    layers.{i}.kv_a_norm       [C]
+    layers.{i}.kv_b_proj       [C, num_heads * (n + v)]            (per head: the key's no-RoPE part, then the value)
+
+A mixture-of-experts layer (E experts of width I, S shared) replaces gate/up/down_proj:
+
+    layers.{i}.router          [hidden, E]
+    layers.{i}.experts.gate_proj [E, hidden, I]  experts.up_proj [E, hidden, I]  experts.down_proj [E, I, hidden]
+    layers.{i}.shared.gate_proj  [hidden, S * I] shared.up_proj  [hidden, S * I] shared.down_proj  [S * I, hidden]
+
+With cross-layer attention (cla_factor > 1) only the first layer of each run has k_proj / v_proj (and their biases
+and k_norm).
 """
 
 from __future__ import annotations
@@ -31,24 +49,57 @@ import numpy as np
 from models.config import ModelConfig
 
 
+def _attention_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    d, heads = config.hidden_size, config.num_heads
+    if config.is_mla:
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        c = config.kv_lora_rank
+        shapes = {"kv_a_proj": (d, c + config.qk_rope_head_dim), "kv_a_norm": (c,),
+                  "kv_b_proj": (c, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+                  "o_proj": (heads * config.v_head_dim, d)}
+        if config.q_lora_rank is None:
+            shapes["q_proj"] = (d, heads * qk)
+        else:
+            shapes.update({"q_a_proj": (d, config.q_lora_rank), "q_a_norm": (config.q_lora_rank,),
+                           "q_b_proj": (config.q_lora_rank, heads * qk)})
+        return shapes
+    q, kv = heads * config.head_dim, config.num_kv_heads * config.head_dim
+    owns_kv = config.owns_kv(layer)
+    shapes = {"q_proj": (d, q), "o_proj": (q, d)}
+    if owns_kv:
+        shapes.update({"k_proj": (d, kv), "v_proj": (d, kv)})
+    if config.attention_bias:
+        shapes.update({"q_bias": (q,), **({"k_bias": (kv,), "v_bias": (kv,)} if owns_kv else {})})
+    if config.qk_norm:
+        shapes.update({"q_norm": (config.head_dim,), **({"k_norm": (config.head_dim,)} if owns_kv else {})})
+    return shapes
+
+
+def _ffn_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    d = config.hidden_size
+    if not config.is_moe(layer):
+        f = config.intermediate_size
+        return {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    e, f = config.num_experts, config.moe_intermediate_size
+    shapes = {"router": (d, e), "experts.gate_proj": (e, d, f), "experts.up_proj": (e, d, f),
+              "experts.down_proj": (e, f, d)}
+    if config.num_shared_experts:
+        fs = f * config.num_shared_experts
+        shapes.update({"shared.gate_proj": (d, fs), "shared.up_proj": (d, fs), "shared.down_proj": (fs, d)})
+    return shapes
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight name the config needs, with its shape."""
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    d, v = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (d, v)
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm": (d,), p + "q_proj": (d, q), p + "k_proj": (d, kv), p + "v_proj": (d, kv),
-            p + "o_proj": (q, d), p + "mlp_norm": (d,), p + "gate_proj": (d, f), p + "up_proj": (d, f),
-            p + "down_proj": (f, d),
-        })
-        if config.attention_bias:
-            shapes.update({p + "q_bias": (q,), p + "k_bias": (kv,), p + "v_bias": (kv,)})
-        if config.qk_norm:
-            shapes.update({p + "q_norm": (config.head_dim,), p + "k_norm": (config.head_dim,)})
+        shapes.update({p + "attn_norm": (d,), p + "mlp_norm": (d,)})
+        shapes.update({p + k: v for k, v in _attention_shapes(config, i).items()})
+        shapes.update({p + k: v for k, v in _ffn_shapes(config, i).items()})
         if config.post_norms:
             shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})
     return shapes

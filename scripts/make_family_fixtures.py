@@ -1,6 +1,6 @@
 """Write the per-family reference fixtures that tests/test_families.py checks without transformers.
 
-For each family (mistral, qwen2, qwen3, gemma2, gemma3_text) this builds a tiny random transformers model whose
+For each family (mistral, qwen2, qwen3, gemma2, gemma3_text, deepseek_v2) this builds a tiny random transformers model whose
 config exercises the family's details (sliding windows shorter than the test sequence, QKV bias, QK-norm, Gemma
 norms, soft caps, query_pre_attn_scalar, per-layer-type RoPE), stores it in bfloat16 (config.json +
 model.safetensors, under 200 KB), reloads that folder in float32 with eager attention and records transformers'
@@ -50,6 +50,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1_000_000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    # DeepSeek-V2: MLA with a query low rank, YaRN (mscale terms in both the RoPE and the score scale), interleaved
+    # RoPE, a dense first layer, then MoE layers with a shared expert and group-limited routing.
+    "deepseek_v2": dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+                        n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=1.5, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 32, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
 }
 FIXTURE_FILES = ("config.json", "model.safetensors", "reference.npz")
 

@@ -146,12 +146,6 @@ def test_chip_presets() -> None:
 # ---- KV hooks for sliding windows and MLA ---------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _MLAConfig(ModelConfig):
-    kv_lora_rank: int = 512
-    qk_rope_head_dim: int = 64
-
-
 def test_sliding_window_hook_caps_windowed_layers() -> None:
     windowed = get_model_config("mistral-7b")  # sliding_window=4096 on every layer
     base = windowed.replace(sliding_window=None)
@@ -163,10 +157,23 @@ def test_sliding_window_hook_caps_windowed_layers() -> None:
     assert cm.kv_bytes_per_sequence(alternating, 32768, 2) == 16 * per_layer * (4096 + 32768)
 
 
-def test_mla_hook_caches_latent_plus_rope_key() -> None:
-    mla = _MLAConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=27, num_heads=16,
-                     num_kv_heads=16, head_dim=16)
-    assert cm.kv_bytes_per_token(mla, 2) == 27 * (512 + 64) * 2
+def test_moe_decode_reads_only_the_routed_experts() -> None:
+    lite = get_model_config("deepseek-v2-lite")
+    expert = 3 * 2048 * 1408 * 2
+    total = cm.weight_bytes(lite, 2)
+    assert cm.weight_bytes_read(lite, 1, 2) == pytest.approx(total - 26 * (64 - 6) * expert)
+    assert cm.weight_bytes_read(lite, 1, 2) < cm.weight_bytes_read(lite, 8, 2) < cm.weight_bytes_read(lite, 512, 2)
+    assert cm.weight_bytes_read(lite, 512, 2) == pytest.approx(total, rel=1e-6)
+    assert cm.weight_bytes_read(get_model_config("llama-2-13b"), 1, 2) == cm.weight_bytes(
+        get_model_config("llama-2-13b"), 2)
+
+
+def test_mla_and_cla_cache_sizes() -> None:
+    lite = get_model_config("deepseek-v2-lite")
+    assert cm.kv_bytes_per_token(lite, 2) == 27 * (512 + 64) * 2
+    assert cm.kv_bytes_per_sequence(lite, 1000, 2) == 1000 * 27 * 576 * 2
+    cla = get_model_config("llama-2-7b").replace(cla_factor=2)
+    assert cm.kv_bytes_per_token(cla, 2) == cm.kv_bytes_per_token(get_model_config("llama-2-7b"), 2) / 2
 
 
 # ---- Presets ---------------------------------------------------------------------------------------------------
@@ -174,7 +181,8 @@ def test_mla_hook_caches_latent_plus_rope_key() -> None:
 
 @pytest.mark.parametrize("name, params", [
     ("llama-2-7b", 6_738_415_616), ("llama-2-13b", 13_015_864_320), ("llama-3-8b", 8_030_261_248),
-    ("mistral-7b", 7_241_732_096), ("qwen2.5-7b", 7_615_616_512),
+    ("mistral-7b", 7_241_732_096), ("qwen2.5-7b", 7_615_616_512), ("qwen3-8b", 8_190_735_360),
+    ("gemma-2-9b", 9_241_705_984), ("gemma-3-12b", 11_766_034_176), ("deepseek-v2-lite", 15_706_484_224),
 ])
 def test_real_presets_match_published_parameter_counts(name: str, params: int) -> None:
     assert MODEL_PRESETS[name].num_params() == cm.param_count(MODEL_PRESETS[name]).total == params
@@ -205,11 +213,15 @@ def test_config_json_path(tmp_path) -> None:
     assert cm.param_count(config).total == config.num_params()
 
 
-def test_config_json_refuses_moe_and_warns_on_window(tmp_path) -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts or MLA"):
-        cm.load_model_config(_write_config(tmp_path, n_routed_experts=64))
-    with pytest.warns(UserWarning, match="sliding_window=128"):
-        cm.load_model_config(_write_config(tmp_path, sliding_window=128))
+def test_config_json_reads_windows_mla_and_experts_as_the_loader_does(tmp_path) -> None:
+    mistral = cm.load_model_config(_write_config(tmp_path, model_type="mistral", sliding_window=128))
+    assert cm.kv_bytes_per_sequence(mistral, 1000, 2) == 128 * cm.kv_bytes_per_token(mistral, 2)
+    deepseek = cm.load_model_config(_write_config(
+        tmp_path, model_type="deepseek_v2", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, rope_scaling=None))
+    assert cm.kv_bytes_per_token(deepseek, 2) == 2 * 40 * 2 and deepseek.num_experts == 8
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        cm.load_model_config(_write_config(tmp_path, model_type="mixtral"))
 
 
 def test_launcher_reads_config_json(tmp_path) -> None:

@@ -1,4 +1,5 @@
-"""Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 text through the one decoder: equal to transformers, paged == cache-free.
+"""Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text and DeepSeek-V2 (MLA + MoE) through the one decoder: equal to
+transformers, paged == cache-free.
 
 The default tests read tiny committed models (tests/fixtures/families/<family>/: config.json, bf16 safetensors and
 transformers' float32 logits, written by scripts/make_family_fixtures.py) and need no transformers. Tests marked
@@ -22,7 +23,7 @@ from models.weights import expected_shapes
 from tests.test_model import run_paged
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
-FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2")
 HF_ATOL = 1e-4  # pagejax vs transformers, float32
 PAGED_ATOL = 2e-5  # paged vs cache-free, as in tests/test_model.py
 
@@ -49,8 +50,12 @@ def _forward(model, ids: np.ndarray) -> np.ndarray:
 def test_fixture_configs_translate_to_the_family_fields():
     windows = {f: [_load(f)[0].layer_window(i) for i in range(_load(f)[0].num_layers)] for f in FAMILIES}
     assert windows == {"mistral": [8, 8], "qwen2": [None, 8], "qwen3": [None, None], "gemma2": [8, None],
-                       "gemma3_text": [8, 8, None]}
-    mistral, qwen2, qwen3, gemma2, gemma3 = (_load(f)[0] for f in FAMILIES)
+                       "gemma3_text": [8, 8, None], "deepseek_v2": [None] * 3}
+    mistral, qwen2, qwen3, gemma2, gemma3, deepseek = (_load(f)[0] for f in FAMILIES)
+    assert deepseek.is_mla and (deepseek.q_lora_rank, deepseek.kv_lora_rank, deepseek.qk_rope_head_dim) == (24, 32, 8)
+    assert [deepseek.is_moe(i) for i in range(3)] == [False, True, True] and deepseek.rope_interleaved
+    assert (deepseek.num_experts, deepseek.num_experts_per_tok, deepseek.n_group, deepseek.topk_group) == (8, 3, 4, 2)
+    assert deepseek.kv_bytes_per_token(2) == 3 * (32 + 8) * 2  # latent + RoPE key per layer, nothing per head
     assert mistral.layer_types is None and not mistral.attention_bias and mistral.norm_style == "rms"
     assert qwen2.attention_bias and not qwen2.qk_norm
     assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.sliding_window is None
@@ -143,6 +148,10 @@ def test_paged_prefill_and_decode_equal_cache_free_forward(family):
     ("gemma2", dict(query_pre_attn_scalar=None)),
     ("gemma3_text", dict(rope_local_theta=None)),
     ("gemma3_text", dict(embed_scale=None)),
+    ("deepseek_v2", dict(rope_interleaved=False)),
+    ("deepseek_v2", dict(rope_scaling=None)),
+    ("deepseek_v2", dict(topk_method="greedy")),
+    ("deepseek_v2", dict(routed_scaling_factor=1.0)),
 ])
 def test_fixtures_are_sensitive_to_each_family_detail(family, change):
     """Dropping any one detail moves the logits far beyond the tolerance, so the equality tests above see it."""

@@ -1,0 +1,66 @@
+"""DeepSeek-V2's mixture-of-experts feed-forward block: shared experts plus top-k routed experts.
+
+Routing follows transformers' DeepseekV2TopkRouter exactly: a float32 softmax over the router logits, optionally
+limited to the best `topk_group` of `n_group` expert groups (a group scores as its best expert; V2's
+device-limited routing), top-k of the remaining scores, weights times `routed_scaling_factor` and not renormalized.
+
+Dispatch sorts the (token, expert) pairs by expert and runs the experts as grouped matmuls (`jax.lax.ragged_dot`),
+MaxText's "sparse" form: on GPU/TPU a grouped GEMM that touches only the chosen experts; XLA CPU lowers it to a
+masked dense product, which is the dense dispatch the issue allows. Expert parallelism (experts over a mesh axis)
+is not done here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import GatedMLP, activation, normal_init
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.router = nnx.Param(normal_init(rngs, (d, e), jnp.float32))  # HF keeps the router in float32
+        self.gate_proj = nnx.Param(normal_init(rngs, (e, d, f), dtype))
+        self.up_proj = nnx.Param(normal_init(rngs, (e, d, f), dtype))
+        self.down_proj = nnx.Param(normal_init(rngs, (e, f, d), dtype))
+        self.shared = (GatedMLP(config, intermediate_size=f * config.num_shared_experts, dtype=dtype, rngs=rngs)
+                       if config.num_shared_experts else None)
+        self.num_experts, self.top_k = e, config.num_experts_per_tok
+        self.group_limited = config.topk_method == "group_limited_greedy"
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.act = config.hidden_act
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x[T, D] -> (weights f32[T, k], expert ids i32[T, k])."""
+        scores = jax.nn.softmax(x.astype(jnp.float32) @ self.router[...], axis=-1)
+        if self.group_limited:
+            tokens = scores.shape[0]
+            grouped = scores.reshape(tokens, self.n_group, -1)
+            _, best_groups = jax.lax.top_k(grouped.max(axis=-1), self.topk_group)
+            keep = jnp.zeros((tokens, self.n_group), bool).at[jnp.arange(tokens)[:, None], best_groups].set(True)
+            scores = jnp.where(keep[:, :, None], grouped, 0.0).reshape(tokens, -1)
+        weights, experts = jax.lax.top_k(scores, self.top_k)
+        return weights * self.routed_scaling_factor, experts
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead, d = x.shape[:-1], x.shape[-1]
+        tokens = x.reshape(-1, d)
+        weights, experts = self.route(tokens)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        xs = tokens[token_of]
+        hidden = activation(jax.lax.ragged_dot(xs, self.gate_proj[...], group_sizes), self.act)
+        hidden = hidden * jax.lax.ragged_dot(xs, self.up_proj[...], group_sizes)
+        ys = jax.lax.ragged_dot(hidden, self.down_proj[...], group_sizes)
+        ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
+        out = jnp.zeros_like(tokens).at[token_of].add(ys.astype(tokens.dtype))
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.reshape(*lead, d)
