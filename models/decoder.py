@@ -1,5 +1,7 @@
-"""The decoder: one forward path for every Llama-family variant the config describes (Llama, Mistral, Qwen2/3,
-Gemma 2/3 text differ only in ModelConfig fields: windows, norms, soft caps, scales).
+"""The decoder: one forward path for every variant the config describes. Llama, Mistral, Qwen2/3 and Gemma 2/3
+text differ only in ModelConfig fields (windows, norms, soft caps, scales); DeepSeek-V2 swaps in latent attention
+(models/mla.py) and the mixture of experts (models/moe.py) per layer; cross-layer attention shares one cache among
+`cla_factor` layers.
 
 Layers live in a Python list and the forward loops over them in Python: on CPU, per-layer arrays in an unrolled
 loop compiled and ran faster than `lax.scan` over stacked weights (shared/JAX_CPU_NOTES.md, section 7), and the KV
@@ -16,9 +18,11 @@ from flax import nnx
 from models.attention import Attention, AttentionMetadata
 from models.config import ModelConfig
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
+from models.mla import MLAttention
+from models.moe import MoE
 from models.quantized import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
                               quantize_linear)
-from models.weights import check_weights
+from models.weights import check_weights, expected_shapes
 
 
 def _norm(config: ModelConfig, dtype) -> RMSNorm:
@@ -31,10 +35,12 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str, rngs: nnx.Rngs):
         self.attn_norm = _norm(config, dtype)
-        self.attn = Attention(config, layer, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        attention = MLAttention if config.is_mla else Attention
+        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
         self.post_attn_norm = _norm(config, dtype) if config.post_norms else None
         self.mlp_norm = _norm(config, dtype)
-        self.mlp = GatedMLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = MoE(config, dtype=dtype, rngs=rngs) if config.is_moe(layer) else GatedMLP(config, dtype=dtype,
+                                                                                            rngs=rngs)
         self.post_mlp_norm = _norm(config, dtype) if config.post_norms else None
 
     def _residual(self, x, attn_out):
@@ -50,8 +56,9 @@ class DecoderLayer(nnx.Module):
         attn_out, kv_pages = self.attn(self.attn_norm(x), positions, kv_pages, meta)
         return self._residual(x, attn_out), kv_pages
 
-    def forward_dense(self, x, positions):
-        return self._residual(x, self.attn.forward_dense(self.attn_norm(x), positions))
+    def forward_dense(self, x, positions, shared_kv=None):
+        attn_out, kv = self.attn.forward_dense(self.attn_norm(x), positions, shared_kv)
+        return self._residual(x, attn_out), kv
 
 
 class Decoder(nnx.Module):
@@ -66,13 +73,13 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:
-        """Packed tokens[T] -> (final hidden states [T, D], updated per-layer KV caches)."""
+        """Packed tokens[T] -> (final hidden states [T, D], updated KV caches, one per caching layer)."""
         x = self.embed(tokens)
-        new_caches = []
-        for layer, kv_pages in zip(self.layers, kv_caches):
-            x, kv_pages = layer(x, positions, kv_pages, meta)
-            new_caches.append(kv_pages)
-        return self.final_norm(x), new_caches
+        caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
+            j = self.config.kv_layer(i)
+            x, caches[j] = layer(x, positions, caches[j], meta)
+        return self.final_norm(x), caches
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states -> float32 logits over the vocabulary (soft-capped when the config says so)."""
@@ -85,9 +92,30 @@ class Decoder(nnx.Module):
         """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer.forward_dense(x, positions)
+        kv = None
+        for i, layer in enumerate(self.layers):
+            x, own_kv = layer.forward_dense(x, positions, None if self.config.owns_kv(i) else kv)
+            kv = own_kv if self.config.owns_kv(i) else kv
         return self.logits(self.final_norm(x))
+
+
+# Canonical per-layer weight name (models/weights.py) -> attribute path inside a DecoderLayer.
+_LAYER_PATHS = {
+    "attn_norm": "attn_norm.weight", "mlp_norm": "mlp_norm.weight", "post_attn_norm": "post_attn_norm.weight",
+    "post_mlp_norm": "post_mlp_norm.weight", "q_norm": "attn.q_norm.weight", "k_norm": "attn.k_norm.weight",
+    **{f"{n}_proj": f"attn.{n}_proj.kernel" for n in ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")},
+    **{f"{n}_bias": f"attn.{n}_proj.bias" for n in ("q", "k", "v")},
+    "q_a_norm": "attn.q_a_norm.weight", "kv_a_norm": "attn.kv_a_norm.weight",
+    **{n: f"mlp.{n}.kernel" for n in ("gate_proj", "up_proj", "down_proj")},
+    "router": "mlp.router", **{f"experts.{n}": f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
+    **{f"shared.{n}": f"mlp.shared.{n}.kernel" for n in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def _attribute(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
@@ -95,23 +123,10 @@ def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
     targets: dict[str, nnx.Param] = {"embed": model.embed.embedding, "final_norm": model.final_norm.weight}
     if model.lm_head is not None:
         targets["lm_head"] = model.lm_head.kernel
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}."
-        targets[p + "attn_norm"] = layer.attn_norm.weight
-        targets[p + "mlp_norm"] = layer.mlp_norm.weight
-        if layer.post_attn_norm is not None:
-            targets[p + "post_attn_norm"] = layer.post_attn_norm.weight
-            targets[p + "post_mlp_norm"] = layer.post_mlp_norm.weight
-        if layer.attn.q_norm is not None:
-            targets[p + "q_norm"] = layer.attn.q_norm.weight
-            targets[p + "k_norm"] = layer.attn.k_norm.weight
-        for name in ("q", "k", "v", "o"):
-            proj = getattr(layer.attn, f"{name}_proj")
-            targets[p + f"{name}_proj"] = proj.kernel
-            if proj.bias is not None:
-                targets[p + f"{name}_bias"] = proj.bias
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            targets[p + name] = getattr(layer.mlp, name).kernel
+    for name in expected_shapes(model.config):
+        if name.startswith("layers."):
+            _, i, leaf = name.split(".", 2)
+            targets[name] = _attribute(model.layers[int(i)], _LAYER_PATHS[leaf])
     return targets
 
 
@@ -125,22 +140,31 @@ def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "
 
 
 def linear_weight_names(model: Decoder) -> list[str]:
-    """Canonical names of the layer projections (q/k/v/o, gate/up/down) and the untied LM head."""
+    """Canonical names of the layer projections (q/k/v/o, gate/up/down, shared experts) and the untied LM head.
+    MLA's low-rank projections and the routed experts stay float under quantization."""
     suffixes = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    return [n for n in weight_targets(model) if n == "lm_head" or n.rsplit(".", 1)[-1] in suffixes]
+    return [n for n in weight_targets(model)
+            if n == "lm_head" or (n.rsplit(".", 1)[-1] in suffixes and ".experts." not in n)]
 
 
 def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = None,
-                     group_size: int | None = None) -> Decoder:
+                     group_size: int | None = None, calibration_tokens=None) -> Decoder:
     """Replace the model's linear weights (and embedding) by QuantizedWeights in place; returns the model.
 
     mode "int8": per-channel int8 everywhere (W8A8 matmuls); "int4": the layer projections grouped asymmetric int4
     (`group_size`, default 32 if it divides every input dimension, else 64) with the LM head and embedding per-channel
-    int8; "gguf": the QuantizedWeights in `gguf_weights` (`models.quantized.load_gguf_quantized`), float elsewhere.
-    See models/quantized.py. Norms and biases stay float.
+    int8; "int4-awq": AWQ scales searched on `calibration_tokens` and folded into the float weights
+    (`inference.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
+    (`models.quantized.load_gguf_quantized`), float elsewhere. See models/quantized.py. Norms and biases stay float.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+    if mode == "int4-awq":
+        if calibration_tokens is None:
+            raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.awq.calibration_token_ids)")
+        from inference.awq import AWQConfig, apply_awq  # lazy: inference.awq imports this module's layers
+        apply_awq(model, calibration_tokens, AWQConfig(group_size=group_size))
+        mode = "int4"
     targets = weight_targets(model)
     linears = linear_weight_names(model)
     if mode == "gguf":
@@ -170,14 +194,18 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
 
 def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = None, *, dtype=jnp.float32,
                   attn_impl: str = "auto", seed: int = 0, source: str = "checkpoint",
-                  quantization: str | None = None, gguf_weights: dict | None = None) -> Decoder:
+                  quantization: str | None = None, gguf_weights: dict | None = None,
+                  quantization_group_size: int | None = None, calibration_tokens=None) -> Decoder:
     """A decoder with random weights, or with `weights` when given (random init is then skipped); `quantization`
-    ("int8", "int4", "gguf"; see `quantize_decoder`) quantizes it after loading."""
+    ("int8", "int4", "int4-awq", "gguf"; see `quantize_decoder`) quantizes it after loading."""
+    if quantization_group_size is not None and quantization not in ("int4", "int4-awq"):
+        raise ValueError(f"quantization_group_size applies to quantization='int4' or 'int4-awq', not {quantization!r}")
     if weights is None:
         model = Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
     else:
         model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
         load_weights(model, weights, source)
     if quantization is not None:
-        quantize_decoder(model, quantization, gguf_weights=gguf_weights)
+        quantize_decoder(model, quantization, gguf_weights=gguf_weights, group_size=quantization_group_size,
+                         calibration_tokens=calibration_tokens)
     return model

@@ -19,6 +19,10 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
             embedding stay int8 per channel (as llama.cpp's Q4 mixes keep the output tensor at higher precision: the
             head is the most error-sensitive matrix and the largest, and per-channel int8 is also its fastest form).
             Grouped weights run `matmul(method="dequant")`: see `pick_method`.
+    "int4-awq"  "int4" after AWQ-style scaling (`inference.awq`): per-input-channel scales searched on calibration
+            activations and folded into the float weights (norms, v_proj / up_proj columns) before quantizing, so the
+            quantized model has exactly the "int4" structure and matmuls. `LLM` calibrates on the shipped
+            calibration text at load time.
     "gguf"  a .gguf model keeps the blocks it ships (Q8_0 / Q4_0 / Q4_1, via `models.gguf_quant`, codes copied, never
             decoded to float; Q/K rows un-permuted on the blocks). Tensors of other types stay float. For the default
             SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied embedding / LM head.
@@ -26,7 +30,7 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
 `pick_method(qw, rows)` chooses the matmul from the weight's form and the (static, trace-time) number of rows:
 per-channel int8 weights use "int8"; grouped weights use "dequant" (an exact, weight-only dequantization inside the
 jit), except a large grouped matrix (the Q8_0 LM head, 576 x 49152) where "dequant" writes a 108 MiB float32 copy
-per call and the "int8" path is faster. Numbers: BENCHMARKS_quant.md.
+per call and the "int8" path is faster. Numbers: BENCHMARKS.md (scripts/quant_table.py, scripts/quant_bench.py).
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.quantization import QuantizedWeight, matmul, pack_int4, quantize, quantize_int8
+from inference.quantization import QuantizedWeight, dequantize, matmul, pack_int4, quantize, quantize_int8
 
-QUANTIZATION_MODES = ("int8", "int4", "gguf")
+QUANTIZATION_MODES = ("int8", "int4", "int4-awq", "gguf")
 #: Grouped weights with more elements than this use the "int8" matmul instead of "dequant" (see the module docstring).
 DEQUANT_MAX_ELEMENTS = 8 << 20
 
@@ -89,6 +93,14 @@ def quantize_int4_minmax(w: Any, group_size: int) -> QuantizedWeight:
     rounding the zero point, so the error is at most scale/2 with the tightest scale, and weights that already lie on
     a Q4_1 grid (SmolLM2's, dequantized from its GGUF) are reproduced exactly when a group uses codes 0 and 15.
     """
+    z, scale, lo = minmax_int4_codes(w, group_size)
+    k, n = z.shape
+    return QuantizedWeight(q=pack_int4(z, group_size), scale=scale, offset=lo, bits=4, group_size=group_size,
+                           shape=(k, n)).validate()
+
+
+def minmax_int4_codes(w: Any, group_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The min-form int4 quantizer's unpacked codes z [in, out] (uint8 0..15), scale and min [in/g, out]."""
     w = jnp.asarray(w, jnp.float32)
     k, n = w.shape
     if k % group_size:
@@ -97,8 +109,16 @@ def quantize_int4_minmax(w: Any, group_size: int) -> QuantizedWeight:
     lo, hi = jnp.min(wg, axis=1), jnp.max(wg, axis=1)
     scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(jnp.float32)
     z = quantize(wg - lo[:, None, :], scale[:, None, :], 0, bits=4).reshape(k, n)
-    return QuantizedWeight(q=pack_int4(z, group_size), scale=scale, offset=lo.astype(jnp.float32), bits=4,
-                           group_size=group_size, shape=(k, n)).validate()
+    return z, scale, lo.astype(jnp.float32)
+
+
+def fake_quant_int4(w: Any, group_size: int) -> jax.Array:
+    """Quantize-dequantize with the min-form int4 quantizer, unpacked (what `quantize_int4_minmax(w, g).dequantize()`
+    gives, without the byte packing; AWQ's scale search evaluates it many times)."""
+    z, scale, lo = minmax_int4_codes(w, group_size)
+    k, n = z.shape
+    per_group = lambda a: a[:, None, :]  # noqa: E731
+    return dequantize(z.reshape(k // group_size, group_size, n), per_group(scale), offset=per_group(lo)).reshape(k, n)
 
 
 def quantize_linear(w: Any, mode: str, group_size: int | None = None) -> QuantizedWeight:
