@@ -13,8 +13,8 @@ import random
 import threading
 import time
 
-from inference.batch import BucketLimits, build_model_input
-from inference.block_manager import BlockManager
+from inference.batch import BucketLimits, build_model_input, bucket
+from inference.kv_cache_manager import KVCacheManager
 from inference.metrics import EngineStats
 from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runner import ModelRunner, StepOutput
@@ -22,7 +22,7 @@ from inference.sampler import SamplingTensors, needs_filters
 from inference.sampling_params import SamplingParams
 from inference.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inference.sequence import Sequence, SequenceStatus
-from inference.speculative import NgramProposer
+from inference.speculative import AdaptiveK, DraftModelProposer, NgramProposer
 from inference.stop import check_stop, flush_text
 
 log = logging.getLogger(__name__)
@@ -45,23 +45,35 @@ class Request:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
-                 enable_prefix_caching: bool = True, proposer: NgramProposer | None = None,
-                 num_speculative_tokens: int = 0):
+                 enable_prefix_caching: bool = True, proposer: NgramProposer | DraftModelProposer | None = None,
+                 num_speculative_tokens: int = 0, speculative_adaptive: bool = False):
         """`proposer` and `num_speculative_tokens` turn on speculative decoding: each decoding sequence verifies up
-        to that many proposed tokens per step in one target pass."""
+        to that many proposed tokens per step in one target pass. `speculative_adaptive`: each sequence's draft
+        count follows its acceptance rate (`AdaptiveK`), at most `num_speculative_tokens`."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
-        self.block_manager = BlockManager(runner.num_pages, runner.page_size,
-                                          enable_prefix_caching=enable_prefix_caching)
+        # One page pool and page table per KV cache group (one group unless the model has sliding windows).
+        self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
+                                            enable_prefix_caching=enable_prefix_caching)
         self.proposer = proposer
         self.num_spec = num_speculative_tokens if proposer is not None else 0
+        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_adaptive and self.num_spec else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
-                                   proposer=self._propose if self.num_spec else None)
+                                   proposer=self._propose if self.num_spec else None,
+                                   on_preempt=proposer.forget if isinstance(proposer, DraftModelProposer) else None)
         self.max_model_len = max_model_len
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(max_model_len))
+        if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
+            raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
+                             f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "
+                             f"max_num_batched_tokens={self.limits.max_tokens}; raise max_num_batched_tokens or lower "
+                             "max_num_seqs or num_speculative_tokens")
+        if isinstance(proposer, DraftModelProposer):
+            proposer.limits = self.limits  # the draft runs on the target's page tables, in the same buckets
+            proposer.vary_steps = self.adaptive_k is not None
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.eos_token_ids = set(runner.config.eos_token_ids)
@@ -104,10 +116,10 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
                              f"{self.max_model_len}; shorten the prompt or raise max_model_len")
-        needed = self.block_manager.pages_needed(min(len(ids) + 1, self.max_model_len))
-        if needed > self.block_manager.num_pages:
-            raise ValueError(f"request {request_id}: needs {needed} KV pages but the cache has "
-                             f"{self.block_manager.num_pages}; raise kv_cache_memory_bytes or shorten the prompt")
+        short = self.block_manager.shortfall(min(len(ids) + 1, self.max_model_len),
+                                             self.scheduler.config.max_num_batched_tokens)
+        if short is not None:
+            raise ValueError(f"request {request_id}: {short}; raise kv_cache_memory_bytes or shorten the prompt")
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
@@ -147,7 +159,10 @@ class Engine:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if room <= 0 or seq.params.logprobs is not None:
             return []
-        return self.proposer.propose(seq.token_ids)[:min(self.num_spec, room)]
+        k = min(self.adaptive_k.k(seq) if self.adaptive_k is not None else self.num_spec, room)
+        if isinstance(self.proposer, DraftModelProposer):
+            return [0] * k  # reserved slots (and pages); the draft model fills them for the whole batch in _execute
+        return self.proposer.propose(seq.token_ids)[:k]
 
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -165,10 +180,13 @@ class Engine:
             return self._process(batch, result)
 
     def _execute(self, batch: ScheduledBatch) -> StepOutput:
-        copies = self.block_manager.take_copies()
-        if copies:
-            self.runner.copy_pages(copies)
+        for group, copies in enumerate(self.block_manager.take_copies()):
+            if copies:
+                self.runner.copy_pages(copies, group=group)
+        draft_probs = self._run_draft(batch) if batch.speculative else None
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec)
+        if draft_probs is not None:
+            inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
         sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
@@ -178,6 +196,17 @@ class Engine:
                            for s, p in zip(batch.seqs, params))
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
                                    logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
+
+    def _run_draft(self, batch: ScheduledBatch):
+        """Fill the reserved draft slots with the draft model's proposals, batched over the speculating sequences;
+        returns their probabilities in the step's row layout (None: deterministic or greedy drafts)."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return None
+        proposal = self.proposer.propose(batch.seqs, pad_to=bucket(len(batch.seqs), maximum=self.limits.max_seqs))
+        for seq, tokens in zip(batch.seqs, proposal.token_ids):
+            if seq.spec_tokens:
+                seq.spec_tokens = tokens
+        return proposal.draft_probs
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -214,6 +243,8 @@ class Engine:
         seq.num_computed_tokens += 1 + accepted
         self.block_manager.commit_full_pages(seq)
         self.stats.record_speculation(proposed, accepted)
+        if self.adaptive_k is not None:
+            self.adaptive_k.update(seq, proposed, accepted)
         for token in out.emitted[row][:accepted + 1]:
             self._append_token(seq, request, int(token), out, row, now)
             if seq.is_finished:

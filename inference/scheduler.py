@@ -22,7 +22,7 @@ import bisect
 import dataclasses
 from typing import Callable
 
-from inference.block_manager import BlockManager
+from inference.kv_cache_manager import KVCacheManager
 from inference.sequence import Sequence, SequenceStatus
 
 POLICIES = ("mixed", "prefill_first")
@@ -74,11 +74,14 @@ def _queue_key(seq: Sequence) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 proposer: Callable[[Sequence], list[int]] | None = None):
-        """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step."""
+    def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager,
+                 proposer: Callable[[Sequence], list[int]] | None = None,
+                 on_preempt: Callable[[Sequence], None] | None = None):
+        """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
+        `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too)."""
         self.config = config
         self.proposer = proposer
+        self.on_preempt = on_preempt
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -200,6 +203,8 @@ class Scheduler:
         self.block_manager.release(seq)
         seq.num_computed_tokens = 0
         seq.spec_tokens = []
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_key)
         self.num_preemptions += 1

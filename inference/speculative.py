@@ -19,6 +19,8 @@ proposers run on the host.
 from __future__ import annotations
 
 import abc
+import math
+import weakref
 from typing import NamedTuple, Sequence
 
 import jax
@@ -30,6 +32,7 @@ from inference.sampler import SamplingTensors, _argmax, process_logits
 
 __all__ = [
     "RESIDUAL_EPS",
+    "AdaptiveK",
     "DraftModelProposer",
     "DraftProposal",
     "NgramProposer",
@@ -301,18 +304,20 @@ class DraftProposal(NamedTuple):
     """
 
     token_ids: list[list[int]]
-    draft_probs: jax.Array
+    draft_probs: jax.Array | None
 
 
 class DraftModelProposer(abc.ABC):
-    """Interface of a draft-model proposer; the model-backed implementation lives in the engine.
+    """Interface of a draft-model proposer; the implementation is `inference.draft_model.PagedDraftProposer`.
 
-    The engine calls `propose(seqs)` once per step, before the target's verification pass, with the running
-    sequences in batch order (`inference.sequence.Sequence` objects: it reads `token_ids`, `params`, `seed`). The
-    implementation runs the draft model autoregressively k times (keeping its own KV cache), *sampling* each token
-    from `probs_from_logits(draft_logits, tensors, use_filters)` with the same SamplingTensors the target uses
-    (greedy rows take the argmax), and returns the tokens with those probabilities. The engine then pads the tokens
-    to [S, k], passes `num_draft = [len(t) for t in token_ids]`, and calls
+    The engine calls `propose(seqs, pad_to)` once per step, after scheduling and before the target's verification
+    pass, with the step's sequences in batch order (`inference.sequence.Sequence` objects: it reads `token_ids`,
+    `params`, `seed`, `pages`). The scheduler has reserved `len(seq.spec_tokens)` draft slots (and their pages) for
+    each sequence that speculates; the proposer returns exactly that many tokens for those and none for the others.
+    It runs the draft model autoregressively (keeping its own KV cache), *sampling* each token from
+    `probs_from_logits(draft_logits, tensors, use_filters)` with the request's own sampling parameters (greedy rows
+    take the argmax), and returns the tokens with those probabilities in the target's row layout [pad_to, k, V]
+    (None when every speculating row is greedy: they are verified by argmax). The runner then calls
     `rejection_sample(target_probs, proposal.draft_probs, tokens, keys, greedy=..., num_draft=...)`.
 
     Why the probabilities and not just the tokens: the acceptance test needs p(x) for each draft token and the
@@ -327,5 +332,51 @@ class DraftModelProposer(abc.ABC):
     def propose(self, seqs: Sequence[object]) -> DraftProposal:
         """Propose up to `k` tokens per sequence; see the class docstring for the contract."""
 
+    def forget(self, seq: object) -> None:  # noqa: B027
+        """Hook when `seq` is preempted (its pages released): drop what the draft's cache holds for it."""
+
     def on_accepted(self, seqs: Sequence[object], num_accepted: Sequence[int]) -> None:  # noqa: B027
         """Hook after verification: roll the draft's own KV cache back to the accepted prefix. Default: nothing."""
+
+
+class AdaptiveK:
+    """Per-sequence draft length from an exponential moving average of the sequence's acceptance rate.
+
+    Why: a draft token costs a proposal (a draft-model step, or nothing for prompt lookup) and a verification slot,
+    and it pays only when accepted. With per-token acceptance rate a, the expected run of accepted drafts (with no
+    cap) is a / (1 - a); proposing about that many (`k_for_rate`: ceil(a / (1 - a)), clipped to [1, k_max]) keeps k
+    near where the next draft is still more likely than not to be used. So k shrinks while drafts are rejected and
+    grows back when they are accepted. Each verification adds the observation accepted / trials, with trials =
+    accepted + 1 at a rejection and = accepted when every draft survived; the EMA keeps `decay` of the old estimate.
+    A new sequence starts at k_max (rate k_max / (k_max + 1)). State is kept per sequence object (weakly: finished
+    sequences drop out).
+    """
+
+    def __init__(self, k_max: int, *, decay: float = 0.5) -> None:
+        if not (isinstance(k_max, int) and k_max >= 1):
+            raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.k_max = k_max
+        self.decay = decay
+        self._rate: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def k_for_rate(rate: float, k_max: int) -> int:
+        if rate >= 1.0:
+            return k_max
+        return max(1, min(k_max, math.ceil(rate / (1.0 - rate) - 1e-9)))
+
+    def rate(self, seq: object) -> float:
+        return self._rate.get(seq, self.k_max / (self.k_max + 1.0))
+
+    def k(self, seq: object) -> int:
+        """The number of drafts `seq` should get this step."""
+        return self.k_for_rate(self.rate(seq), self.k_max)
+
+    def update(self, seq: object, proposed: int, accepted: int) -> None:
+        """Fold one verification (`accepted` of `proposed` drafts kept) into the sequence's rate."""
+        if proposed <= 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        self._rate[seq] = self.decay * self.rate(seq) + (1.0 - self.decay) * accepted / trials
