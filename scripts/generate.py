@@ -3,6 +3,17 @@
     python scripts/generate.py                                   # a few built-in questions, printed readably
     python scripts/generate.py --prompt="Once upon a time" --max_tokens=32
     python scripts/generate.py --input=rows.jsonl --output=out.jsonl --temperature=0.7 --seed=1 --num_samples=4
+    python scripts/generate.py --input=rows.jsonl --output=out.jsonl --data_parallel_size=2 --tensor_parallel_size=4
+
+Several processes (hosts), each started with the same flags plus its own --process_id (or the PAGEJAX_* variables,
+see sharding/distributed.py):
+
+    python scripts/generate.py --input=rows.jsonl --output=out.jsonl --num_processes=2 --process_id=0 \\
+        --coordinator_address=10.0.0.1:8476     # and =1 on the other host
+
+Each process takes every num_processes-th row (grain's per-process sharding), writes its results to
+`out.jsonl.process-0000i-of-0000n` and, once all are done, process 0 appends them to --output in input order.
+The output path must be on a filesystem every process sees.
 
 Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}.
 Each batch of results is fsynced before the next starts, and a rerun with the same --output skips ids already
@@ -47,6 +58,15 @@ _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget
 _KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion (default: the model's).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype: float32, bfloat16 or float16.")
+_TP = flags.DEFINE_integer("tensor_parallel_size", 1, "Devices each model replica is sharded over.", lower_bound=1)
+_DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (each on its own devices).",
+                           lower_bound=1)
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 for a multi-process job (jax.distributed).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-process job.")
+_DIST_AUTO = flags.DEFINE_bool("distributed_auto", None,
+                               "Let JAX detect the cluster (TPU pod, SLURM, Open MPI) instead of the three flags.")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
                                  "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
 
@@ -82,7 +102,24 @@ def build_llm() -> Any:
 
     return LLM(_MODEL.value, dtype=_DTYPE.value, kv_cache_memory_bytes=_KV_BYTES.value,
                max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
-               max_num_batched_tokens=_MAX_BATCHED.value, compilation_cache_dir=_CACHE_DIR.value or None)
+               max_num_batched_tokens=_MAX_BATCHED.value, compilation_cache_dir=_CACHE_DIR.value or None,
+               tensor_parallel_size=_TP.value, data_parallel_size=_DP.value)
+
+
+def resumed_ids(index: int, shard: str | None) -> set:
+    """Ids a rerun skips: those in --output, and in a multi-process job also those in this process's own shard.
+    Only process 0 may repair a cut-short --output (load_done_ids rewrites it); the others read it after that."""
+    from sharding import distributed
+
+    if not _OUTPUT.value:
+        return set()
+    if shard is None:
+        return jsonl_io.load_done_ids(_OUTPUT.value)
+    done = jsonl_io.load_done_ids(_OUTPUT.value) if index == 0 else set()
+    distributed.barrier("pagejax-output-repaired")
+    if index != 0:
+        done = jsonl_io.load_done_ids(_OUTPUT.value)
+    return done | jsonl_io.load_done_ids(shard)
 
 
 def generate_batch(llm: Any, batch: list[tuple[dict, str | None, str | None]],
@@ -107,10 +144,21 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     start = time.perf_counter()
     params = sampling_params()
+    from sharding import distributed  # imports JAX: after the cheap flag checks
+
+    try:
+        job = distributed.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DIST_AUTO.value)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    if job.is_multi_process and _OUTPUT.value is None:
+        raise app.UsageError("a multi-process job needs --output (each process writes a shard of it)")
+    index, count = distributed.initialize(job)
+    shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
     try:
         rows = input_rows()
-        done = jsonl_io.load_done_ids(_OUTPUT.value) if _OUTPUT.value else set()
-        pending = [row for row in rows if row["id"] not in done]
+        done = resumed_ids(index, shard)
+        mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
+        pending = [row for row in mine if row["id"] not in done]
         llm = build_llm() if pending else None  # a finished job reruns without loading the model
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
@@ -123,7 +171,8 @@ def main(argv: Sequence[str]) -> None:
 
     batches = grain.MapDataset.source(pending).map(render).batch(_BATCH_SIZE.value, batch_fn=list)
     readable = _OUTPUT.value is None and _INPUT.value is None
-    sink = open(_OUTPUT.value, "a", encoding="utf-8") if _OUTPUT.value else sys.stdout
+    target = shard or _OUTPUT.value
+    sink = open(target, "a", encoding="utf-8") if target else sys.stdout
     num_failed = num_tokens = 0
     gen_start = time.perf_counter()
     try:
@@ -140,8 +189,17 @@ def main(argv: Sequence[str]) -> None:
     finally:
         if sink is not sys.stdout:
             sink.close()
+    if count > 1:
+        distributed.barrier("pagejax-generate-done")  # every shard is complete and fsynced
+        if index == 0:
+            merged = jsonl_io.merge_shards(_OUTPUT.value, [jsonl_io.shard_path(_OUTPUT.value, i, count)
+                                                           for i in range(count)], [row["id"] for row in rows])
+            print(f"merged {merged} rows from {count} process shards into {_OUTPUT.value}", file=sys.stderr)
+        distributed.barrier("pagejax-merged")
+        distributed.shutdown()
     gen_s, wall_s = time.perf_counter() - gen_start, time.perf_counter() - start
-    print(f"rows done {len(pending)}, skipped {len(rows) - len(pending)}, failed {num_failed}; {num_tokens} output "
+    print(f"{f'process {index}/{count}: ' if count > 1 else ''}"
+          f"rows done {len(pending)}, skipped {len(mine) - len(pending)}, failed {num_failed}; {num_tokens} output "
           f"tokens; wall {wall_s:.1f}s (generate {gen_s:.1f}s); {num_tokens / max(gen_s, 1e-9):.1f} output tok/s",
           file=sys.stderr)
 

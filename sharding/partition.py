@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
 from models.decoder import Decoder, build_decoder, weight_targets
-from models.weights import check_weights
+from models.weights import check_weights, expected_shapes
 
 MODEL_AXIS = "model"
 
@@ -88,7 +88,9 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
     aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis; else replicated."""
     if num_kv_heads % mesh.shape[MODEL_AXIS]:
         return replicated(mesh)
-    return NamedSharding(mesh, P(None, None, MODEL_AXIS, None))
+    # No trailing None: the spec XLA gives the step's output caches, so warm-up and serving see one sharding and
+    # one compiled step per bucket.
+    return NamedSharding(mesh, P(None, None, MODEL_AXIS))
 
 
 def _path_name(path) -> str:
@@ -115,6 +117,8 @@ def pad_heads(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
               ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Pad KV heads with zero heads to a multiple of `tp`, then query heads to `kv_padded * group` (GQA grouping
     kept: query head i still reads KV head i // group). Exact: see the module docstring."""
+    if config.is_mla:
+        return _pad_mla_heads(config, weights, tp)
     kv = _round_up(config.num_kv_heads, tp)
     if kv == config.num_kv_heads:
         return config, weights
@@ -132,6 +136,24 @@ def pad_heads(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
             for name in ("k_bias", "v_bias"):
                 out[p + name] = _pad_axis(weights[p + name], 0, kv * hd)
     return config.replace(num_heads=heads, num_kv_heads=kv), out
+
+
+def _pad_mla_heads(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
+                   ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """MLA has no KV heads (one latent serves all): pad query heads only. A zero head's query scores every key 0,
+    so it averages the latents, and its zero kv_b_proj value columns and o_proj rows cancel that: exact."""
+    heads = _round_up(config.num_heads, tp)
+    if heads == config.num_heads:
+        return config, weights
+    qk, kv = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_nope_head_dim + config.v_head_dim
+    out = dict(weights)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        q = p + ("q_proj" if config.q_lora_rank is None else "q_b_proj")
+        out[q] = _pad_axis(weights[q], 1, heads * qk)
+        out[p + "kv_b_proj"] = _pad_axis(weights[p + "kv_b_proj"], 1, heads * kv)
+        out[p + "o_proj"] = _pad_axis(weights[p + "o_proj"], 0, heads * config.v_head_dim)
+    return config.replace(num_heads=heads), out
 
 
 def pad_vocab(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
@@ -156,11 +178,19 @@ def pad_mlp(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
         return config, weights
     out = dict(weights)
     for i in range(config.num_layers):
+        if config.is_moe(i):  # expert weights are replicated (no expert parallelism yet)
+            continue
         p = f"layers.{i}."
         out[p + "gate_proj"] = _pad_axis(weights[p + "gate_proj"], 1, width)
         out[p + "up_proj"] = _pad_axis(weights[p + "up_proj"], 1, width)
         out[p + "down_proj"] = _pad_axis(weights[p + "down_proj"], 0, width)
     return config.replace(intermediate_size=width), out
+
+
+def needs_padding(config: ModelConfig, tp: int) -> bool:
+    """Whether `pad_for_tensor_parallel` changes anything at this TP (KV heads, vocab or MLP width do not divide)."""
+    heads = config.num_heads if config.is_mla else config.num_kv_heads
+    return any(n % tp for n in (heads, config.vocab_size, config.intermediate_size))
 
 
 def pad_for_tensor_parallel(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
@@ -204,10 +234,22 @@ def shard_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None, me
     padded, weights = pad_for_tensor_parallel(config, weights, mesh.shape[MODEL_AXIS])
     model = nnx.eval_shape(lambda: Decoder(padded, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
     for name, param in weight_targets(model).items():
-        value = np.asarray(weights[name], dtype=param.get_value().dtype)
+        value, want = weights[name], param.get_value().dtype
+        # Arrays already on devices (an orbax restore into `checkpoint_shardings`) stay there: device_put to the
+        # sharding they already have is a no-op, and a dtype cast runs shard by shard.
+        value = value.astype(want) if isinstance(value, jax.Array) else np.asarray(value, dtype=want)
         spec = partition_spec(name, value.shape, mesh)
         param.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     return model
+
+
+def checkpoint_shardings(config: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding] | None:
+    """Target shardings of the canonical weights for restoring a checkpoint straight into `mesh` (each device
+    reads only its slice); None when the model must be padded for this TP first (padding happens on the host)."""
+    if needs_padding(config, mesh.shape[MODEL_AXIS]):
+        return None
+    return {name: NamedSharding(mesh, partition_spec(name, shape, mesh))
+            for name, shape in expected_shapes(config).items()}
 
 
 def bytes_per_device(arrays) -> dict[jax.Device, int]:

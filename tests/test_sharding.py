@@ -1,5 +1,6 @@
-"""Tensor parallelism: mesh, partition rules, exact head/vocab/MLP padding (here, on one device), and the sharded
-engine on 8 virtual CPU devices (tests/sharding_worker.py in a subprocess, since this process has one device)."""
+"""Tensor and data parallelism: mesh, partition rules, exact head/vocab/MLP padding (here, on one device), and the
+sharded engine, data-parallel replicas and an orbax restore into shards on 8 virtual CPU devices
+(tests/sharding_worker.py in a subprocess, since this process has one device)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_partition_rules(name, shape, spec):
 
 
 def test_kv_cache_is_split_over_whole_kv_heads_only():
-    assert kv_cache_sharding(MESH8, 8).spec == P(None, None, "model", None)
+    assert kv_cache_sharding(MESH8, 8).spec == P(None, None, "model")
     assert kv_cache_sharding(MESH8, 3).spec == P()  # unpadded 3 KV heads on 8 devices: replicated, never split
 
 
@@ -111,29 +112,110 @@ def worker() -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8
-    return result["results"]
+    return result
 
 
-MODELS = {"tiny-llama": (2, (1, 2, 4, 8)), "tiny-llama-9q3kv": (3, (1, 2, 4, 8)), "tiny-odd": (3, (1, 8))}
+# model -> (KV heads, TP sizes run alone, TP sizes run as 2 data-parallel replicas)
+MODELS = {"tiny-llama": (2, (1, 2), ()), "tiny-llama-9q3kv": (3, (1, 2, 4, 8), (1, 2, 4)),
+          "tiny-odd": (3, (1, 8), ()), "tiny-mha": (4, (1, 2, 4, 8), (4,)), "tiny-mistral": (2, (1, 2, 4, 8), (4,))}
+
+
+def _runs(worker, model: str) -> list[tuple[str, dict]]:
+    _, tps, dp2 = MODELS[model]
+    runs = worker["results"][model]
+    return [(f"TP {tp}", runs[str(tp)]) for tp in tps] + [(f"DP 2 x TP {tp}", runs[f"dp2-tp{tp}"]) for tp in dp2]
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_tensor_parallel_outputs_equal_one_device(worker, model):
-    runs = worker[model]
-    ref = runs["1"]
-    for tp in MODELS[model][1]:
-        run = runs[str(tp)]
-        assert run["tokens"] == ref["tokens"], f"TP {tp}: greedy tokens differ"
-        assert run["sampled"] == ref["sampled"], f"TP {tp}: seeded n=2 samples differ"
+def test_parallel_outputs_equal_one_device(worker, model):
+    ref = worker["results"][model]["1"]
+    for name, run in _runs(worker, model):
+        assert run["tokens"] == ref["tokens"], f"{name}: greedy tokens differ"
+        assert run["sampled"] == ref["sampled"], f"{name}: seeded n=2 samples differ"
         assert run["tokens_after_update"] == ref["tokens"][0]
         for got, want in zip(run["prompt_logprobs"], ref["prompt_logprobs"]):
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"TP {tp}")
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
+
+
+@pytest.mark.slow
+def test_smollm2_data_and_tensor_parallel_equal_one_device(worker, smollm2):
+    """The real SmolLM2 (9 query / 3 KV heads, padded to 12 / 4) as 2 replicas x TP 4 against one device."""
+    from inference import SamplingParams
+
+    run = worker["results"]["smollm2-135m"]["dp2-tp4"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=worker["max_tokens"], ignore_eos=True, prompt_logprobs=1)
+    ref = smollm2.generate(prompt_token_ids=run["prompt_ids"], sampling_params=greedy)
+    assert run["tokens"] == [o.outputs[0].token_ids for o in ref]
+    for got, out in zip(run["prompt_logprobs"], ref):
+        want = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert run["kv_heads"] == 4 and run["replica_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("model", [m for m, (_, _, dp2) in MODELS.items() if dp2])
+def test_data_parallel_replicas_are_disjoint_and_balanced(worker, model):
+    """Each replica holds a whole TP-sharded model on its own devices: per device exactly what the same TP alone
+    holds; both replicas get requests."""
+    runs = worker["results"][model]
+    for tp in MODELS[model][2]:
+        run = runs[f"dp2-tp{tp}"]
+        devices = run["replica_devices"]
+        assert len(devices) == 2 and all(len(d) == tp for d in devices) and not set(devices[0]) & set(devices[1])
+        assert run["replica_kv_devices"] == devices
+        assert run["replica_param_bytes_per_device"] == [runs[str(tp)]["param_bytes_per_device"]] * 2
+        assert run["replica_kv_bytes_per_device"] == [runs[str(tp)]["kv_bytes_per_device"]] * 2
+        assert run["num_pages"] == runs["1"]["num_pages"]  # each replica gets the whole KV budget
+        assert sorted(run["replica_requests"]) == [2, 3]  # 5 requests, least outstanding tokens first
+
+
+def test_mla_tensor_and_data_parallel_equal_one_device(worker):
+    """DeepSeek-V2 in miniature (MLA + MoE): query heads split (zero-padded 4 -> 8 at TP 8), the latent cache
+    replicated on every device of a replica (it has no head axis), outputs equal to one device."""
+    runs = worker["results"]["tiny-deepseek-v2"]
+    ref = runs["1"]
+    for name in ("2", "8", "dp2-tp4"):
+        run = runs[name]
+        assert run["tokens"] == ref["tokens"] and run["sampled"] == ref["sampled"], name
+        assert run["tokens_after_update"] == ref["tokens"][0]
+        for got, want in zip(run["prompt_logprobs"], ref["prompt_logprobs"]):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
+    for tp in (2, 8):
+        run = runs[str(tp)]
+        assert run["kv_devices"] == tp and run["kv_bytes_per_device"] == ref["kv_bytes_total"]  # replicated
+        assert run["param_bytes_per_device"] < ref["param_bytes_total"]
+
+
+def test_decode_never_compiles_after_warmup_under_tensor_parallelism(worker):
+    assert worker["warmup"]["warmed"] > 0 and worker["warmup"]["decode_compiles_after_warmup"] == 0
+
+
+def test_data_parallel_chat_stream_and_background(worker):
+    """Two replicas behind one LLM: chat, stream and a background loop give what one device gives, both replicas
+    take requests, and nothing is left behind."""
+    one, two = worker["api"]["1"], worker["api"]["dp2"]
+    for key in ("chat", "stream", "background"):
+        assert two[key] == one[key], key
+    assert all(len(tokens) == 5 for tokens in two["stream"] + two["background"])
+    assert len(two["assigned"]) == 2 and min(two["assigned"]) >= 3  # 10 requests, spread over both replicas
+    assert not two["unfinished"] and two["left"] == 0
+
+
+def test_orbax_restores_straight_into_shards(worker):
+    """A checkpoint restored with target shardings: every array arrives in its TP-2 layout (half the bytes per
+    device), and the model built from it generates what the preset does."""
+    result, ref = worker["orbax"], worker["results"]["tiny-llama"]["2"]
+    assert result["placed_by_restore"]
+    assert result["restored_bytes_per_device"] * 2 <= result["restored_bytes_total"] + 4096  # norms replicated
+    assert result["padded_needs_host"]  # 9/3 heads at TP 2: padded on the host, then placed
+    assert result["tokens"] == ref["tokens"]
+    for got, want in zip(result["prompt_logprobs"], ref["prompt_logprobs"]):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_bytes_per_device_shrink_with_tp(worker, model):
-    kv_heads, sizes = MODELS[model]
-    runs = worker[model]
+    kv_heads, sizes, _ = MODELS[model]
+    runs = worker["results"][model]
     ref = runs["1"]
     previous = None
     for tp in sizes:
@@ -156,7 +238,7 @@ def test_bytes_per_device_shrink_with_tp(worker, model):
 
 
 def test_specs_and_collectives(worker):
-    run = worker["tiny-llama"]["2"]
+    run = worker["results"]["tiny-llama"]["2"]
     specs = run["specs"]
     assert specs["embed.embedding.value"] == str(P("model", None))
     assert specs["lm_head.kernel.value"] == str(P(None, "model"))

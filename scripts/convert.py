@@ -1,0 +1,57 @@
+"""Convert a GGUF file or a Hugging Face folder (or a preset) into an orbax checkpoint folder `LLM` loads.
+
+    python scripts/convert.py --model=smollm2-135m --output=/ckpt/smollm2          # the shipped GGUF
+    python scripts/convert.py --model=path/to/hf_folder --output=/ckpt/model --dtype=bfloat16
+    python -c "from inference import LLM; LLM('/ckpt/smollm2', tensor_parallel_size=4)"
+
+The folder holds the canonical (unpadded) weights, the model config and the tokenizer (models/orbax_io.py), so
+one conversion serves every tensor-parallel size, and a restore reads each device's slice straight into place.
+GGUF quantized blocks are dequantized (the checkpoint holds plain float arrays).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or Hugging Face model folder.")
+_OUTPUT = flags.DEFINE_string("output", None, "New folder for the orbax checkpoint.", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                           "Dtype the weights are stored in (the model computes in LLM(dtype=...)).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights of presets that ship none.")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    start = time.perf_counter()
+    import jax.numpy as jnp
+
+    from inference.model_loader import load_model
+    from models.decoder import build_decoder
+    from models.orbax_io import save_checkpoint
+    from sharding.partition import export_weights
+
+    try:
+        loaded = load_model(_MODEL.value)
+        if loaded.checkpoint is not None:
+            raise ValueError(f"{_MODEL.value} is already an orbax checkpoint")
+        weights = loaded.weights
+        if weights is None:  # a preset without shipped weights: its random initialisation, as LLM builds it
+            weights = export_weights(build_decoder(loaded.config, seed=_SEED.value))
+        dtype = np.dtype(jnp.dtype(_DTYPE.value))
+        weights = {name: np.asarray(w).astype(dtype) for name, w in weights.items()}
+        save_checkpoint(_OUTPUT.value, loaded.config, weights, loaded.tokenizer)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    size = sum(w.nbytes for w in weights.values())
+    print(f"wrote {_OUTPUT.value}: {len(weights)} arrays, {size / 2**20:.1f} MiB ({_DTYPE.value}), tokenizer "
+          f"{'yes' if loaded.tokenizer is not None else 'no'}; {time.perf_counter() - start:.1f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main)
