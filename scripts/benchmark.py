@@ -2,6 +2,8 @@
 
     python scripts/benchmark.py --model=smollm2-135m --batch=32 --input_len=128 --output_len=128 --json
     python scripts/benchmark.py --batch=1,32 --compare=hf --json        # needs the `reference` extra
+    python scripts/benchmark.py --batch=1,32 --compare=llamacpp --json  # needs the `llamacpp` extra
+    python scripts/benchmark.py --batch=1,32 --compare=hf --plot=bench.png   # scripts/plot_benchmarks.py
     python scripts/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
 
 Prompts are random token ids of a fixed length (speed does not depend on the text); generation is greedy with EOS
@@ -9,11 +11,14 @@ ignored so every request produces exactly `output_len` tokens. Each batch size r
 shape the run meets (reported as warm-up), then measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
 uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to exercise the prefix cache), and
 reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
-"ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size.
+"ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size ("llamacpp" in place of
+"hf" with --compare=llamacpp: llama.cpp runs the same GGUF, its own quantized weights, through
+scripts/llamacpp_bench.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -38,12 +43,21 @@ flags.DEFINE_integer("shared_prefix_len", 0, "Serving: tokens of a prefix every 
 flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
+flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
-flags.DEFINE_enum("compare", None, ["hf", "plain"], "Also run, on the same prompts: transformers' generate (hf), "
-                  "or pagejax without speculation (plain, with --speculative).")
+flags.DEFINE_enum("compare", None, ["hf", "llamacpp", "plain"], "Also run, on the same prompts: transformers' "
+                  "generate (hf), llama.cpp on the same GGUF (llamacpp; needs llama-cpp-python), or pagejax without "
+                  "speculation (plain, with --speculative).")
+flags.DEFINE_integer("llamacpp_threads", 0, "--compare=llamacpp: llama.cpp's threads (0: every core). Use 1 on a "
+                     "busy machine: its spinning workers collapse when the cores are shared (scripts/llamacpp_bench.py).")
+flags.DEFINE_string("plot", None, "Write a PNG of the results here (scripts/plot_benchmarks.py; needs matplotlib).")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
-flags.DEFINE_enum("speculative", None, ["ngram"], "Speculative decoding method (prompt lookup).")
+flags.DEFINE_enum("speculative", None, ["ngram", "draft"], "Speculative decoding method: prompt lookup, or a draft "
+                  "model (--speculative_model).")
+flags.DEFINE_string("speculative_model", "smollm2-135m:layers=0:30:3,29", "The draft with --speculative=draft: a "
+                    "model, MODEL:layers=..., or a draft file from scripts/distill_draft.py.")
+flags.DEFINE_boolean("speculative_adaptive", False, "Adapt each request's draft count to its acceptance rate.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Draft tokens verified per step when speculating.")
 flags.DEFINE_boolean("repetitive", False, "Offline: prompts that repeat a 16-token pattern (where prompt lookup "
                      "has something to find); default random tokens.")
@@ -75,6 +89,7 @@ def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
                    prefill_tok_s=sum(map(len, prompts)) / max(o.metrics.ttft for o in outs),
                    engine=llm.engine.metrics_summary())
     summary["ttft_mean_s"] = summary["ttft_s"]["mean"]
+    summary["first_tokens"] = [o.outputs[0].token_ids[:8] for o in outs]
     return summary
 
 
@@ -130,22 +145,35 @@ def run_hf(gguf_path: str, prompts: list[list[int]], output_len: int) -> dict:
         wall = time.perf_counter() - t0
     new = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     decode_s = max(wall - ttft, 1e-9)
-    return {"ttft_mean_s": ttft, "output_tok_s": new / wall, "decode_tok_s": len(prompts) * (output_len - 1) / decode_s,
-            "wall_s": wall, "output_tokens": int(new)}
+    return {"ttft_mean_s": ttft, "ttft_s": {"mean": ttft}, "output_tok_s": new / wall,
+            "decode_tok_s": len(prompts) * (output_len - 1) / decode_s,
+            "wall_s": wall, "output_tokens": int(new), "first_tokens": out[:, ids.shape[1]:ids.shape[1] + 8].tolist()}
 
 
-def run_hf_in_child(gguf_path: str, prompts: list[list[int]]) -> dict:
-    """The transformers side, on the same prompts, in a child process of this run: torch's and XLA's CPU thread
-    pools in one process slowed transformers down ~10x here, which would flatter the ratio."""
+def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -> dict:
+    """The transformers (side "hf") or llama.cpp ("llamacpp") side, on the same prompts, in a child process of this
+    run: torch's and XLA's CPU thread pools in one process slowed transformers down ~10x here, which would flatter
+    the ratio."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [sys.executable, __file__, f"--hf_worker={gguf_path}", f"--hf_prompts={f.name}",
-           f"--output_len={FLAGS.output_len}"]
+    if side == "hf":
+        cmd = [sys.executable, __file__, f"--hf_worker={gguf_path}", f"--hf_prompts={f.name}"]
+    else:
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), f"--gguf={gguf_path}",
+               f"--prompts={f.name}", f"--threads={FLAGS.llamacpp_threads}"]
+    cmd.append(f"--output_len={FLAGS.output_len}")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         os.unlink(f.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _sibling(name: str):
+    """A module next to this file: `scripts` is not an installed package, so run as a script it imports by name."""
+    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
 
 
 def machine() -> str:
@@ -167,13 +195,17 @@ def main(argv: list[str]) -> None:
         with open(FLAGS.hf_prompts) as f:
             print(json.dumps(run_hf(FLAGS.hf_worker, json.load(f), FLAGS.output_len)))
         return
+    if FLAGS.compare == "llamacpp":
+        _sibling("llamacpp_bench").import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
     t0 = time.perf_counter()
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), speculative_method=FLAGS.speculative,
-              num_speculative_tokens=FLAGS.num_speculative_tokens,
-              max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
+              num_speculative_tokens=FLAGS.num_speculative_tokens, speculative_adaptive=FLAGS.speculative_adaptive,
+              speculative_model=FLAGS.speculative_model if FLAGS.speculative == "draft" else None,
+              max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len),
+              quantization=FLAGS.quantization)
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
-                               "dtype": FLAGS.dtype}}
+                               "dtype": FLAGS.dtype, "quantization": FLAGS.quantization}}
     if FLAGS.mode == "serving":
         served = result["pagejax"]["serving"] = run_serving(llm)
         print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "
@@ -194,16 +226,21 @@ def main(argv: list[str]) -> None:
         line = (f"pagejax batch {batch}: TTFT {ours['ttft_mean_s'] * 1e3:.0f} ms, decode {ours['decode_tok_s']:.1f} "
                 f"tok/s, end to end {ours['output_tok_s']:.1f} tok/s, warm-up {ours['warmup_s']:.1f} s")
         print(line, file=sys.stderr)
-        if FLAGS.compare == "hf":
+        if FLAGS.compare in ("hf", "llamacpp"):
             from inference.model_loader import packaged_file
             from configs.presets import PRESET_WEIGHTS
 
             path = packaged_file(*PRESET_WEIGHTS[FLAGS.model]) if FLAGS.model in PRESET_WEIGHTS else FLAGS.model
-            hf = run_hf_in_child(path, prompts)
-            result["hf"][f"batch_{batch}"] = hf
-            result["ratio"][f"batch_{batch}"] = {k: ours[k] / hf[k] for k in ("output_tok_s", "decode_tok_s")}
-            print(f"hf      batch {batch}: TTFT {hf['ttft_mean_s'] * 1e3:.0f} ms, decode {hf['decode_tok_s']:.1f} "
-                  f"tok/s, end to end {hf['output_tok_s']:.1f} tok/s", file=sys.stderr)
+            other = run_baseline_in_child(FLAGS.compare, path, prompts)
+            result[FLAGS.compare][f"batch_{batch}"] = other
+            ratio = result["ratio"][f"batch_{batch}"] = {k: ours[k] / other[k] for k in ("output_tok_s",
+                                                                                          "decode_tok_s")}
+            ratio["ttft_s"] = ours["ttft_mean_s"] / other["ttft_mean_s"]
+            if "first_tokens" in other:  # greedy agreement on the first tokens: both sides ran the same prompts
+                pairs = [(a, b) for x, y in zip(ours["first_tokens"], other["first_tokens"]) for a, b in zip(x, y)]
+                ratio["first_token_agreement"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+            print(f"{FLAGS.compare:7} batch {batch}: TTFT {other['ttft_mean_s'] * 1e3:.0f} ms, decode "
+                  f"{other['decode_tok_s']:.1f} tok/s, end to end {other['output_tok_s']:.1f} tok/s", file=sys.stderr)
         if plain is not None:
             base = result["plain"][f"batch_{batch}"] = run_pagejax(plain, prompts, FLAGS.output_len)
             result["ratio"][f"batch_{batch}"] = {k: ours[k] / base[k] for k in ("output_tok_s", "decode_tok_s")}
@@ -211,6 +248,8 @@ def main(argv: list[str]) -> None:
                   f"{base['output_tok_s']:.1f} tok/s; speculation accepted "
                   f"{ours['engine']['spec_acceptance_rate']:.2f} of drafts, "
                   f"{ours['engine']['spec_tokens_per_pass']:.2f} tokens per pass", file=sys.stderr)
+    if FLAGS.plot:
+        _sibling("plot_benchmarks").plot_results(result, FLAGS.plot)
     if FLAGS.json:
         print(json.dumps(result))
 

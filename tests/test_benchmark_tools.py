@@ -1,0 +1,111 @@
+"""scripts/plot_benchmarks.py renders benchmark.py's JSON into a PNG; scripts/llamacpp_bench.py fails with an install
+hint when llama-cpp-python is missing. No model is loaded: these check the tools, not speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from scripts import plot_benchmarks
+from scripts.llamacpp_bench import INSTALL_HINT, import_llama_cpp
+
+RESULT = {
+    "machine": "test box", "config": {"model": "tiny", "input_len": 8, "output_len": 4, "dtype": "float32"},
+    "pagejax": {"load_s": 1.0,
+                "batch_1": {"ttft_mean_s": 0.2, "decode_tok_s": 31.0, "output_tok_s": 29.0,
+                            "itl_s": {"mean": 0.03, "p50": 0.031, "p90": 0.038, "p99": 0.044}},
+                "batch_32": {"ttft_mean_s": 3.7, "decode_tok_s": 135.0, "output_tok_s": 121.0,
+                             "itl_s": {"mean": 0.2, "p50": 0.21, "p90": 0.25, "p99": 0.29}}},
+    "hf": {"batch_1": {"ttft_mean_s": 0.22, "decode_tok_s": 17.0, "output_tok_s": 16.6},
+           "batch_32": {"ttft_mean_s": 5.8, "decode_tok_s": 157.0, "output_tok_s": 129.0}},
+    "ratio": {"batch_1": {"decode_tok_s": 1.8, "output_tok_s": 1.7}},
+}
+
+
+def test_plot_renders_png(tmp_path):
+    pytest.importorskip("matplotlib")  # in the `dev` extra
+    from PIL import Image
+
+    path = tmp_path / "bench.png"
+    plot_benchmarks.plot_results(RESULT, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = np.asarray(Image.open(path).convert("L"))
+    assert img.shape[0] > 500 and img.shape[1] > 800
+    assert (img < 128).mean() > 0.01  # bars, axes and labels were drawn, not a blank canvas
+    assert plot_benchmarks.batches_of(RESULT) == [1, 32]
+    assert [r[0] for r in plot_benchmarks._latency_rows(RESULT)] == ["pagejax, batch 1", "pagejax, batch 32"]
+
+
+def test_plot_reads_last_json_line_and_rejects_bad_input(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "bench.log"
+    log.write_text("pagejax batch 1: ...\n" + json.dumps(RESULT) + "\n")
+    assert plot_benchmarks.load_result(str(log)) == RESULT
+    log.write_text("no json here\n")
+    with pytest.raises(ValueError, match="--json"):
+        plot_benchmarks.load_result(str(log))
+    with pytest.raises(ValueError, match="no benchmark sides"):
+        plot_benchmarks.plot_results({"machine": "x"}, str(tmp_path / "x.png"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed here")
+def test_llamacpp_missing_says_how_to_install():
+    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+        import_llama_cpp()
+    assert "llamacpp" in INSTALL_HINT
+
+
+def test_profile_step_smoke():
+    """scripts/profile_step.py end to end on a tiny random model: every decode step timed, no recompile after the
+    warm-up run, the parts of the isolated step add up, and the table is printed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "profile_step.py"), "--model=tiny-llama",
+                           "--batch=2", "--input_len=8", "--output_len=5", "--repeats=1", "--json"], cwd=root,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["batch"] for r in result["rows"]] == [2]
+    for row in result["rows"]:
+        assert row["decode_steps"] == 4  # the first token comes from the prefill step
+        assert row["recompiles"] == {"prefill": 0, "decode": 0}
+        assert row["host_to_device_transfers_per_step"] > 0
+        assert all(v > 0 for v in row["isolated_ms"].values())
+        split, iso = row["split_ms"], row["isolated_ms"]
+        assert abs(split["attention"] + split["kv_write"] + split["dense_and_sampling"] - iso["step"]) < 1e-6
+        assert row["step_ms"] > 0 and row["host_ms"] > 0 and row["dispatch_ms"] > 0
+    assert "attention (page gather + softmax)" in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs the `llamacpp` extra")
+def test_llamacpp_batched_greedy_matches_one_by_one():
+    """The llama.cpp side runs every prompt of a batch as its own sequence: batched greedy tokens equal each
+    prompt's tokens run alone, and prompts of different lengths do not leak into each other."""
+    from configs.presets import PRESET_WEIGHTS
+    from inference.model_loader import packaged_file
+    from scripts.llamacpp_bench import LlamaCppGreedy
+
+    gguf = packaged_file(*PRESET_WEIGHTS["smollm2-135m"])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 49000, 12).tolist(), rng.integers(100, 49000, 7).tolist()]
+    runner = LlamaCppGreedy(gguf, num_seqs=2, max_len=24, threads=1)
+    try:
+        together, ttft, wall = runner.generate(prompts, 5)
+        assert 0 < ttft <= wall
+    finally:
+        runner.close()
+    alone = []
+    for p in prompts:
+        single = LlamaCppGreedy(gguf, num_seqs=1, max_len=24, threads=1)
+        try:
+            alone.append(single.generate([p], 5)[0][0])
+        finally:
+            single.close()
+    assert [len(t) for t in together] == [5, 5]
+    assert together == alone
