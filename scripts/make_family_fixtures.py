@@ -8,7 +8,9 @@ logits for a fixed token sequence:
 
     tests/fixtures/families/<family>/config.json
     tests/fixtures/families/<family>/model.safetensors
-    tests/fixtures/families/<family>/reference.npz      input_ids i32[1, L], logits f32[L, vocab], transformers_version
+    tests/fixtures/families/<family>/reference.npz      input_ids i32[1, L], logits f32[L, vocab], transformers_version,
+                                                        greedy_ids i32[GREEDY_TOKENS]: transformers' greedy
+                                                        continuation of the first PROMPT_LEN input ids
 
 Needs the `reference` extra (transformers + torch). Run from the repository root:
 
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 SEQ_LEN = 40  # longer than every window below, so windowed layers really drop keys
+PROMPT_LEN, GREEDY_TOKENS = 20, 32  # the greedy continuation runs to 52 tokens, several windows long
 WINDOW = 8
 _COMMON: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -88,8 +91,9 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.15 * noise)
 
 
-def build_family(family: str, folder: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Save the tiny `family` model (bf16) into `folder`; return (input_ids [1, L], transformers' f32 logits [L, V])."""
+def build_family(family: str, folder: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Save the tiny `family` model (bf16) into `folder`; return (input_ids [1, L], transformers' f32 logits [L, V],
+    its greedy continuation [GREEDY_TOKENS] of the first PROMPT_LEN ids)."""
     import torch
     import transformers
 
@@ -105,7 +109,11 @@ def build_family(family: str, folder: str, seed: int = 0) -> tuple[np.ndarray, n
     ids = np.random.default_rng(seed).integers(3, _COMMON["vocab_size"], (1, SEQ_LEN)).astype(np.int32)
     with torch.no_grad():
         logits = ref(input_ids=torch.from_numpy(ids.astype(np.int64))).logits[0].float().numpy()
-    return ids, logits
+        # Greedy by hand: `generate(min_new_tokens=...)` would mask EOS, and the engine's ignore_eos does not.
+        seq = torch.from_numpy(ids[:, :PROMPT_LEN].astype(np.int64))
+        for _ in range(GREEDY_TOKENS):
+            seq = torch.cat([seq, ref(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids, logits, seq[0, PROMPT_LEN:].numpy().astype(np.int32)
 
 
 def write_fixture(family: str, out_dir: str) -> str:
@@ -113,12 +121,12 @@ def write_fixture(family: str, out_dir: str) -> str:
 
     folder = os.path.join(out_dir, family)
     with tempfile.TemporaryDirectory() as tmp:
-        ids, logits = build_family(family, tmp)
+        ids, logits, greedy = build_family(family, tmp)
         os.makedirs(folder, exist_ok=True)
         for name in ("config.json", "model.safetensors"):
             shutil.copyfile(os.path.join(tmp, name), os.path.join(folder, name))
     np.savez(os.path.join(folder, "reference.npz"), input_ids=ids, logits=logits.astype(np.float32),
-             transformers_version=np.array(transformers.__version__))
+             greedy_ids=greedy, transformers_version=np.array(transformers.__version__))
     return folder
 
 
