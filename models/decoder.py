@@ -92,10 +92,9 @@ class Decoder(nnx.Module):
         """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = self.embed(tokens)
-        kv = None
-        for i, layer in enumerate(self.layers):
-            x, own_kv = layer.forward_dense(x, positions, None if self.config.owns_kv(i) else kv)
-            kv = own_kv if self.config.owns_kv(i) else kv
+        kv = None  # a layer that owns its KV ignores the previous one's; a CLA layer reads and passes it on
+        for layer in self.layers:
+            x, kv = layer.forward_dense(x, positions, kv)
         return self.logits(self.final_norm(x))
 
 
