@@ -39,6 +39,14 @@ def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Arr
     return num_kv_heads, num_q_heads // num_kv_heads
 
 
+def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
+    """pages[page_indices]: each sequence's pages, [S, pages_per_seq, page_size, ...].
+
+    Page indices are in bounds by contract (padding rows point at a real page, usually 0), so the gather promises
+    it: XLA CPU then copies whole page rows instead of clamping every element, 2x faster for a decode batch."""
+    return pages.at[page_indices].get(mode="promise_in_bounds")
+
+
 class QueryBlocks(NamedTuple):
     """Where each sequence's queries sit: row r of sequence s is packed token `gather_index[s, r]` (T for padding
     rows, which read a zero row and are never written back) at cache position `q_pos[s, r]`."""
@@ -126,11 +134,11 @@ def ragged_paged_attention_reference(
     kv_len_max = pages_per_seq * page_size
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
 
-    kv = kv_pages[page_indices].reshape(max_seqs, kv_len_max, num_combined_kv_heads, head_dim)
+    kv = gather_pages(kv_pages, page_indices).reshape(max_seqs, kv_len_max, num_combined_kv_heads, head_dim)
     k = kv[:, :, 0::2].astype(jnp.float32)
     v = kv[:, :, 1::2].astype(jnp.float32)
     if kv_scales is not None:
-        scales = kv_scales[page_indices].reshape(max_seqs, kv_len_max, num_combined_kv_heads, 1)
+        scales = gather_pages(kv_scales, page_indices).reshape(max_seqs, kv_len_max, num_combined_kv_heads, 1)
         k = k * scales[:, :, 0::2]
         v = v * scales[:, :, 1::2]
     if k_scale is not None:

@@ -18,7 +18,9 @@ softmax; the KV write kept), and attention and the KV write both removed. Differ
 KV write's share; what remains is the dense part, compared with the model's matmuls alone (same weights, replayed
 beside it), with a 1024^3 float32 matmul timed in the same run, and with this machine's idle ceilings (--flops,
 --bandwidth; issue 9's measured 210 GFLOP/s and 50 GB/s). Recompiles during the measured run
-and host-to-device transfers per step (jax's transfer guard log) are counted too.
+and host-to-device transfers per step (jax's transfer guard log) are counted too. With --ops the isolated step is
+also traced with jax's profiler (XLA CPU thunk events) and the top XLA ops by time are listed, grouped by kind
+(`copy_gather_fusion.17` counts as `copy_gather_fusion`).
 
 The machine may be shared: compare rows of one run, as ratios; absolute milliseconds move with the load.
 """
@@ -34,13 +36,18 @@ import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
 from absl import app, flags
+
+if "--ops" in sys.argv and "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
+    # XLA CPU emits per-op trace events only with this flag, read when jax initializes its backend.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import models.attention as attention_module
 from inference import LLM, SamplingParams
-from inference.cost_model import param_count, weight_bytes
+from inference.cost_model import param_count
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
@@ -48,11 +55,14 @@ flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to profile.")
 flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
+flags.DEFINE_string("quantization", None, "Weights: None (--dtype), int8, int4, gguf (as LLM(quantization=)); the "
+                    "matmul-alone replay is float-only and is skipped then.")
 flags.DEFINE_integer("repeats", 25, "Timed replays of the isolated step per variant.")
 flags.DEFINE_float("flops", 210e9, "The machine's float32 matmul FLOP/s, for the dense-part floor.")
 flags.DEFINE_float("bandwidth", 50e9, "The machine's memory bandwidth in B/s, for the dense-part floor.")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
+flags.DEFINE_boolean("ops", False, "Also trace the isolated step and list the top XLA ops by time.")
 
 
 class StepTimer:
@@ -188,17 +198,19 @@ def replay(llm: LLM, captured, repeats: int) -> dict[str, float]:
             sampled, _, runner.kv_caches = fn(runner.param_leaves, runner.kv_caches, dev_inp, dev_sampling, **kwargs)
             jax.block_until_ready(sampled)
         variants[mode] = (fn, dev_inp, dev_sampling)
-    matmuls = matmul_chain(runner.param_leaves, int(np.asarray(inp.logits_indices).shape[0]))
-    times: dict[str, list[float]] = {k: [] for k in [*variants, "matmuls_only"]}
+    float_weights = all(jax.numpy.issubdtype(w.dtype, jax.numpy.floating) for w in runner.param_leaves)
+    matmuls = matmul_chain(runner.param_leaves, int(np.asarray(inp.logits_indices).shape[0])) if float_weights else None
+    times: dict[str, list[float]] = {k: [] for k in [*variants, *(["matmuls_only"] if matmuls else [])]}
     for _ in range(repeats + 1):  # the first round warms caches and is dropped
         for name, (fn, a, s) in variants.items():
             t0 = time.perf_counter()
             sampled, _, runner.kv_caches = fn(runner.param_leaves, runner.kv_caches, a, s, **kwargs)
             np.asarray(sampled.tokens)
             times[name].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        np.asarray(matmuls())
-        times["matmuls_only"].append(time.perf_counter() - t0)
+        if matmuls is not None:
+            t0 = time.perf_counter()
+            np.asarray(matmuls())
+            times["matmuls_only"].append(time.perf_counter() - t0)
     return {k: float(np.median(v[1:]) * 1e3) for k, v in times.items()}
 
 
@@ -224,6 +236,39 @@ def matmul_chain(param_leaves: list[jax.Array], rows: int):
     return functools.partial(chain, weights, x)
 
 
+def op_profile(llm: LLM, captured, repeats: int = 5, top: int = 12) -> list[dict]:
+    """The captured decode step traced `repeats` times with jax's profiler: ms per step of each kind of XLA op
+    (thunk events named after the op, numeric suffix stripped), most expensive first. Parallel partitions of one
+    op are separate events, so a kind's total can exceed its wall time; read the shares, not the sum."""
+    from jax._src.lib import _profile_data
+
+    inp, sampling, kwargs = captured
+    inp, sampling = jax.device_put((inp, sampling))
+    runner = llm.runner
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(repeats):
+                sampled, _, runner.kv_caches = runner.decode_step(runner.param_leaves, runner.kv_caches, inp,
+                                                                  sampling, **kwargs)
+                np.asarray(sampled.tokens)
+        (path,) = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
+        data = _profile_data.ProfileData.from_file(path)
+    totals: dict[str, list[float]] = {}
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue  # not one of XLA's threads (the python thread: frames, argument handling, the call)
+            for event in line.events:
+                kind = re.sub(r"\.\d+$", "", event.name)
+                if kind.startswith("end: ") or "::" in kind:
+                    continue  # runtime bookkeeping around the ops
+                entry = totals.setdefault(kind, [0.0, 0])
+                entry[0] += event.duration_ns / 1e6 / repeats
+                entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"op": k, "ms_per_step": v[0], "events_per_step": v[1] / repeats} for k, v in ranked]
+
+
 def machine_rates(repeats: int = 5) -> dict[str, float]:
     """This run's float32 matmul rate (best of a few 1024^3 products), measured next to the step: on a shared
     machine the ceiling moves with the load. (No bandwidth probe: an XLA reduction over a large array ran well
@@ -239,12 +284,11 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
 
 
 def dense_floor_ms(llm: LLM, batch: int, rates: dict[str, float]) -> dict[str, float]:
-    """The dense part's floor: weight bytes over bandwidth, matmul FLOPs over the matmul rate; with issue 9's
+    """The dense part's floor: the stored weight bytes over bandwidth, matmul FLOPs over the matmul rate; with issue 9's
     figures for this machine (--flops, --bandwidth) and with the rates measured in this run."""
     config = llm.config
-    elem = jax.numpy.dtype(FLAGS.dtype).itemsize
     flops = 2 * param_count(config).matrices * batch  # embeddings counted: the tied LM head is a matmul
-    wbytes = weight_bytes(config, elem)
+    wbytes = sum(leaf.nbytes for leaf in llm.runner.param_leaves)  # as stored: float or quantized codes + scales
     return {"weights_read_ms": wbytes / FLAGS.bandwidth * 1e3, "matmul_ms": flops / FLAGS.flops * 1e3,
             "matmul_ms_now": flops / rates["flops_per_s"] * 1e3, **rates}
 
@@ -262,9 +306,10 @@ def profile_batch(llm: LLM, batch: int) -> dict:
     run["host_to_device_transfers_per_step"] = count_transfers(llm, captured)
     isolated = replay(llm, captured, FLAGS.repeats)
     rates = machine_rates()
+    ops = op_profile(llm, captured) if FLAGS.ops else None
     row = {"batch": batch, "warmup_s": warmup_s, **run, "isolated_ms": isolated,
            "context_at_replay": int(np.asarray(captured[0].attn.kv_lens).max()),
-           "floor_ms": dense_floor_ms(llm, batch, rates)}
+           "floor_ms": dense_floor_ms(llm, batch, rates), **({"ops": ops} if ops else {})}
     iso = isolated
     row["split_ms"] = {"attention": iso["step"] - iso["no_attention"],
                        "kv_write": iso["no_attention"] - iso["no_attention_no_write"],
@@ -289,7 +334,8 @@ def format_table(rows: list[dict]) -> str:
     add("  attention (page gather + softmax) ms", lambda r: r["split_ms"]["attention"])
     add("  KV write ms", lambda r: r["split_ms"]["kv_write"])
     add("  dense + LM head + sampling ms", lambda r: r["split_ms"]["dense_and_sampling"])
-    add("  the same matmuls alone (same weights, same run) ms", lambda r: r["isolated_ms"]["matmuls_only"])
+    add("  the same matmuls alone (same weights, same run) ms",
+        lambda r: r["isolated_ms"].get("matmuls_only", float("nan")))
     add("  floor: weights / --bandwidth ms", lambda r: r["floor_ms"]["weights_read_ms"])
     add("  floor: matmul FLOPs / --flops ms", lambda r: r["floor_ms"]["matmul_ms"])
     add("  floor: FLOPs / 1024^3 matmul rate measured now ms", lambda r: r["floor_ms"]["matmul_ms_now"])
@@ -311,13 +357,18 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
+    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(batches),
               max_num_batched_tokens=max(512, FLAGS.input_len))
     rows = [profile_batch(llm, b) for b in batches]
     print(format_table(rows), file=sys.stderr)
+    for row in rows:
+        for op in row.get("ops", []):
+            print(f"batch {row['batch']}: {op['ms_per_step']:8.2f} ms/step  x{op['events_per_step']:5.0f}  {op['op']}",
+                  file=sys.stderr)
     if FLAGS.json:
         print(json.dumps({"config": {"model": FLAGS.model, "input_len": FLAGS.input_len,
-                                     "output_len": FLAGS.output_len, "dtype": FLAGS.dtype}, "rows": rows}))
+                                     "output_len": FLAGS.output_len, "dtype": FLAGS.dtype,
+                                     "quantization": FLAGS.quantization}, "rows": rows}))
 
 
 if __name__ == "__main__":

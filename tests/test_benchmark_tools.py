@@ -82,6 +82,20 @@ def test_profile_step_smoke():
         assert row["step_ms"] > 0 and row["host_ms"] > 0 and row["dispatch_ms"] > 0
     assert "attention (page gather + softmax)" in proc.stderr
 
+    # --ops traces the isolated step: XLA op kinds with their time; int8 weights skip the float matmul replay.
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "profile_step.py"), "--model=tiny-llama",
+                           "--batch=2", "--input_len=8", "--output_len=5", "--repeats=1", "--json", "--ops",
+                           "--quantization=int8"], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert "matmuls_only" not in row["isolated_ms"]
+    ops = row["ops"]
+    assert ops and all(op["ms_per_step"] > 0 and op["events_per_step"] > 0 for op in ops)
+    assert [op["ms_per_step"] for op in ops] == sorted((op["ms_per_step"] for op in ops), reverse=True)
+    assert any("gather" in op["op"] for op in ops)  # the page gather of attention is one of the step's ops
+    assert not any(op["op"].startswith("$") for op in ops)  # python frames are not XLA ops
+
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs the `llamacpp` extra")
 def test_llamacpp_batched_greedy_matches_one_by_one():

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from inference import LLM, SamplingParams
+from inference.batch import bucket, bucket_ladder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -117,10 +118,22 @@ def test_preemption_under_a_small_page_pool_keeps_outputs_exact():
     assert small.engine.block_manager.num_free_pages == small.runner.num_pages
 
 
+def test_bucket_ladders():
+    assert [bucket(n) for n in (1, 2, 3, 5, 9, 17)] == [1, 2, 4, 8, 16, 32]
+    # pages per sequence: 1.5x steps between powers of two, never below the minimum, capped at the maximum
+    assert [bucket(n, 4, fine=True) for n in (1, 4, 5, 6, 7, 9, 12, 13, 17, 25)] == [4, 4, 6, 6, 8, 12, 12, 16, 24, 32]
+    assert bucket_ladder(4, 100, fine=True) == [4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert bucket(100, 4, 100, fine=True) == 100
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        bucket(101, 4, 100, fine=True)
+    ladder = bucket_ladder(4, 512, fine=True)
+    assert all(bucket(n, 4, 512, fine=True) in ladder for n in range(1, 513))
+
+
 def test_decode_never_compiles_after_warmup():
     llm = tiny_llm(max_num_seqs=4, max_model_len=64)
     compiled = llm.warmup()
-    assert compiled == 3 * 3 * 2  # seq buckets 1, 2, 4 x pages per seq 4, 8, 16 (64 tokens) x filters on/off
+    assert compiled == 3 * 5 * 2  # seq buckets 1, 2, 4 x pages per seq 4, 6, 8, 12, 16 (64 tokens) x filters on/off
     before = llm.runner.num_compilations()["decode"]
     for i, count in enumerate((1, 3, 4, 2)):
         llm.generate(prompt_token_ids=prompts(10 + i, count, 2, 40),
