@@ -44,6 +44,7 @@ flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
 flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
+flags.DEFINE_string("kv_cache_dtype", None, "pagejax's KV cache: None (the model dtype), float32, bfloat16, int8.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
 flags.DEFINE_enum("compare", None, ["hf", "llamacpp", "plain"], "Also run, on the same prompts: transformers' "
                   "generate (hf), llama.cpp on the same GGUF (llamacpp; needs llama-cpp-python), or pagejax without "
@@ -202,10 +203,11 @@ def main(argv: list[str]) -> None:
               num_speculative_tokens=FLAGS.num_speculative_tokens, speculative_adaptive=FLAGS.speculative_adaptive,
               speculative_model=FLAGS.speculative_model if FLAGS.speculative == "draft" else None,
               max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len),
-              quantization=FLAGS.quantization)
+              quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype)
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
-                               "dtype": FLAGS.dtype, "quantization": FLAGS.quantization}}
+                               "dtype": FLAGS.dtype, "quantization": FLAGS.quantization,
+                               "kv_cache_dtype": FLAGS.kv_cache_dtype}}
     if FLAGS.mode == "serving":
         served = result["pagejax"]["serving"] = run_serving(llm)
         print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "

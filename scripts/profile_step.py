@@ -60,6 +60,7 @@ flags.DEFINE_string("quantization", None, "Weights: None (--dtype), int8, int4, 
 flags.DEFINE_integer("repeats", 25, "Timed replays of the isolated step per variant.")
 flags.DEFINE_float("flops", 210e9, "The machine's float32 matmul FLOP/s, for the dense-part floor.")
 flags.DEFINE_float("bandwidth", 50e9, "The machine's memory bandwidth in B/s, for the dense-part floor.")
+flags.DEFINE_string("kv_cache_dtype", None, "KV cache dtype: None (the model dtype), float32, bfloat16, int8.")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
 flags.DEFINE_boolean("ops", False, "Also trace the isolated step and list the top XLA ops by time.")
@@ -175,7 +176,8 @@ def patched_attention(mode: str):
     if mode in ("no_attention", "no_attention_no_write"):
         attention_module.ragged_paged_attention = lambda q, *args, **kwargs: q
     if mode == "no_attention_no_write":
-        attention_module.write_kv = lambda pages, *args, **kwargs: pages
+        attention_module.write_kv = lambda pages, *args, kv_scales=None, **kwargs: (  # noqa: E731
+            pages if kv_scales is None else (pages, kv_scales))
     try:
         yield
     finally:
@@ -357,7 +359,8 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, max_num_seqs=max(batches),
+    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype,
+              max_num_seqs=max(batches),
               max_num_batched_tokens=max(512, FLAGS.input_len))
     rows = [profile_batch(llm, b) for b in batches]
     print(format_table(rows), file=sys.stderr)
@@ -368,7 +371,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.json:
         print(json.dumps({"config": {"model": FLAGS.model, "input_len": FLAGS.input_len,
                                      "output_len": FLAGS.output_len, "dtype": FLAGS.dtype,
-                                     "quantization": FLAGS.quantization}, "rows": rows}))
+                                     "quantization": FLAGS.quantization, "kv_cache_dtype": FLAGS.kv_cache_dtype},
+                          "rows": rows}))
 
 
 if __name__ == "__main__":
