@@ -1,11 +1,12 @@
 """Turn a scheduled batch into flat ragged arrays padded to static buckets.
 
-Shapes are rounded up to powers of two (tokens, sequences, longest query), so the number of distinct compiled step
-functions stays small and decode stops compiling once its buckets are warm. Pages per sequence use a finer ladder
-(powers of two and 1.5x powers of two: 4, 6, 8, 12, 16, 24, ...): on CPU decode attention costs in proportion to the
-padded context, and a context of 129-192 tokens then reads 192 positions instead of 256 (BENCHMARKS.md measured
-+5% decode tok/s at batch 32 for one more compiled shape per doubling). All of this is numpy on the host; one
-`device_put` per step moves it.
+Shapes are rounded up to powers of two (tokens, sequences, pages per sequence, longest query), so the number of
+distinct compiled step functions stays small and decode stops compiling once its buckets are warm. With
+`BucketLimits.fine_pages` pages per sequence use a finer ladder (powers of two and 1.5x powers of two: 4, 6, 8, 12,
+16, 24, ...): the pure-JAX attention (the CPU path) reads every padded page, so a context of 129-192 tokens then
+reads 192 positions instead of 256 (BENCHMARKS.md: +5% decode tok/s at batch 32 on CPU, for one more compiled shape
+per doubling); the Pallas kernels stop at each sequence's length, where finer buckets would only add compiles. All
+of this is numpy on the host; one `device_put` per step moves it.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class BucketLimits:
     max_pages_per_seq: int
     min_tokens: int = 8
     min_pages_per_seq: int = 4
+    fine_pages: bool = False  # pages per sequence on the 1.5x ladder (see the module docstring)
 
 
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
@@ -105,7 +107,8 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         padded_tokens = max(padded_tokens, bucket(longest))
         max_q = bucket(longest, maximum=padded_tokens)
     max_pages = max(len(seq.pages) for seq in batch.seqs)
-    padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq, fine=True)
+    padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq,
+                          fine=limits.fine_pages)
 
     tokens = np.zeros(padded_tokens, np.int32)
     positions = np.zeros(padded_tokens, np.int32)

@@ -13,6 +13,8 @@ import random
 import threading
 import time
 
+import jax
+
 from inference.batch import BucketLimits, build_model_input, bucket
 from inference.kv_cache_manager import KVCacheManager
 from inference.metrics import EngineStats
@@ -65,7 +67,9 @@ class Engine:
         self.max_model_len = max_model_len
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
-                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len))
+                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
+                                   # the CPU attention reads every padded page; the TPU/GPU kernels do not
+                                   fine_pages=jax.default_backend() == "cpu")
         if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
             raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
                              f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "

@@ -227,7 +227,7 @@ class ModelRunner:
         filters, so serving never compiles a decode step. Returns how many variants were compiled."""
         before = self.decode_step._cache_size()
         for seqs in bucket_ladder(1, limits.max_seqs):
-            for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, fine=True):
+            for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages):
                 inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1,
                                        num_groups=len(self.group_caches))
                 sampling = SamplingTensors.from_params([], [], [], pad_to=seqs)
