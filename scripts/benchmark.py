@@ -6,8 +6,10 @@
     python scripts/benchmark.py --batch=1,32 --compare=hf --plot=bench.png   # scripts/plot_benchmarks.py
     python scripts/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
 
-Prompts are random token ids of a fixed length (speed does not depend on the text); generation is greedy with EOS
-ignored so every request produces exactly `output_len` tokens. Each batch size runs twice: once to compile every
+Prompts are random token ids of a fixed length (speed does not depend on the text), or, with --prompts_file, a
+prompt set of varied lengths: the launcher's input JSONL (rows with "prompt" or chat "messages"), the first B rows
+for batch size B (repeated when the file has fewer); transformers then runs them left-padded. Generation is greedy
+with EOS ignored so every request produces exactly `output_len` tokens. Each batch size runs twice: once to compile every
 shape the run meets (reported as warm-up), then measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
 uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to exercise the prefix cache), and
 reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
@@ -41,6 +43,8 @@ flags.DEFINE_float("request_rate", 2.0, "Serving: mean arrivals per second.")
 flags.DEFINE_integer("num_requests", 64, "Serving: requests to send.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Serving: tokens of a prefix every prompt shares.")
 flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
+flags.DEFINE_string("prompts_file", None, "Offline: prompts from this JSONL (the launcher's input format) instead of "
+                    "random ids of --input_len tokens.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
 flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
@@ -72,6 +76,16 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int, repetitive: boo
     if repetitive:
         return [(rng.integers(100, vocab - 100, 16).tolist() * (length // 16 + 1))[:length] for _ in range(batch)]
     return rng.integers(100, vocab - 100, size=(batch, length)).tolist()
+
+
+def file_prompts(path: str, batch: int, llm: LLM) -> list[list[int]]:
+    """The first `batch` prompts of a launcher-format JSONL, tokenized (cycling when the file has fewer rows)."""
+    from inference.jsonl_io import prompt_text, read_input
+
+    rows = read_input(path)
+    if not rows:
+        raise ValueError(f"--prompts_file {path} has no rows")
+    return [llm.tokenizer.encode(prompt_text(rows[i % len(rows)], llm.tokenizer)) for i in range(batch)]
 
 
 def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
@@ -127,15 +141,23 @@ def run_serving(llm: LLM) -> dict:
     return summary
 
 
-def run_hf(gguf_path: str, prompts: list[list[int]], output_len: int) -> dict:
-    """transformers' generate, float32, greedy, on the same GGUF weights (dequantized by transformers)."""
+def load_hf(gguf_path: str):
+    """transformers' model for the same GGUF weights (dequantized by transformers), float32, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                 dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                                dtype=torch.float32).eval()
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' generate, greedy, timed like the pagejax side (a warm-up call first)."""
+    import torch
+
+    width = max(map(len, prompts))  # varied lengths are left-padded, as generate expects for a decoder-only model
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         t0 = time.perf_counter()
@@ -194,7 +216,7 @@ def main(argv: list[str]) -> None:
     batches = [int(b) for b in FLAGS.batch]
     if FLAGS.hf_worker:
         with open(FLAGS.hf_prompts) as f:
-            print(json.dumps(run_hf(FLAGS.hf_worker, json.load(f), FLAGS.output_len)))
+            print(json.dumps(run_hf(load_hf(FLAGS.hf_worker), json.load(f), FLAGS.output_len)))
         return
     if FLAGS.compare == "llamacpp":
         _sibling("llamacpp_bench").import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
@@ -207,7 +229,7 @@ def main(argv: list[str]) -> None:
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
                                "dtype": FLAGS.dtype, "quantization": FLAGS.quantization,
-                               "kv_cache_dtype": FLAGS.kv_cache_dtype}}
+                               "kv_cache_dtype": FLAGS.kv_cache_dtype, "prompts_file": FLAGS.prompts_file}}
     if FLAGS.mode == "serving":
         served = result["pagejax"]["serving"] = run_serving(llm)
         print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "
@@ -222,8 +244,11 @@ def main(argv: list[str]) -> None:
         plain = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
                     max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
     for batch in batches:
-        prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed, FLAGS.repetitive)
+        prompts = (file_prompts(FLAGS.prompts_file, batch, llm) if FLAGS.prompts_file else
+                   make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, FLAGS.seed, FLAGS.repetitive))
         ours = run_pagejax(llm, prompts, FLAGS.output_len)
+        ours["prompt_tokens"] = {"mean": float(np.mean([len(p) for p in prompts])),
+                                 "min": min(map(len, prompts)), "max": max(map(len, prompts))}
         result["pagejax"][f"batch_{batch}"] = ours
         line = (f"pagejax batch {batch}: TTFT {ours['ttft_mean_s'] * 1e3:.0f} ms, decode {ours['decode_tok_s']:.1f} "
                 f"tok/s, end to end {ours['output_tok_s']:.1f} tok/s, warm-up {ours['warmup_s']:.1f} s")

@@ -123,3 +123,48 @@ def test_llamacpp_batched_greedy_matches_one_by_one():
             single.close()
     assert [len(t) for t in together] == [5, 5]
     assert together == alone
+
+
+PROMPT_ROWS = [{"id": 1, "prompt": "The capital of France is"},
+               {"id": 2, "messages": [{"role": "user", "content": "Name three colors of the rainbow, please."}]},
+               {"id": 3, "prompt": "Once upon a time, in a small village by the sea, there lived an old fisherman who"}]
+
+
+def test_benchmark_offline_prompt_set_of_varied_lengths(tmp_path):
+    """--prompts_file: the launcher's JSONL as the prompt set (text and chat rows), the first B rows per batch size,
+    cycling; every request still yields exactly output_len tokens and the JSON records the prompt lengths."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_ROWS))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "benchmark.py"), f"--prompts_file={path}",
+                           "--batch=2,4", "--output_len=3", "--json"], cwd=root,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["config"]["prompts_file"] == str(path)
+    two, four = result["pagejax"]["batch_2"], result["pagejax"]["batch_4"]
+    assert two["prompt_tokens"]["min"] < two["prompt_tokens"]["max"]  # rows 1 and 2 differ in length
+    assert four["prompt_tokens"]["min"] == two["prompt_tokens"]["min"]  # row 4 is row 1 again
+    assert two["output_tokens"] == 2 * 3 and four["output_tokens"] == 4 * 3
+    assert two["decode_tok_s"] > 0 and four["ttft_mean_s"] > 0
+
+
+@pytest.mark.reference
+def test_hf_side_left_pads_varied_lengths():
+    """The transformers side runs a batch of different lengths left-padded: each prompt's greedy tokens equal the
+    tokens of that prompt run alone."""
+    pytest.importorskip("transformers")
+    from configs.presets import PRESET_WEIGHTS
+    from inference.model_loader import packaged_file
+    from scripts.benchmark import load_hf, run_hf
+
+    model = load_hf(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
+    rng = np.random.default_rng(1)
+    short, long = rng.integers(100, 40000, 5).tolist(), rng.integers(100, 40000, 11).tolist()
+    together = run_hf(model, [short, long], output_len=4)["first_tokens"]
+    alone = [run_hf(model, [p], output_len=4)["first_tokens"][0] for p in (short, long)]
+    assert together == alone
