@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import os
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -393,20 +393,31 @@ class PagedDraftProposer(DraftModelProposer):
         return DraftProposal(token_ids, probs)
 
 
-def make_draft_proposer(speculative_model: str, *, target_config: ModelConfig, target_tokenizer, k: int,
-                        num_pages: int, page_size: int, dtype=jnp.float32, kv_dtype=jnp.float32,
-                        attn_impl: str = "auto", seed: int = 0) -> PagedDraftProposer:
-    """The proposer for `LLM(speculative_method="draft", speculative_model=...)`."""
+class LoadedDraft(NamedTuple):
+    """A draft model's config and weights, loaded once (before the KV budget, which its cache shares)."""
+
+    source: str
+    config: ModelConfig
+    weights: dict
+
+
+def load_draft(speculative_model: str, *, target_config: ModelConfig, target_tokenizer, seed: int = 0) -> LoadedDraft:
+    """Parse and load `speculative_model` for this target: same tokenizer, no sliding-window target."""
     if target_config.sliding_window is not None:
         raise ValueError("a draft model for a sliding-window target is not supported yet (the target releases pages "
                          "behind the window that the draft's catch-up would still read); use "
                          "speculative_method='ngram'")
-    spec = DraftSpec.parse(speculative_model)
-    config, weights, tokenizer = load_draft_weights(spec, seed=seed)
+    config, weights, tokenizer = load_draft_weights(DraftSpec.parse(speculative_model), seed=seed)
     check_same_tokenizer(target_config, target_tokenizer, config, tokenizer)
-    model = build_decoder(config, weights, dtype=dtype, attn_impl=attn_impl, source=speculative_model)
+    return LoadedDraft(speculative_model, config, weights)
+
+
+def make_draft_proposer(draft: LoadedDraft, *, k: int, num_pages: int, page_size: int, dtype=jnp.float32,
+                        kv_dtype=jnp.float32, attn_impl: str = "auto") -> PagedDraftProposer:
+    """The proposer for `LLM(speculative_method="draft", speculative_model=...)`."""
+    model = build_decoder(draft.config, draft.weights, dtype=dtype, attn_impl=attn_impl, source=draft.source)
     return PagedDraftProposer(model, k=k, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
 
 
-__all__ = ["DraftSpec", "PagedDraftProposer", "check_same_tokenizer", "decoder_weights", "load_draft_weights",
-           "make_draft_proposer", "parse_layers", "prune_layers", "save_draft"]
+__all__ = ["DraftSpec", "LoadedDraft", "PagedDraftProposer", "check_same_tokenizer", "decoder_weights", "load_draft",
+           "load_draft_weights", "make_draft_proposer", "parse_layers", "prune_layers", "save_draft"]

@@ -94,14 +94,24 @@ class LLM:
         if kv_cache_dtype == "int8" and loaded.config.is_mla:
             raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use the model dtype")
         kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype or dtype]
-        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache.py).
-        bytes_per_token = loaded.config.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize,
-                                                           scale_bytes=4 if kv_cache_dtype == "int8" else 0)
+        check_speculative(speculative_method, num_speculative_tokens, speculative_model,
+                          tensor_parallel_size * data_parallel_size)
+        draft = None
+        if speculative_method == "draft":
+            from inference.draft_model import load_draft
+            draft = load_draft(speculative_model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
+                               seed=seed)
+        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache.py). A draft model's
+        # cache has a slot for every target page (it runs on the target's page tables), so it shares the budget.
+        kv_bytes = lambda config: config.kv_bytes_per_token(  # noqa: E731
+            jnp.dtype(kv_dtype).itemsize, scale_bytes=4 if kv_cache_dtype == "int8" else 0)
+        bytes_per_token = kv_bytes(loaded.config) + (kv_bytes(draft.config) if draft is not None else 0)
         budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
         num_pages = budget // (bytes_per_token * page_size)
         if num_pages < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
-                             f"({bytes_per_token} bytes per token); raise kv_cache_memory_bytes")
+                             f"({bytes_per_token} bytes per token{' with the draft model' if draft else ''}); raise "
+                             "kv_cache_memory_bytes")
         context = max_model_len or loaded.config.max_position_embeddings
         if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
             context = min(context, num_pages * page_size)
@@ -116,10 +126,9 @@ class LLM:
                                                   max_num_batched_tokens=max_num_batched_tokens,
                                                   policy=scheduling_policy),
                                   max_model_len=context, enable_prefix_caching=enable_prefix_caching,
-                                  proposer=_proposer(speculative_method, num_speculative_tokens, speculative_model,
-                                                     mesh=mesh, target=loaded, num_pages=num_pages,
-                                                     page_size=page_size, dtype=DTYPES[dtype], kv_dtype=kv_dtype,
-                                                     attn_impl=attn_impl, seed=seed),
+                                  proposer=_proposer(speculative_method, num_speculative_tokens, draft,
+                                                     num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
+                                                     kv_dtype=kv_dtype, attn_impl=attn_impl),
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculative_adaptive=speculative_adaptive))
         self.runners = [e.runner for e in engines]  # one per data-parallel replica
@@ -306,30 +315,36 @@ def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, qu
                          source=loaded.source)
 
 
-def _proposer(method: str | None, k: int, speculative_model: str | None = None, *, mesh=None, target=None,
-              **draft_kwargs):
-    """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages."""
+def check_speculative(method: str | None, k: int, speculative_model: str | None, num_devices: int) -> None:
+    """Reject an inconsistent speculative-decoding setup before anything is loaded (`num_devices`: tensor times
+    data parallel size)."""
     if method is None:
         if speculative_model is not None:
             raise ValueError("speculative_model is set but speculative_method is not; pass speculative_method='draft'")
-        return None
+        return
     if method not in ("ngram", "draft"):
         raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup), 'draft' (a "
                          "draft model, with speculative_model=...)")
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-    if method == "ngram":
-        if speculative_model is not None:
-            raise ValueError("speculative_model is only used with speculative_method='draft'")
-        return NgramProposer(k=k)
-    if speculative_model is None:
+    if method == "ngram" and speculative_model is not None:
+        raise ValueError("speculative_model is only used with speculative_method='draft'")
+    if method == "draft" and speculative_model is None:
         raise ValueError("speculative_method='draft' needs speculative_model, e.g. 'smollm2-135m:layers=0:30:3,29'")
-    if mesh is not None:
-        raise ValueError("a draft model with tensor_parallel_size > 1 is not supported yet; use "
-                         "speculative_method='ngram' or tensor_parallel_size=1")
+    if method == "draft" and num_devices > 1:
+        raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "
+                         "use speculative_method='ngram' or one device")
+
+
+def _proposer(method: str | None, k: int, draft=None, **draft_kwargs):
+    """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages
+    (arguments already checked by `check_speculative`)."""
+    if method is None:
+        return None
+    if method == "ngram":
+        return NgramProposer(k=k)
     from inference.draft_model import make_draft_proposer
-    return make_draft_proposer(speculative_model, target_config=target.config, target_tokenizer=target.tokenizer, k=k,
-                               **draft_kwargs)
+    return make_draft_proposer(draft, k=k, **draft_kwargs)
 
 
 @dataclasses.dataclass

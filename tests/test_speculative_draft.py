@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -111,6 +112,18 @@ def test_draft_and_plain_sequences_share_a_step_and_match_plain_greedy():
     stats = spec.engine.stats
     assert stats.spec_proposed / stats.spec_passes < 3.0, "adaptive k should have shrunk from 4"
     assert spec.engine.block_manager.num_free_pages == spec.engine.block_manager.num_pages
+
+
+def test_draft_cache_shares_the_kv_budget():
+    """The draft's cache has a slot for every target page, so the budget pays for both: half the pages for a draft
+    of the target's own shape, and the two caches together stay within kv_cache_memory_bytes."""
+    budget = 8 << 20
+    plain = LLM("tiny-llama", **{**KW, "kv_cache_memory_bytes": budget})
+    spec = LLM("tiny-llama", speculative_method="draft", speculative_model="tiny-llama",
+               **{**KW, "kv_cache_memory_bytes": budget})
+    assert spec.runner.num_pages == plain.runner.num_pages // 2
+    cache_bytes = lambda runner: sum(x.nbytes for x in jax.tree.leaves(runner.kv_caches))  # noqa: E731
+    assert cache_bytes(spec.runner) + cache_bytes(spec.engine.proposer.runner) <= budget < 2 * cache_bytes(plain.runner)
 
 
 def test_sampling_with_a_draft_model_follows_the_target_distribution():
