@@ -15,7 +15,7 @@ uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to e
 reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
 "ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size ("llamacpp" in place of
 "hf" with --compare=llamacpp: llama.cpp runs the same GGUF, its own quantized weights, through
-scripts/llamacpp_bench.py).
+scripts/llamacpp_bench.py; transformers runs through scripts/hf_bench.py, each in a child process).
 """
 
 from __future__ import annotations
@@ -66,9 +66,6 @@ flags.DEFINE_boolean("speculative_adaptive", False, "Adapt each request's draft 
 flags.DEFINE_integer("num_speculative_tokens", 4, "Draft tokens verified per step when speculating.")
 flags.DEFINE_boolean("repetitive", False, "Offline: prompts that repeat a 16-token pattern (where prompt lookup "
                      "has something to find); default random tokens.")
-flags.DEFINE_string("hf_worker", None, "Internal: run only the transformers side for this GGUF on the prompts in "
-                    "--hf_prompts (a JSON file) and print JSON.")
-flags.DEFINE_string("hf_prompts", None, "Internal, with --hf_worker.")
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int, repetitive: bool = False) -> list[list[int]]:
@@ -141,38 +138,6 @@ def run_serving(llm: LLM) -> dict:
     return summary
 
 
-def load_hf(gguf_path: str):
-    """transformers' model for the same GGUF weights (dequantized by transformers), float32, eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                dtype=torch.float32).eval()
-
-
-def run_hf(model, prompts: list[list[int]], output_len: int) -> dict:
-    """transformers' generate, greedy, timed like the pagejax side (a warm-up call first)."""
-    import torch
-
-    width = max(map(len, prompts))  # varied lengths are left-padded, as generate expects for a decoder-only model
-    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
-        wall = time.perf_counter() - t0
-    new = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    decode_s = max(wall - ttft, 1e-9)
-    return {"ttft_mean_s": ttft, "ttft_s": {"mean": ttft}, "output_tok_s": new / wall,
-            "decode_tok_s": len(prompts) * (output_len - 1) / decode_s,
-            "wall_s": wall, "output_tokens": int(new), "first_tokens": out[:, ids.shape[1]:ids.shape[1] + 8].tolist()}
-
-
 def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -> dict:
     """The transformers (side "hf") or llama.cpp ("llamacpp") side, on the same prompts, in a child process of this
     run: torch's and XLA's CPU thread pools in one process slowed transformers down ~10x here, which would flatter
@@ -180,7 +145,8 @@ def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     if side == "hf":
-        cmd = [sys.executable, __file__, f"--hf_worker={gguf_path}", f"--hf_prompts={f.name}"]
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "hf_bench.py"), f"--gguf={gguf_path}",
+               f"--prompts={f.name}"]
     else:
         cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), f"--gguf={gguf_path}",
                f"--prompts={f.name}", f"--threads={FLAGS.llamacpp_threads}"]
@@ -214,10 +180,6 @@ def machine() -> str:
 def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
-    if FLAGS.hf_worker:
-        with open(FLAGS.hf_prompts) as f:
-            print(json.dumps(run_hf(load_hf(FLAGS.hf_worker), json.load(f), FLAGS.output_len)))
-        return
     if FLAGS.compare == "llamacpp":
         _sibling("llamacpp_bench").import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
     t0 = time.perf_counter()

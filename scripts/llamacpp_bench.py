@@ -115,7 +115,7 @@ class LlamaCppGreedy:
 
 
 def run_llamacpp(gguf_path: str, prompts: list[list[int]], output_len: int, threads: int | None = None) -> dict:
-    """Warm up with 2 tokens, then the measured run; same keys and definitions as benchmark.run_hf."""
+    """Warm up with 2 tokens, then the measured run; same keys and definitions as hf_bench.run_hf."""
     runner = LlamaCppGreedy(gguf_path, len(prompts), max(map(len, prompts)) + output_len, threads=threads)
     try:
         runner.generate(prompts, 2)

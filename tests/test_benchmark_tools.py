@@ -157,14 +157,22 @@ def test_benchmark_offline_prompt_set_of_varied_lengths(tmp_path):
 def test_hf_side_left_pads_varied_lengths():
     """The transformers side runs a batch of different lengths left-padded: each prompt's greedy tokens equal the
     tokens of that prompt run alone."""
+    import os
+
     pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
     from configs.presets import PRESET_WEIGHTS
     from inference.model_loader import packaged_file
-    from scripts.benchmark import load_hf, run_hf
+    from scripts.hf_bench import load_hf, run_hf
 
-    model = load_hf(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
-    rng = np.random.default_rng(1)
-    short, long = rng.integers(100, 40000, 5).tolist(), rng.integers(100, 40000, 11).tolist()
+    gguf = packaged_file(*PRESET_WEIGHTS["smollm2-135m"])
+    model = load_hf(gguf)
+    # Text with confident continuations: random ids give near-tied next tokens that padding's rounding could flip.
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    short = tok.encode("The capital of France is")
+    long = tok.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who")
+    assert len(short) < len(long)
     together = run_hf(model, [short, long], output_len=4)["first_tokens"]
     alone = [run_hf(model, [p], output_len=4)["first_tokens"][0] for p in (short, long)]
     assert together == alone
