@@ -43,7 +43,8 @@ def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
     """pages[page_indices]: each sequence's pages, [S, pages_per_seq, page_size, ...].
 
     Page indices are in bounds by contract (padding rows point at a real page, usually 0), so the gather promises
-    it: XLA CPU then copies whole page rows instead of clamping every element, 2x faster for a decode batch."""
+    it: XLA CPU then copies whole page rows instead of clamping every element (a 12.6 MB gather alone: 1.04 -> 0.46
+    ms)."""
     return pages.at[page_indices].get(mode="promise_in_bounds")
 
 

@@ -11,8 +11,19 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels_pallas import ragged_paged_attention, sharded_ragged_paged_attention, write_kv
+from kernels_pallas.ragged_paged_attention_ref import masked_softmax
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+
+
+def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    """Softmax of cache-free scores [..., L, L] over keys, with the paged path's soft cap and window: key m is
+    visible to query l when m <= l and m > l - window. Shared by `Attention` and MLA's `forward_dense`."""
+    length = scores.shape[-1]
+    visible = jnp.tril(jnp.ones((length, length), bool))
+    if sliding_window is not None:
+        visible &= ~jnp.tril(jnp.ones((length, length), bool), k=-sliding_window)
+    return masked_softmax(scores, visible, soft_cap, -jnp.inf)
 
 
 @struct.dataclass
@@ -131,12 +142,7 @@ class Attention(nnx.Module):
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim).astype(jnp.float32)
         scores = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32)) * self.sm_scale
-        if self.soft_cap is not None:
-            scores = self.soft_cap * jnp.tanh(scores / self.soft_cap)
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        if self.sliding_window is not None:
-            causal &= ~jnp.tril(jnp.ones((length, length), bool), k=-self.sliding_window)
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        probs = causal_softmax(scores, self.sliding_window, self.soft_cap)
         out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out.reshape(batch, length, -1)), (k, v)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels_pallas import ragged_paged_mla_attention, sharded_ragged_paged_mla_attention, write_latent
+from models.attention import causal_softmax
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 
@@ -101,11 +102,6 @@ class MLAttention(nnx.Module):
                             axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         scores = jnp.einsum("blhd,bmhd->bhlm", q.astype(jnp.float32), k.astype(jnp.float32)) * self.sm_scale
-        if self.soft_cap is not None:
-            scores = self.soft_cap * jnp.tanh(scores / self.soft_cap)
-        visible = jnp.tril(jnp.ones((length, length), bool))
-        if self.sliding_window is not None:
-            visible &= ~jnp.tril(jnp.ones((length, length), bool), k=-self.sliding_window)
-        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        probs = causal_softmax(scores, self.sliding_window, self.soft_cap)
         out = jnp.einsum("bhlm,bmhv->blhv", probs, kv[..., self.nope_dim:].astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(out.reshape(batch, length, -1)), None
