@@ -45,6 +45,15 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+def reads_padded_pages(config) -> bool:
+    """Whether decode attention costs every padded page (so finer page buckets pay): the pure-JAX references do
+    (MLA on CPU, or any CPU model where the C++ kernel cannot be built); the C++, TPU and GPU kernels stop at each
+    sequence's length. An explicit `attn_impl="reference"` on CPU is not detected (it only costs some padding)."""
+    from kernels_pallas import ragged_paged_attention_cpu
+
+    return jax.default_backend() == "cpu" and (config.is_mla or not ragged_paged_attention_cpu.available())
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
                  enable_prefix_caching: bool = True, proposer: NgramProposer | DraftModelProposer | None = None,
@@ -68,8 +77,7 @@ class Engine:
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
-                                   # the CPU attention reads every padded page; the TPU/GPU kernels do not
-                                   fine_pages=jax.default_backend() == "cpu")
+                                   fine_pages=reads_padded_pages(runner.config))
         if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
             raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
                              f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "

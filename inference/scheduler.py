@@ -7,8 +7,8 @@ decode is a policy:
 - "mixed" (vLLM v1): every running sequence decodes one token, and prompt chunks fill the rest of the budget in
   the same step. Decode is never starved; the step's longest query is the longest chunk.
 - "prefill_first": a step is either prefill or decode; prefill goes first, but after `max_prefill_streak`
-  prefill steps in a row with sequences waiting to decode, a decode step runs. On CPU, where the reference
-  attention pays for the longest query in every sequence of the step, separate steps are cheaper.
+  prefill steps in a row with sequences waiting to decode, a decode step runs. Where attention is the
+  pure-JAX reference, which pays for the longest query in every sequence of the step, separate steps are cheaper.
 
 Waiting sequences are served by (priority, arrival): FCFS unless a request sets a lower `priority`. New sequences
 first look up the prefix cache. When pages run out, the lowest-priority newest sequence is preempted: its pages

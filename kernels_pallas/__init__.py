@@ -1,5 +1,6 @@
-"""Ragged paged attention (pure-JAX reference, Pallas TPU and GPU kernels, a dispatcher by backend), its MLA variant
-over a latent cache, the paged KV-cache writes (int8 with per-token scales optional) and a shard_map wrapper."""
+"""Ragged paged attention (pure-JAX reference, Pallas TPU and GPU kernels, a C++ CPU kernel through XLA's FFI, a
+dispatcher by backend), its MLA variant over a latent cache, the paged KV-cache writes (int8 with per-token scales
+optional) and a shard_map wrapper."""
 
 from kernels_pallas.kv_cache import copy_pages, quantize_int8, write_kv
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference

@@ -1,20 +1,35 @@
 """Choose an attention implementation by name or by backend.
 
 `impl="auto"` picks the kernel for the default backend: the Pallas Mosaic kernel on TPU, the Pallas Triton kernel
-on GPU (unless page_size or head_dim is not a power of two, which Triton cannot tile), the pure-JAX reference on
-CPU (and any other backend). `impl="tpu"` / `impl="gpu"` force a kernel; off its
-hardware it only runs in interpret mode (`interpret=pltpu.InterpretParams()` for TPU, `interpret=True` for GPU).
+on GPU (unless page_size or head_dim is not a power of two, which Triton cannot tile), the C++ FFI kernel on CPU
+(`ragged_paged_attention_cpu.py`; the reference where it cannot be compiled), the pure-JAX reference on any other
+backend. `impl="tpu"` / `impl="gpu"` force a kernel; off its hardware it only runs in interpret mode
+(`interpret=pltpu.InterpretParams()` for TPU, `interpret=True` for GPU). `impl="cpu"` runs on CPU only.
 Every implementation shares the reference's signature, including `kv_scales` for an int8 cache (see
 `kv_cache.py`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 
+from kernels_pallas import ragged_paged_attention_cpu as cpu_kernel
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("auto", "reference", "tpu", "gpu")
+IMPLEMENTATIONS = ("auto", "reference", "cpu", "tpu", "gpu")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cpu_kernel_or_reference() -> str:
+    reason = cpu_kernel.unavailable_reason()
+    if reason is not None:
+        log.warning("CPU attention kernel unavailable, using the pure-JAX reference: %s", reason)
+        return "reference"
+    return "cpu"
 
 
 def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
@@ -29,6 +44,8 @@ def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
         from kernels_pallas.ragged_paged_attention_gpu import tiles_ok
 
         return "gpu" if tiles_ok(page_size, head_dim) else "reference"
+    if backend == "cpu":
+        return _cpu_kernel_or_reference()
     return "tpu" if backend == "tpu" else "reference"
 
 
@@ -50,4 +67,6 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
         return ragged_paged_attention_gpu(*args, interpret=interpret, **kw)
+    if impl == "cpu":
+        return cpu_kernel.ragged_paged_attention_cpu(*args, **kw)
     return ragged_paged_attention_reference(*args, **kw)

@@ -1,4 +1,5 @@
-"""Pure-JAX ragged paged attention: the reference every kernel is checked against, and the CPU path.
+"""Pure-JAX ragged paged attention: the reference every kernel is checked against, and the fallback on any backend
+without a kernel (on CPU where the C++ kernel cannot be compiled).
 
 Semantics are those of JAX's in-tree TPU op (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), so the
 two can be compared directly: the query tokens of all sequences are packed along one axis, `cu_q_lens` cuts them

@@ -47,6 +47,7 @@ flags.DEFINE_string("prompts_file", None, "Offline: prompts from this JSONL (the
                     "random ids of --input_len tokens.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
 flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
+flags.DEFINE_string("attn_impl", "auto", "pagejax's attention (LLM(attn_impl=)): auto, reference, cpu, tpu, gpu.")
 flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
 flags.DEFINE_string("kv_cache_dtype", None, "pagejax's KV cache: None (the model dtype), float32, bfloat16, int8.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
@@ -187,11 +188,12 @@ def main(argv: list[str]) -> None:
               num_speculative_tokens=FLAGS.num_speculative_tokens, speculative_adaptive=FLAGS.speculative_adaptive,
               speculative_model=FLAGS.speculative_model if FLAGS.speculative == "draft" else None,
               max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len),
-              quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype)
+              quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype, attn_impl=FLAGS.attn_impl)
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
                                "dtype": FLAGS.dtype, "quantization": FLAGS.quantization,
-                               "kv_cache_dtype": FLAGS.kv_cache_dtype, "prompts_file": FLAGS.prompts_file}}
+                               "kv_cache_dtype": FLAGS.kv_cache_dtype, "attn_impl": FLAGS.attn_impl,
+                               "prompts_file": FLAGS.prompts_file}}
     if FLAGS.mode == "serving":
         served = result["pagejax"]["serving"] = run_serving(llm)
         print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "
@@ -203,7 +205,7 @@ def main(argv: list[str]) -> None:
         result[FLAGS.compare], result["ratio"] = {}, {}
     plain = None
     if FLAGS.compare == "plain":
-        plain = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches),
+        plain = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), attn_impl=FLAGS.attn_impl,
                     max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
     for batch in batches:
         prompts = (file_prompts(FLAGS.prompts_file, batch, llm) if FLAGS.prompts_file else

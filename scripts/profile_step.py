@@ -61,6 +61,7 @@ flags.DEFINE_integer("repeats", 25, "Timed replays of the isolated step per vari
 flags.DEFINE_float("flops", 210e9, "The machine's float32 matmul FLOP/s, for the dense-part floor.")
 flags.DEFINE_float("bandwidth", 50e9, "The machine's memory bandwidth in B/s, for the dense-part floor.")
 flags.DEFINE_string("kv_cache_dtype", None, "KV cache dtype: None (the model dtype), float32, bfloat16, int8.")
+flags.DEFINE_string("attn_impl", "auto", "Attention implementation (LLM(attn_impl=)): auto, reference, cpu, ...")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
 flags.DEFINE_boolean("ops", False, "Also trace the isolated step and list the top XLA ops by time.")
@@ -360,7 +361,7 @@ def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype,
-              max_num_seqs=max(batches),
+              max_num_seqs=max(batches), attn_impl=FLAGS.attn_impl,
               max_num_batched_tokens=max(512, FLAGS.input_len))
     rows = [profile_batch(llm, b) for b in batches]
     print(format_table(rows), file=sys.stderr)

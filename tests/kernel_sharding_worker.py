@@ -32,7 +32,8 @@ def main() -> None:
     kw = dict(sm_scale=0.125, sliding_window=12, soft_cap=4.0)
     checks = [("reference_tp8", make_mesh(1, 8), "reference", {}, None),
               ("reference_int8_dp2_tp4", make_mesh(2, 4), "reference", {}, "int8"),
-              ("gpu_interpret_int8_tp2", make_mesh(1, 2), "gpu", {"interpret": True}, "int8")]
+              ("gpu_interpret_int8_tp2", make_mesh(1, 2), "gpu", {"interpret": True}, "int8"),
+              ("cpu_kernel_int8_dp2_tp4", make_mesh(2, 4), "cpu", {}, "int8")]
     for name, mesh, impl, extra, cache in checks:
         call_args, scales = list(args), None
         if cache == "int8":

@@ -1,0 +1,295 @@
+// Ragged paged attention on CPU: an XLA FFI custom call with the contract of
+// kernels_pallas/ragged_paged_attention_ref.py (see that file for the layout).
+//
+// Why a C++ kernel: the pure-JAX reference gathers every sequence's padded pages, transposes K and V and runs
+// tiny batched dots; on XLA:CPU that was 97-107 ms of a 175-190 ms SmolLM2 decode step at batch 32 (BENCHMARKS.md,
+// "CPU performance work, second pass"). This kernel reads each key and value row once, in place in the cache,
+// only up to each sequence's length (and from its sliding-window start), so decode attention is bound by the
+// bytes of the live KV cache, like the Pallas kernels on TPU/GPU.
+//
+// Work item = (sequence, KV head, block of up to kQueryBlock query tokens): the block's query rows (tokens x
+// query heads of that KV head) are scored against the keys they can see, softmaxed exactly (two passes: scores,
+// then max/exp/sum), and the values accumulated. Items are spread over XLA's intra-op thread pool; the calling
+// thread works too, and waits only for items, never for tasks, so a busy or absent pool cannot deadlock it.
+// Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kQueryBlock = 8;
+
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(uint16_t x) {  // bfloat16 bits
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Shapes {
+  int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, group, max_seqs, pages_per_seq;
+};
+
+struct Options {
+  float sm_scale, soft_cap, k_scale, v_scale;
+  int64_t sliding_window;  // 0: none
+};
+
+struct Item {
+  int64_t seq, kv_head, q_begin, q_end;
+};
+
+// exp for x <= 0 (softmax after subtracting the row max), branch-free so g++ vectorizes the loop that calls it:
+// 2^n * p(r) with a degree-6 Taylor polynomial on |r| <= ln2/2 (relative error < 2e-7, like expf's rounding).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // keeps 2^n normal; exp(-87) ~ 1.6e-38, far below any kept weight
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// kD > 0: head_dim known at compile time (fully unrolled dot products); kD == 0: any head_dim.
+template <typename KV, int kD>
+struct Attention {
+  const float* q;
+  const KV* pages;
+  const float* scales;  // nullptr unless the cache is int8
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  float* out;
+  Shapes s;
+  Options o;
+
+  int64_t dim() const { return kD > 0 ? kD : s.head_dim; }
+
+  // Calls fn(j, row, scale) for cache positions j in [lo, hi) of `seq`, KV slot `slot` (2h: K, 2h+1: V), walking
+  // page by page (no division per key). `row` is float: converted into `buf` unless the cache is float32.
+  template <typename Fn>
+  void for_each_row(int64_t seq, int64_t lo, int64_t hi, int64_t slot, float static_scale, float* buf,
+                    Fn&& fn) const {
+    const int64_t D = dim(), ps = s.page_size, stride = 2 * s.num_kv_heads;
+    for (int64_t j0 = lo - lo % ps; j0 < hi; j0 += ps) {
+      int64_t page = page_indices[seq * s.pages_per_seq + j0 / ps];
+      page = std::min(std::max<int64_t>(page, 0), s.num_pages - 1);
+      const int64_t first = (page * ps) * stride + slot;
+      for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + ps); ++j) {
+        const int64_t off = first + (j - j0) * stride;
+        const KV* src = pages + off * D;
+        const float* row;
+        if constexpr (std::is_same_v<KV, float>) {
+          row = src;
+        } else {
+          for (int64_t d = 0; d < D; ++d) buf[d] = to_float(src[d]);
+          row = buf;
+        }
+        fn(j, row, scales == nullptr ? static_scale : scales[off] * static_scale);
+      }
+    }
+  }
+
+  void run(const Item& it, std::vector<float>& work) const {
+    const int64_t D = dim(), G = s.group;
+    const int64_t seq_q_begin = cu_q_lens[it.seq];
+    const int64_t q_len = cu_q_lens[it.seq + 1] - seq_q_begin;
+    const int64_t kv_len = std::min<int64_t>(kv_lens[it.seq], s.pages_per_seq * s.page_size);
+    const int64_t n_tok = it.q_end - it.q_begin, rows = n_tok * G;
+    auto q_pos = [&](int64_t t) { return kv_len - q_len + (t - seq_q_begin); };
+    // Row r sees keys [first(r), last(r)]: causal, inside kv_len, inside the sliding window.
+    auto last = [&](int64_t r) { return std::min(q_pos(it.q_begin + r / G), kv_len - 1); };
+    auto first = [&](int64_t r) {
+      return o.sliding_window > 0 ? std::max<int64_t>(0, q_pos(it.q_begin + r / G) - o.sliding_window + 1) : 0;
+    };
+    const int64_t lo = first(0), hi = last(rows - 1) + 1, L = std::max<int64_t>(hi - lo, 0);
+
+    work.resize(rows * D * 2 + rows * L + rows + D);
+    float* qbuf = work.data();
+    float* acc = qbuf + rows * D;
+    float* p = acc + rows * D;
+    float* inv_sum = p + rows * L;
+    float* buf = inv_sum + rows;
+
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = q + ((it.q_begin + t) * s.num_q_heads + it.kv_head * G + g) * D;
+        float* dst = qbuf + (t * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * o.sm_scale;
+      }
+
+    // Pass 1: raw scores of every row against every key of the block's range.
+    for_each_row(it.seq, lo, hi, 2 * it.kv_head, o.k_scale, buf, [&](int64_t j, const float* k, float ks) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qbuf + r * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * k[d];
+        p[r * L + (j - lo)] = dot * ks;
+      }
+    });
+    // Exact softmax of each row over its visible keys; invisible keys get weight 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* pr = p + r * L;
+      const int64_t a = first(r) - lo, b = last(r) + 1 - lo;
+      if (b <= a) {  // no visible key (kv_len < q_len, out of contract): zeros
+        std::fill(pr, pr + L, 0.f);
+        inv_sum[r] = 0.f;
+        continue;
+      }
+      if (o.soft_cap > 0.f)
+        for (int64_t j = a; j < b; ++j) pr[j] = o.soft_cap * std::tanh(pr[j] / o.soft_cap);
+      float m = pr[a];
+      for (int64_t j = a; j < b; ++j) m = std::max(m, pr[j]);
+      float sum = 0.f;
+      for (int64_t j = a; j < b; ++j) {
+        pr[j] = exp_nonpositive(pr[j] - m);
+        sum += pr[j];
+      }
+      std::fill(pr, pr + a, 0.f);
+      std::fill(pr + b, pr + L, 0.f);
+      inv_sum[r] = 1.f / sum;
+    }
+    // Pass 2: probability-weighted values.
+    std::fill(acc, acc + rows * D, 0.f);
+    for_each_row(it.seq, lo, hi, 2 * it.kv_head + 1, o.v_scale, buf, [&](int64_t j, const float* v, float vs) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float w = p[r * L + (j - lo)] * vs;
+        float* ar = acc + r * D;
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * v[d];
+      }
+    });
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        float* dst = out + ((it.q_begin + t) * s.num_q_heads + it.kv_head * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv_sum[r];
+      }
+  }
+};
+
+// Items of every valid sequence, with query offsets clamped into [0, num_tokens].
+std::vector<Item> make_items(const int32_t* cu_q_lens, int64_t num_seqs, const Shapes& s) {
+  std::vector<Item> items;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t begin = std::clamp<int64_t>(cu_q_lens[seq], 0, s.num_tokens);
+    const int64_t end = std::clamp<int64_t>(cu_q_lens[seq + 1], begin, s.num_tokens);
+    for (int64_t h = 0; h < s.num_kv_heads; ++h)
+      for (int64_t b = begin; b < end; b += kQueryBlock) items.push_back({seq, h, b, std::min(b + kQueryBlock, end)});
+  }
+  return items;
+}
+
+struct Shared {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename Attn>
+void run_parallel(const Attn& attn, std::shared_ptr<Shared> shared, ffi::ThreadPool& pool) {
+  const int64_t total = static_cast<int64_t>(shared->items.size());
+  // Drain items; `attn` is copied into each task so a task that starts after the call returned touches nothing.
+  auto drain = [attn, shared, total]() {
+    std::vector<float> work;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < total;) {
+      attn.run(shared->items[i], work);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
+  drain();
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+template <typename KV>
+ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                    ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> kv_scales,
+                    bool has_scales, const Options& o, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
+  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, qd[1] / (kd[2] / 2), pd[0], pd[1]};
+  if (kd[3] != s.head_dim || kd[2] % 2 || s.num_q_heads % s.num_kv_heads || kv_lens.element_count() != s.max_seqs ||
+      cu_q_lens.element_count() != s.max_seqs + 1 || s.num_pages < 1)
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: inconsistent shapes");
+  float* out_data = out->typed_data();
+  std::fill(out_data, out_data + out->element_count(), 0.f);
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.max_seqs);
+  auto shared = std::make_shared<Shared>();
+  shared->items = make_items(cu_q_lens.typed_data(), n, s);
+  if (shared->items.empty()) return ffi::Error::Success();
+  auto run = [&](auto head_dim) {
+    Attention<KV, decltype(head_dim)::value> attn{
+        q.typed_data(), static_cast<const KV*>(kv_pages.untyped_data()),
+        has_scales ? kv_scales.typed_data() : nullptr, kv_lens.typed_data(), page_indices.typed_data(),
+        cu_q_lens.typed_data(), out_data, s, o};
+    run_parallel(attn, shared, pool);
+  };
+  switch (s.head_dim) {
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 0>{}); break;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RaggedPagedAttentionCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                                   ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                                   ffi::Buffer<ffi::F32> kv_scales, float sm_scale, float soft_cap, float k_scale,
+                                   float v_scale, int64_t sliding_window, ffi::ResultBuffer<ffi::F32> out) {
+  const Options o{sm_scale, soft_cap, k_scale, v_scale, sliding_window};
+  const bool has_scales = kv_pages.element_type() == ffi::S8;
+  if (has_scales && kv_scales.element_count() * kv_pages.dimensions()[3] != kv_pages.element_count())
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_scales must be kv_pages.shape[:3]");
+  switch (kv_pages.element_type()) {
+    case ffi::F32:
+      return dispatch<float>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o, out);
+    case ffi::BF16:
+      return dispatch<uint16_t>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o,
+                                out);
+    case ffi::S8:
+      return dispatch<int8_t>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, true, o, out);
+    default:
+      return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_pages must be float32, bfloat16 or int8");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxRaggedPagedAttentionCpu, RaggedPagedAttentionCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages [P, page_size, 2 Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [S, pages_per_seq]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scales [P, page_size, 2 Hkv] or [1, 1, 1]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, Hq, D]
