@@ -6,105 +6,30 @@ key and value row once, in place, so it is the CPU counterpart of the TPU/GPU ke
 signature and semantics (one difference: `mask_value` is accepted and unused, because masked keys get exactly zero
 weight; the two agree whenever a query row sees at least one key, which the contract guarantees).
 
-The library is compiled on first use with the machine's C++ compiler ($CXX, else g++; `-O3 -march=native`) into
-$PAGEJAX_KERNEL_DIR (default ~/.cache/pagejax/kernels), keyed by a hash of the source, flags, compiler, jaxlib and
-CPU, and reused after that. Without a working compiler `available()` is False and `impl="auto"` falls back to the
-reference (dispatch.py logs why once); `impl="cpu"` raises with the compiler's message.
+The library is compiled on first use by `cpu_build` (g++, cached under ~/.cache/pagejax/kernels). Without a working
+compiler `available()` is False and `impl="auto"` falls back to the reference (dispatch.py logs why once);
+`impl="cpu"` raises `KernelBuildError` with the compiler's message.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from kernels_pallas import cpu_build
+from kernels_pallas.cpu_build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
 from kernels_pallas.ragged_paged_attention_ref import check_attention_inputs
 
-log = logging.getLogger(__name__)
-
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "ragged_paged_attention_cpu.cc")
-TARGET = "pagejax_ragged_paged_attention_cpu"
-SYMBOL = "PagejaxRaggedPagedAttentionCpu"
-# Reassociation lets g++ vectorize the dot-product reductions; no -ffinite-math-only: masked scores are -inf.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-w")
+KERNEL = ("ragged_paged_attention_cpu.cc", "pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")
+TARGET = KERNEL[1]
 
 
-class KernelBuildError(RuntimeError):
-    """The C++ kernel could not be compiled or loaded on this machine."""
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None:
-        raise KernelBuildError(f"no C++ compiler {cxx!r} on PATH; install g++ (or set $CXX), or pass "
-                               "attn_impl='reference'")
-    return cxx
-
-
-def _build() -> str:
-    """Compile the kernel (once per source/flags/compiler/jaxlib/CPU) and return the shared library's path."""
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
-                                     jaxlib.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    directory = os.environ.get("PAGEJAX_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagejax",
-                                                                     "kernels")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"ragged_paged_attention_cpu-{key}.so")
-    if os.path.exists(path):
-        return path
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        os.unlink(tmp)
-        raise KernelBuildError(f"compiling the CPU attention kernel failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
-    os.replace(tmp, path)  # atomic: a concurrent process sees the old state or the whole library
-    return path
-
-
-@functools.cache
-def _register() -> None:
-    """Build, load and register the FFI target once per process; raises KernelBuildError if it cannot."""
-    try:
-        library = ctypes.CDLL(_build())
-        handler = getattr(library, SYMBOL)
-    except (OSError, AttributeError) as e:
-        raise KernelBuildError(f"loading the CPU attention kernel failed: {e}") from e
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-
-
-@functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel is built and registered, else why not (a compiler or loader message)."""
-    try:
-        _register()
-    except KernelBuildError as e:
-        return str(e)
-    return None
+    return cpu_build.unavailable_reason(*KERNEL)
 
 
 def available() -> bool:
@@ -139,7 +64,7 @@ def ragged_paged_attention_cpu(
         raise ValueError("an int8 KV cache needs kv_scales (see kv_cache.py)")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    _register()
+    cpu_build.register(*KERNEL)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     scales = kv_scales if kv_scales is not None else jnp.zeros((1, 1, 1), jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)

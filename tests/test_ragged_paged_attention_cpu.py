@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+from kernels_pallas import cpu_build
 from kernels_pallas import ragged_paged_attention_cpu as cpu_kernel
 from kernels_pallas.kv_cache import quantize_int8
 from tests.test_ragged_paged_attention import make_case
@@ -143,15 +144,21 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
     with pytest.raises(cpu_kernel.KernelBuildError, match="no C\\+\\+ compiler 'no-such-compiler-pagejax'.*"
                        "attn_impl='reference'"):
-        cpu_kernel._build()
+        cpu_build.build(cpu_kernel.KERNEL[0])
     assert not list(tmp_path.iterdir())
 
 
 @needs_cxx
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
-    first = cpu_kernel._build()
+    first = cpu_build.build(cpu_kernel.KERNEL[0])
     mtime = tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns
-    assert cpu_kernel._build() == first  # second call: no recompile
+    assert cpu_build.build(cpu_kernel.KERNEL[0]) == first  # second call: no recompile
     assert tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.split("/")[-1]]  # no temporary files left
+
+
+def test_environment_switch_disables_the_kernels(monkeypatch):
+    monkeypatch.setenv("PAGEJAX_CPU_KERNELS", "0")
+    reason = cpu_build.unavailable_reason.__wrapped__(*cpu_kernel.KERNEL)  # uncached: the env is read per call
+    assert reason is not None and "PAGEJAX_CPU_KERNELS=0" in reason

@@ -9,20 +9,19 @@
 //
 // Work item = (sequence, KV head, block of up to kQueryBlock query tokens): the block's query rows (tokens x
 // query heads of that KV head) are scored against the keys they can see, softmaxed exactly (two passes: scores,
-// then max/exp/sum), and the values accumulated. Items are spread over XLA's intra-op thread pool; the calling
-// thread works too, and waits only for items, never for tasks, so a busy or absent pool cannot deadlock it.
+// then max/exp/sum), and the values accumulated. Items are spread over XLA's intra-op thread pool
+// (parallel_for.h).
 // Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,7 +109,8 @@ struct Attention {
     }
   }
 
-  void run(const Item& it, std::vector<float>& work) const {
+  void run(const Item& it) const {
+    thread_local std::vector<float> work;
     const int64_t D = dim(), G = s.group;
     const int64_t seq_q_begin = cu_q_lens[it.seq];
     const int64_t q_len = cu_q_lens[it.seq + 1] - seq_q_begin;
@@ -199,29 +199,6 @@ std::vector<Item> make_items(const int32_t* cu_q_lens, int64_t num_seqs, const S
   return items;
 }
 
-struct Shared {
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename Attn>
-void run_parallel(const Attn& attn, std::shared_ptr<Shared> shared, ffi::ThreadPool& pool) {
-  const int64_t total = static_cast<int64_t>(shared->items.size());
-  // Drain items; `attn` is copied into each task so a task that starts after the call returned touches nothing.
-  auto drain = [attn, shared, total]() {
-    std::vector<float> work;
-    for (int64_t i; (i = shared->next.fetch_add(1)) < total;) {
-      attn.run(shared->items[i], work);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
-  drain();
-  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-}
-
 template <typename KV>
 ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
@@ -235,15 +212,13 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
   float* out_data = out->typed_data();
   std::fill(out_data, out_data + out->element_count(), 0.f);
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.max_seqs);
-  auto shared = std::make_shared<Shared>();
-  shared->items = make_items(cu_q_lens.typed_data(), n, s);
-  if (shared->items.empty()) return ffi::Error::Success();
+  auto items = std::make_shared<const std::vector<Item>>(make_items(cu_q_lens.typed_data(), n, s));
   auto run = [&](auto head_dim) {
     Attention<KV, decltype(head_dim)::value> attn{
         q.typed_data(), static_cast<const KV*>(kv_pages.untyped_data()),
         has_scales ? kv_scales.typed_data() : nullptr, kv_lens.typed_data(), page_indices.typed_data(),
         cu_q_lens.typed_data(), out_data, s, o};
-    run_parallel(attn, shared, pool);
+    pagejax::parallel_for(pool, items->size(), [attn, items](int64_t i) { attn.run((*items)[i]); });
   };
   switch (s.head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;

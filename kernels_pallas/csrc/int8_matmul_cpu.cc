@@ -1,0 +1,174 @@
+// int8 x int8 -> int32 matmul on CPU: an XLA FFI custom call behind inference/quantization.py's W8A8
+// path (`matmul(method="int8")` with per-channel int8 weights).
+//
+// Why: at batch 1 a decode step is the weights' GEMVs, and XLA:CPU runs a 1- or 2-row int8 dot through YNNPACK at
+// about 12 GB/s of weights (BENCHMARKS.md), under a third of what the f32 GEMVs reach. Here each weight byte is
+// read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
+// walked four rows at a time, and the blocks are spread over XLA's intra-op thread pool (parallel_for.h). With
+// AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd.
+// The result is the exact integer dot, so it equals XLA's bit for bit and the float scaling stays in JAX.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+#include <immintrin.h>
+#endif
+
+// Portable path: the compiler vectorizes over columns; a block's int32 accumulators of all rows stay in L1.
+constexpr int64_t kColumnBlock = 256;
+constexpr int64_t kMaxRows = 16;
+
+struct Matmul {
+  const int8_t* x;  // [M, K]
+  const int8_t* w;  // [K, N]
+  int32_t* out;     // [M, N]
+  int64_t m, k, n;
+
+  void run_portable(int64_t block, int64_t r0, int64_t rows) const {
+    const int64_t n0 = block * kColumnBlock, width = std::min(kColumnBlock, n - n0);
+    alignas(64) int32_t acc[kMaxRows][kColumnBlock];
+    for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + width, 0);
+    int64_t kk = 0;
+    for (; kk + 4 <= k; kk += 4) {
+      const int8_t* w0 = w + kk * n + n0;
+      const int8_t* w1 = w0 + n;
+      const int8_t* w2 = w1 + n;
+      const int8_t* w3 = w2 + n;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* xr = x + (r0 + r) * k + kk;
+        const int32_t a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+        int32_t* ar = acc[r];
+        for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+      }
+    }
+    for (; kk < k; ++kk) {
+      const int8_t* w0 = w + kk * n + n0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t a0 = x[(r0 + r) * k + kk];
+        int32_t* ar = acc[r];
+        for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) std::copy(acc[r], acc[r] + width, out + (r0 + r) * n + n0);
+  }
+
+  int64_t portable_items() const { return ((n + kColumnBlock - 1) / kColumnBlock) * ((m + kMaxRows - 1) / kMaxRows); }
+
+  void portable_item(int64_t i) const {
+    const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock, r0 = (i / blocks) * kMaxRows;
+    run_portable(i % blocks, r0, std::min(kMaxRows, m - r0));
+  }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+  // AVX-512 VNNI path. vpdpbusd multiplies 4 unsigned by 4 signed bytes per int32 lane and adds them up, so a
+  // 64-column strip of W is first repacked (per 4 rows of K) into 4 registers whose lanes hold one column's 4
+  // consecutive K values; the strip is packed once and then streamed for every 6-row chunk of x (6 x 4
+  // accumulators + 4 weights + 1 broadcast = 29 of 32 registers). x is made unsigned by flipping its sign bit
+  // (x + 128), and 128 * (column sums of W) is subtracted at the end; the result is exact.
+  static constexpr int64_t kStrip = 64;
+  static constexpr int64_t kRowChunk = 6;
+
+  // acc[r][q] += x row (r0 + r) . v[q] over one K block of 4, for the rows of a chunk.
+  static inline void dot_block(__m512i (&acc)[kRowChunk][4], const __m512i* v, const uint32_t* xu, int64_t k4,
+                               int64_t r0, int64_t rows, int64_t b) {
+    for (int64_t r = 0; r < kRowChunk; ++r) {
+      if (r >= rows) break;
+      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], a, v[q]);
+    }
+  }
+
+  void vnni_strip(int64_t strip, const uint32_t* xu) const {
+    const int64_t n0 = strip * kStrip, width = std::min(kStrip, n - n0), k4 = (k + 3) / 4;
+    const __mmask64 cols = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
+    const bool reuse = m > kRowChunk;  // pack the strip only if a second row chunk will read it
+    thread_local std::vector<__m512i> pack;
+    if (reuse) pack.resize(4 * k4);
+    __m512i colsum[4], acc[kRowChunk][4];
+    for (int q = 0; q < 4; ++q) colsum[q] = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1);
+    alignas(64) int32_t lanes[4][16];
+    auto finish = [&](int64_t r0, int64_t rows) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int q = 0; q < 4; ++q)
+          _mm512_store_si512(lanes[q], _mm512_sub_epi32(acc[r][q], _mm512_slli_epi32(colsum[q], 7)));
+        int32_t* dst = out + (r0 + r) * n + n0;
+        for (int64_t c = 0; c < width; ++c) dst[c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
+      }
+    };
+    auto zero_acc = [&]() {
+      for (int64_t r = 0; r < kRowChunk; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
+    };
+    // First row chunk: repack each block of 4 K rows and use it at once.
+    zero_acc();
+    const int64_t first_rows = std::min(kRowChunk, m);
+    for (int64_t b = 0; b < k4; ++b) {
+      __m512i r[4], v[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = 4 * b + i;
+        r[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
+      }
+      const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+      const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+      v[0] = _mm512_unpacklo_epi16(t0, t2);  // lane 4L + j: column 16L + j
+      v[1] = _mm512_unpackhi_epi16(t0, t2);  // column 16L + 4 + j
+      v[2] = _mm512_unpacklo_epi16(t1, t3);  // column 16L + 8 + j
+      v[3] = _mm512_unpackhi_epi16(t1, t3);  // column 16L + 12 + j
+      for (int q = 0; q < 4; ++q) colsum[q] = _mm512_dpbusd_epi32(colsum[q], ones, v[q]);
+      if (reuse)
+        for (int q = 0; q < 4; ++q) pack[4 * b + q] = v[q];
+      dot_block(acc, v, xu, k4, 0, first_rows, b);
+    }
+    finish(0, first_rows);
+    // Further row chunks stream the packed strip (from L1/L2).
+    for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk) {
+      const int64_t rows = std::min(kRowChunk, m - r0);
+      zero_acc();
+      for (int64_t b = 0; b < k4; ++b) dot_block(acc, &pack[4 * b], xu, k4, r0, rows, b);
+      finish(r0, rows);
+    }
+  }
+#endif
+};
+
+ffi::Error Int8MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                         ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K] and w [K, N]");
+  const Matmul mm{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[1]};
+  if (mm.m == 0 || mm.n == 0) return ffi::Error::Success();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+  // x as unsigned bytes (x + 128), 4 consecutive K values per uint32, K zero-padded to a multiple of 4.
+  const int64_t k4 = (mm.k + 3) / 4;
+  auto xu = std::make_shared<std::vector<uint32_t>>(mm.m * k4, 0x80808080u);
+  auto* bytes = reinterpret_cast<uint8_t*>(xu->data());
+  for (int64_t r = 0; r < mm.m; ++r)
+    for (int64_t c = 0; c < mm.k; ++c) bytes[r * k4 * 4 + c] = static_cast<uint8_t>(mm.x[r * mm.k + c]) ^ 0x80u;
+  pagejax::parallel_for(pool, (mm.n + Matmul::kStrip - 1) / Matmul::kStrip,
+                        [mm, xu](int64_t i) { mm.vnni_strip(i, xu->data()); });
+#else
+  pagejax::parallel_for(pool, mm.portable_items(), [mm](int64_t i) { mm.portable_item(i); });
+#endif
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxInt8MatmulCpu, Int8MatmulCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [K, N]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // out [M, N]
