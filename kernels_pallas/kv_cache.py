@@ -26,7 +26,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import cpu_build
+
 INT8_MAX = 127.0
+WRITE_KERNEL = ("write_rows_cpu.cc", "pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")
+
+
+def _write_kernel_available() -> bool:
+    """On CPU, where the C++ kernel builds (kernels_pallas.cpu_build), cache writes use it; registered on success."""
+    return jax.default_backend() == "cpu" and cpu_build.unavailable_reason(*WRITE_KERNEL) is None
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -58,12 +66,20 @@ def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
         raise ValueError(f"kv_scales given with {kv_pages.dtype} kv_pages; per-token scales are for an int8 cache")
 
 
-def write_rows(arrays: tuple[jax.Array, ...], rows: tuple[jax.Array, ...], slot_mapping: jax.Array):
+def write_rows(arrays: tuple[jax.Array, ...], rows: tuple[jax.Array, ...], slot_mapping: jax.Array, *,
+               sharded: bool = False):
     """Write rows[j][i] into arrays[j] at slot slot_mapping[i] for every j; slots < 0 are padding and are skipped.
 
     Each array is `[num_pages, page_size, *rest]` and each rows entry `[T, *rest]` (cast to the array's dtype).
-    One in-place fori_loop updates all arrays (see the module docstring for why not a scatter).
+    One in-place fori_loop updates all arrays (see the module docstring for why not a scatter); on CPU the C++
+    kernel `csrc/write_rows_cpu.cc` does the same with one memcpy per row, in place (~0.1 ms less per layer),
+    unless `sharded` (arrays partitioned by GSPMD over a mesh: XLA cannot partition a custom call).
     """
+    if not sharded and _write_kernel_available():
+        slots = slot_mapping.astype(jnp.int32)
+        return tuple(jax.ffi.ffi_call(WRITE_KERNEL[1], jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                      input_output_aliases={0: 0})(a, r.astype(a.dtype), slots)
+                     for a, r in zip(arrays, rows))
     page_size = arrays[0].shape[1]
     new = tuple(r.astype(a.dtype)[:, None, None] for a, r in zip(arrays, rows))  # [T, 1, 1, *rest]
     # A traced trip count stops XLA from unrolling (and then copying) short loops.
@@ -83,18 +99,20 @@ def write_rows(arrays: tuple[jax.Array, ...], rows: tuple[jax.Array, ...], slot_
 
 
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-             kv_scales: jax.Array | None = None):
+             kv_scales: jax.Array | None = None, *, sharded: bool = False):
     """Write the new K/V `[T, Hkv, D]` of T tokens into their slots; slots < 0 are padding and are skipped.
 
     Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (`[num_pages, page_size, 2 * Hkv]` f32, int8
     `kv_pages`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is returned.
+    `sharded`: the cache is partitioned over a mesh (see `write_rows`).
     """
     if kv_scales is None:
-        (kv_pages,) = write_rows((kv_pages,), (interleave_kv(k, v),), slot_mapping)
+        (kv_pages,) = write_rows((kv_pages,), (interleave_kv(k, v),), slot_mapping, sharded=sharded)
         return kv_pages
     check_kv_scales(kv_pages, kv_scales)
     (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
-    return write_rows((kv_pages, kv_scales), (interleave_kv(kq, vq), interleave_kv(ks, vs)), slot_mapping)
+    return write_rows((kv_pages, kv_scales), (interleave_kv(kq, vq), interleave_kv(ks, vs)), slot_mapping,
+                      sharded=sharded)
 
 
 def copy_pages(kv_pages: jax.Array, src: jax.Array, dst: jax.Array, kv_scales: jax.Array | None = None):

@@ -25,11 +25,13 @@ from kernels_pallas.ragged_paged_attention_ref import (
 MLA_IMPLEMENTATIONS = ("auto", "reference", "gpu")
 
 
-def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Write the new latent rows `[T, Dl + Dr]` of T tokens into their slots; slots < 0 are padding and skipped."""
+def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.Array, *,
+                 sharded: bool = False) -> jax.Array:
+    """Write the new latent rows `[T, Dl + Dr]` of T tokens into their slots; slots < 0 are padding and skipped.
+    `sharded`: the pages are partitioned over a mesh (see `kv_cache.write_rows`)."""
     if latent.shape[-1] != latent_pages.shape[-1]:
         raise ValueError(f"latent rows of width {latent.shape[-1]} do not fit latent_pages {latent_pages.shape}")
-    (latent_pages,) = write_rows((latent_pages,), (latent,), slot_mapping)
+    (latent_pages,) = write_rows((latent_pages,), (latent,), slot_mapping, sharded=sharded)
     return latent_pages
 
 

@@ -120,10 +120,10 @@ class Attention(nnx.Module):
         quantized = isinstance(kv_pages, QuantizedKV)
         pages, scales = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages, None)
         if self.owns_kv and quantized:
-            pages, scales = write_kv(pages, k, v, meta.slot_mapping, kv_scales=scales)
+            pages, scales = write_kv(pages, k, v, meta.slot_mapping, kv_scales=scales, sharded=self.mesh is not None)
             kv_pages = QuantizedKV(pages=pages, scales=scales)
         elif self.owns_kv:
-            kv_pages = pages = write_kv(pages, k, v, meta.slot_mapping)
+            kv_pages = pages = write_kv(pages, k, v, meta.slot_mapping, sharded=self.mesh is not None)
         kw = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,
                   impl=self.attn_impl, max_q_len=meta.max_q_len, kv_scales=scales)
         args = (q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)

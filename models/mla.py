@@ -79,7 +79,8 @@ class MLAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, latent_pages: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
         """x[T, D] packed tokens -> (out[T, D], updated latent pages [P, page_size, C + r])."""
         q_nope, q_rope, latent, k_rope = self._project(x, positions)
-        latent_pages = write_latent(latent_pages, jnp.concatenate([latent, k_rope], axis=-1), meta.slot_mapping)
+        latent_pages = write_latent(latent_pages, jnp.concatenate([latent, k_rope], axis=-1), meta.slot_mapping,
+                                    sharded=self.mesh is not None)
         w_uk, w_uv = self._up_projections()
         q_latent = jnp.einsum("thn,chn->thc", q_nope, w_uk)
         kw = dict(sm_scale=self.sm_scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
-from kernels_pallas import cpu_build
+from kernels_pallas import cpu_build, kv_cache
 from kernels_pallas import ragged_paged_attention_cpu as cpu_kernel
 from kernels_pallas.kv_cache import quantize_int8
 from tests.test_ragged_paged_attention import make_case
@@ -162,3 +162,30 @@ def test_environment_switch_disables_the_kernels(monkeypatch):
     monkeypatch.setenv("PAGEJAX_CPU_KERNELS", "0")
     reason = cpu_build.unavailable_reason.__wrapped__(*cpu_kernel.KERNEL)  # uncached: the env is read per call
     assert reason is not None and "PAGEJAX_CPU_KERNELS=0" in reason
+
+
+@needs_cxx
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
+    """write_kv through csrc/write_rows_cpu.cc (in place, one memcpy per token) gives the loop's bytes exactly,
+    padding slots (-1) skipped and a slot written twice keeping the later token; a slot past the cache is skipped."""
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal((5, 4, 4, 32)), jnp.float32)  # 20 slots
+    k, v = (jnp.asarray(rng.standard_normal((6, 2, 32)), jnp.float32) for _ in range(2))
+    cache, scales = quantize_int8(pages) if kv_dtype == jnp.int8 else (pages.astype(kv_dtype), None)
+
+    def write(c, s, slots):
+        return jax.tree.leaves(kv_cache.write_kv(c, k, v, slots, kv_scales=s))
+
+    slots = jnp.array([3, -1, 17, 0, 3, 19], jnp.int32)
+    kernel = jax.jit(write)
+    assert kv_cache.WRITE_KERNEL[1] in kernel.lower(cache, scales, slots).as_text()
+    got = kernel(cache, scales, slots)
+    past_end = kernel(cache, scales, jnp.array([-1, -1, 20, 400, -1, -1], jnp.int32))
+    for before, after in zip(jax.tree.leaves((cache, scales)), past_end):
+        np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
+    monkeypatch.setattr(kv_cache, "_write_kernel_available", lambda: False)
+    portable = jax.jit(lambda c, s, sl: write(c, s, sl))  # a new function: no trace cached with the kernel
+    assert kv_cache.WRITE_KERNEL[1] not in portable.lower(cache, scales, slots).as_text()
+    for a, b in zip(got, portable(cache, scales, slots)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

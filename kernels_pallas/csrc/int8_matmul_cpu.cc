@@ -1,3 +1,11 @@
+
+
+
+
+
+
+
+
 // int8 x int8 -> int32 matmul on CPU: an XLA FFI custom call behind inference/quantization.py's W8A8
 // path (`matmul(method="int8")` with per-channel int8 weights).
 //
@@ -11,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -70,72 +79,82 @@ struct Matmul {
   }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
-  // AVX-512 VNNI path. vpdpbusd multiplies 4 unsigned by 4 signed bytes per int32 lane and adds them up, so a
-  // 64-column strip of W is first repacked (per 4 rows of K) into 4 registers whose lanes hold one column's 4
-  // consecutive K values; the strip is packed once and then streamed for every 6-row chunk of x (6 x 4
-  // accumulators + 4 weights + 1 broadcast = 29 of 32 registers). x is made unsigned by flipping its sign bit
-  // (x + 128), and 128 * (column sums of W) is subtracted at the end; the result is exact.
-  static constexpr int64_t kStrip = 64;
-  static constexpr int64_t kRowChunk = 6;
+  // AVX-512 VNNI path. vpdpbusd multiplies 4 unsigned by 4 signed bytes per int32 lane and adds them up, so each
+  // 64-column sub-strip of W is repacked (per 4 rows of K) into 4 registers whose lanes hold one column's 4
+  // consecutive K values, made unsigned by flipping the sign bit (w + 128); x's 4 bytes are broadcast as the signed
+  // operand, and 128 * (row sum of x) is subtracted at the end: the result is exact. A strip is S sub-strips wide
+  // (wide strips for few rows: longer contiguous reads of W) and is packed once, then streamed for every R-row chunk
+  // of x (R x 4S accumulators + 4 weights + broadcast + constant within the 32 registers).
+  static constexpr int64_t kPrefetch = 16;
 
-  // acc[r][q] += x row (r0 + r) . v[q] over one K block of 4, for the rows of a chunk.
-  static inline void dot_block(__m512i (&acc)[kRowChunk][4], const __m512i* v, const uint32_t* xu, int64_t k4,
-                               int64_t r0, int64_t rows, int64_t b) {
-    for (int64_t r = 0; r < kRowChunk; ++r) {
-      if (r >= rows) break;
-      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
-      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], a, v[q]);
+  template <int S, int R>
+  void vnni_strip(int64_t strip, const uint32_t* xu, const int32_t* xsum) const {
+    constexpr int64_t kWidth = 64 * S;
+    const int64_t n0 = strip * kWidth, k4 = (k + 3) / 4;
+    __mmask64 cols[S];
+    for (int s = 0; s < S; ++s) {
+      const int64_t width = std::clamp<int64_t>(n - n0 - 64 * s, 0, 64);
+      cols[s] = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
     }
-  }
-
-  void vnni_strip(int64_t strip, const uint32_t* xu) const {
-    const int64_t n0 = strip * kStrip, width = std::min(kStrip, n - n0), k4 = (k + 3) / 4;
-    const __mmask64 cols = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
-    const bool reuse = m > kRowChunk;  // pack the strip only if a second row chunk will read it
+    const bool reuse = m > R;  // keep the packed strip only if a second row chunk will read it
     thread_local std::vector<__m512i> pack;
-    if (reuse) pack.resize(4 * k4);
-    __m512i colsum[4], acc[kRowChunk][4];
-    for (int q = 0; q < 4; ++q) colsum[q] = _mm512_setzero_si512();
-    const __m512i ones = _mm512_set1_epi8(1);
+    if (reuse) pack.resize(4 * S * k4);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i acc[R][4 * S];
+    auto dot = [&](const __m512i* v, int64_t r0, int64_t rows, int64_t b) {
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
+        for (int q = 0; q < 4 * S; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], a);
+      }
+    };
     alignas(64) int32_t lanes[4][16];
     auto finish = [&](int64_t r0, int64_t rows) {
       for (int64_t r = 0; r < rows; ++r) {
-        for (int q = 0; q < 4; ++q)
-          _mm512_store_si512(lanes[q], _mm512_sub_epi32(acc[r][q], _mm512_slli_epi32(colsum[q], 7)));
+        const __m512i correction = _mm512_set1_epi32(xsum[r0 + r] * 128);
         int32_t* dst = out + (r0 + r) * n + n0;
-        for (int64_t c = 0; c < width; ++c) dst[c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
+        for (int s = 0; s < S; ++s) {
+          const int64_t width = std::clamp<int64_t>(n - n0 - 64 * s, 0, 64);
+          for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], _mm512_sub_epi32(acc[r][4 * s + q], correction));
+          for (int64_t c = 0; c < width; ++c) dst[64 * s + c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
+        }
       }
     };
     auto zero_acc = [&]() {
-      for (int64_t r = 0; r < kRowChunk; ++r)
-        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4 * S; ++q) acc[r][q] = _mm512_setzero_si512();
     };
     // First row chunk: repack each block of 4 K rows and use it at once.
     zero_acc();
-    const int64_t first_rows = std::min(kRowChunk, m);
+    const int64_t first_rows = std::min<int64_t>(R, m);
     for (int64_t b = 0; b < k4; ++b) {
-      __m512i r[4], v[4];
-      for (int i = 0; i < 4; ++i) {
-        const int64_t row = 4 * b + i;
-        r[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
+      __m512i v[4 * S];
+      for (int s = 0; s < S; ++s) {
+        __m512i r[4];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = 4 * b + i;
+          r[i] = row < k ? _mm512_maskz_loadu_epi8(cols[s], w + row * n + n0 + 64 * s) : _mm512_setzero_si512();
+          // W's rows are N bytes apart, too far for the hardware prefetcher to follow: fetch kPrefetch rows ahead.
+          if (row + kPrefetch < k) _mm_prefetch(reinterpret_cast<const char*>(w + (row + kPrefetch) * n + n0 + 64 * s),
+                                                _MM_HINT_T0);
+        }
+        const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+        const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+        v[4 * s + 0] = _mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip);  // lane 4L + j: column 16L + j
+        v[4 * s + 1] = _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip);  // column 16L + 4 + j
+        v[4 * s + 2] = _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip);  // column 16L + 8 + j
+        v[4 * s + 3] = _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip);  // column 16L + 12 + j
       }
-      const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
-      const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
-      v[0] = _mm512_unpacklo_epi16(t0, t2);  // lane 4L + j: column 16L + j
-      v[1] = _mm512_unpackhi_epi16(t0, t2);  // column 16L + 4 + j
-      v[2] = _mm512_unpacklo_epi16(t1, t3);  // column 16L + 8 + j
-      v[3] = _mm512_unpackhi_epi16(t1, t3);  // column 16L + 12 + j
-      for (int q = 0; q < 4; ++q) colsum[q] = _mm512_dpbusd_epi32(colsum[q], ones, v[q]);
       if (reuse)
-        for (int q = 0; q < 4; ++q) pack[4 * b + q] = v[q];
-      dot_block(acc, v, xu, k4, 0, first_rows, b);
+        for (int q = 0; q < 4 * S; ++q) pack[4 * S * b + q] = v[q];
+      dot(v, 0, first_rows, b);
     }
     finish(0, first_rows);
     // Further row chunks stream the packed strip (from L1/L2).
-    for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk) {
-      const int64_t rows = std::min(kRowChunk, m - r0);
+    for (int64_t r0 = R; r0 < m; r0 += R) {
+      const int64_t rows = std::min<int64_t>(R, m - r0);
       zero_acc();
-      for (int64_t b = 0; b < k4; ++b) dot_block(acc, &pack[4 * b], xu, k4, r0, rows, b);
+      for (int64_t b = 0; b < k4; ++b) dot(&pack[4 * S * b], r0, rows, b);
       finish(r0, rows);
     }
   }
@@ -150,14 +169,22 @@ ffi::Error Int8MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
   const Matmul mm{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[1]};
   if (mm.m == 0 || mm.n == 0) return ffi::Error::Success();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
-  // x as unsigned bytes (x + 128), 4 consecutive K values per uint32, K zero-padded to a multiple of 4.
+  // x's rows as 4 consecutive K values per uint32 (K zero-padded to a multiple of 4), and their sums.
   const int64_t k4 = (mm.k + 3) / 4;
-  auto xu = std::make_shared<std::vector<uint32_t>>(mm.m * k4, 0x80808080u);
-  auto* bytes = reinterpret_cast<uint8_t*>(xu->data());
+  auto xu = std::make_shared<std::vector<uint32_t>>(mm.m * k4, 0u);
+  auto xsum = std::make_shared<std::vector<int32_t>>(mm.m, 0);
+  auto* bytes = reinterpret_cast<int8_t*>(xu->data());
   for (int64_t r = 0; r < mm.m; ++r)
-    for (int64_t c = 0; c < mm.k; ++c) bytes[r * k4 * 4 + c] = static_cast<uint8_t>(mm.x[r * mm.k + c]) ^ 0x80u;
-  pagejax::parallel_for(pool, (mm.n + Matmul::kStrip - 1) / Matmul::kStrip,
-                        [mm, xu](int64_t i) { mm.vnni_strip(i, xu->data()); });
+    for (int64_t c = 0; c < mm.k; ++c) (*xsum)[r] += (bytes[r * k4 * 4 + c] = mm.x[r * mm.k + c]);
+  auto run = [&](auto strips, auto rows) {
+    constexpr int S = decltype(strips)::value, R = decltype(rows)::value;
+    pagejax::parallel_for(pool, (mm.n + 64 * S - 1) / (64 * S), [mm, xu, xsum](int64_t i) {
+      mm.vnni_strip<S, R>(i, xu->data(), xsum->data());
+    });
+  };
+  if (mm.m == 1) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+  else if (mm.m <= 3) run(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+  else run(std::integral_constant<int, 1>{}, std::integral_constant<int, 6>{});
 #else
   pagejax::parallel_for(pool, mm.portable_items(), [mm](int64_t i) { mm.portable_item(i); });
 #endif

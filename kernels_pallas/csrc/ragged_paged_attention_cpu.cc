@@ -85,10 +85,10 @@ struct Attention {
   int64_t dim() const { return kD > 0 ? kD : s.head_dim; }
 
   // Calls fn(j, row, scale) for cache positions j in [lo, hi) of `seq`, KV slot `slot` (2h: K, 2h+1: V), walking
-  // page by page (no division per key). `row` is float: converted into `buf` unless the cache is float32.
+  // page by page (no division per key). `row` points into the cache; callers convert its elements inline, which
+  // the compiler fuses into the vectorized dot / accumulation.
   template <typename Fn>
-  void for_each_row(int64_t seq, int64_t lo, int64_t hi, int64_t slot, float static_scale, float* buf,
-                    Fn&& fn) const {
+  void for_each_row(int64_t seq, int64_t lo, int64_t hi, int64_t slot, float static_scale, Fn&& fn) const {
     const int64_t D = dim(), ps = s.page_size, stride = 2 * s.num_kv_heads;
     for (int64_t j0 = lo - lo % ps; j0 < hi; j0 += ps) {
       int64_t page = page_indices[seq * s.pages_per_seq + j0 / ps];
@@ -96,15 +96,7 @@ struct Attention {
       const int64_t first = (page * ps) * stride + slot;
       for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + ps); ++j) {
         const int64_t off = first + (j - j0) * stride;
-        const KV* src = pages + off * D;
-        const float* row;
-        if constexpr (std::is_same_v<KV, float>) {
-          row = src;
-        } else {
-          for (int64_t d = 0; d < D; ++d) buf[d] = to_float(src[d]);
-          row = buf;
-        }
-        fn(j, row, scales == nullptr ? static_scale : scales[off] * static_scale);
+        fn(j, pages + off * D, scales == nullptr ? static_scale : scales[off] * static_scale);
       }
     }
   }
@@ -124,12 +116,11 @@ struct Attention {
     };
     const int64_t lo = first(0), hi = last(rows - 1) + 1, L = std::max<int64_t>(hi - lo, 0);
 
-    work.resize(rows * D * 2 + rows * L + rows + D);
+    work.resize(rows * D * 2 + rows * L + rows);
     float* qbuf = work.data();
     float* acc = qbuf + rows * D;
     float* p = acc + rows * D;
     float* inv_sum = p + rows * L;
-    float* buf = inv_sum + rows;
 
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t g = 0; g < G; ++g) {
@@ -139,11 +130,11 @@ struct Attention {
       }
 
     // Pass 1: raw scores of every row against every key of the block's range.
-    for_each_row(it.seq, lo, hi, 2 * it.kv_head, o.k_scale, buf, [&](int64_t j, const float* k, float ks) {
+    for_each_row(it.seq, lo, hi, 2 * it.kv_head, o.k_scale, [&](int64_t j, const KV* k, float ks) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = qbuf + r * D;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * k[d];
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * to_float(k[d]);
         p[r * L + (j - lo)] = dot * ks;
       }
     });
@@ -171,11 +162,11 @@ struct Attention {
     }
     // Pass 2: probability-weighted values.
     std::fill(acc, acc + rows * D, 0.f);
-    for_each_row(it.seq, lo, hi, 2 * it.kv_head + 1, o.v_scale, buf, [&](int64_t j, const float* v, float vs) {
+    for_each_row(it.seq, lo, hi, 2 * it.kv_head + 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
       for (int64_t r = 0; r < rows; ++r) {
         const float w = p[r * L + (j - lo)] * vs;
         float* ar = acc + r * D;
-        for (int64_t d = 0; d < D; ++d) ar[d] += w * v[d];
+        for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(v[d]);
       }
     });
     for (int64_t t = 0; t < n_tok; ++t)
