@@ -1,8 +1,9 @@
 """Compile the C++ kernels in `csrc/` on first use and register their XLA FFI handlers for the CPU platform.
 
-Each source is built with the machine's compiler ($CXX, else g++; `-O3 -march=native`) into $PAGEJAX_KERNEL_DIR
-(default ~/.cache/pagejax/kernels), under a name keyed by a hash of the sources (the .cc and the headers beside it),
-flags, compiler version, jaxlib version and the CPU's feature flags, so a rebuilt jaxlib, a new compiler or a
+All sources are built into one library (so the kernels share one set of worker threads, `csrc/parallel_for.h`) with
+the machine's compiler ($CXX, else g++; `-O3 -march=native`) into $PAGEJAX_KERNEL_DIR (default
+~/.cache/pagejax/kernels), under a name keyed by a hash of the sources, flags, compiler version, jaxlib version and
+the CPU's feature flags, so a rebuilt jaxlib, a new compiler or a
 different machine sharing the home directory gets its own library, and a second process reuses the first one's.
 The library is written to a temporary name and renamed, so concurrent builds (pytest-xdist, two engines) are safe.
 
@@ -53,51 +54,56 @@ def _compiler() -> str:
     return cxx
 
 
-def build(source: str, defines: tuple[str, ...] = ()) -> str:
-    """Compile `csrc/<source>` (once per content, flags, compiler, jaxlib and CPU); return the library's path.
+def build(defines: tuple[str, ...] = ()) -> str:
+    """Compile `csrc/*.cc` into one library (once per content, flags, compiler, jaxlib and CPU); return its path.
     `defines` (e.g. ("PAGEJAX_PORTABLE",), how tests build the path without ISA extensions) become -D flags."""
-    flags = (*FLAGS, *(f"-D{d}" for d in defines))
+    flags = (*FLAGS, "-pthread", *(f"-D{d}" for d in defines))
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    path = os.path.join(CSRC, source)
-    inputs = [path, *sorted(glob.glob(os.path.join(CSRC, "*.h")))]
+    sources = sorted(glob.glob(os.path.join(CSRC, "*.cc")))
+    inputs = [*sources, *sorted(glob.glob(os.path.join(CSRC, "*.h")))]
     parts = [open(p, "rb").read() for p in inputs]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), version.encode(),
                                      jaxlib.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:16]
     directory = os.environ.get("PAGEJAX_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagejax",
                                                                      "kernels")
     os.makedirs(directory, exist_ok=True)
-    library = os.path.join(directory, f"{os.path.splitext(source)[0]}-{key}.so")
+    library = os.path.join(directory, f"pagejax_cpu_kernels-{key}.so")
     if os.path.exists(library):
         return library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
-    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), "-I", CSRC, path, "-o", tmp]
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), "-I", CSRC, *sources, "-o", tmp]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:
         os.unlink(tmp)
-        raise KernelBuildError(f"compiling {source} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+        raise KernelBuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
     os.replace(tmp, library)  # atomic: a concurrent process sees no library or the whole one
     return library
 
 
 @functools.cache
-def register(source: str, target: str, symbol: str, defines: tuple[str, ...] = ()) -> None:
-    """Build `source`, load it and register its handler `symbol` as FFI target `target` (once per process)."""
+def _load(defines: tuple[str, ...]) -> ctypes.CDLL:
+    return ctypes.CDLL(build(defines))
+
+
+@functools.cache
+def register(target: str, symbol: str, defines: tuple[str, ...] = ()) -> None:
+    """Build the library, load it and register its handler `symbol` as FFI target `target` (once per process)."""
     try:
-        handler = getattr(ctypes.CDLL(build(source, defines)), symbol)
+        handler = getattr(_load(defines), symbol)
     except (OSError, AttributeError) as e:
-        raise KernelBuildError(f"loading {source} failed: {e}") from e
+        raise KernelBuildError(f"loading {symbol} from the CPU kernel library failed: {e}") from e
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
 
 @functools.cache
-def unavailable_reason(source: str, target: str, symbol: str) -> str | None:
+def unavailable_reason(target: str, symbol: str) -> str | None:
     """None when the kernel is built and registered, else why not (a compiler or loader message)."""
     if os.environ.get("PAGEJAX_CPU_KERNELS") == "0":
         return "the C++ CPU kernels are disabled by PAGEJAX_CPU_KERNELS=0"
     try:
-        register(source, target, symbol)
+        register(target, symbol)
     except KernelBuildError as e:
         return str(e)
     return None

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import cpu_build
 
-KERNEL = ("int8_matmul_cpu.cc", "pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")
+KERNEL = ("pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")  # FFI target, C symbol
 
 
 def available() -> bool:
@@ -26,8 +26,8 @@ def int8_matmul_cpu(x: jax.Array, w: jax.Array, *, portable: bool = False) -> ja
     if x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"expected int8 x [M, K] and int8 w [K, N], got {x.dtype}{list(x.shape)} and "
                          f"{w.dtype}{list(w.shape)}")
-    source, target, symbol = KERNEL
+    target, symbol = KERNEL
     target += "_portable" if portable else ""
-    cpu_build.register(source, target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())
+    cpu_build.register(target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32)
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kernels_pallas import cpu_build
 
 INT8_MAX = 127.0
-WRITE_KERNEL = ("write_rows_cpu.cc", "pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")
+WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, C symbol (csrc/write_rows_cpu.cc)
 
 
 def _write_kernel_available() -> bool:
@@ -77,7 +77,7 @@ def write_rows(arrays: tuple[jax.Array, ...], rows: tuple[jax.Array, ...], slot_
     """
     if not sharded and _write_kernel_available():
         slots = slot_mapping.astype(jnp.int32)
-        return tuple(jax.ffi.ffi_call(WRITE_KERNEL[1], jax.ShapeDtypeStruct(a.shape, a.dtype),
+        return tuple(jax.ffi.ffi_call(WRITE_KERNEL[0], jax.ShapeDtypeStruct(a.shape, a.dtype),
                                       input_output_aliases={0: 0})(a, r.astype(a.dtype), slots)
                      for a, r in zip(arrays, rows))
     page_size = arrays[0].shape[1]

@@ -23,8 +23,8 @@ from kernels_pallas import cpu_build
 from kernels_pallas.cpu_build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
 from kernels_pallas.ragged_paged_attention_ref import check_attention_inputs
 
-KERNEL = ("ragged_paged_attention_cpu.cc", "pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")
-TARGET = KERNEL[1]
+KERNEL = ("pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")  # FFI target, C symbol
+TARGET = KERNEL[0]
 
 
 def unavailable_reason() -> str | None:

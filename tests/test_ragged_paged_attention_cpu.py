@@ -144,16 +144,16 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
     with pytest.raises(cpu_kernel.KernelBuildError, match="no C\\+\\+ compiler 'no-such-compiler-pagejax'.*"
                        "attn_impl='reference'"):
-        cpu_build.build(cpu_kernel.KERNEL[0])
+        cpu_build.build()
     assert not list(tmp_path.iterdir())
 
 
 @needs_cxx
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
-    first = cpu_build.build(cpu_kernel.KERNEL[0])
+    first = cpu_build.build()
     mtime = tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns
-    assert cpu_build.build(cpu_kernel.KERNEL[0]) == first  # second call: no recompile
+    assert cpu_build.build() == first  # second call: no recompile
     assert tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.split("/")[-1]]  # no temporary files left
 
@@ -179,13 +179,13 @@ def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
 
     slots = jnp.array([3, -1, 17, 0, 3, 19], jnp.int32)
     kernel = jax.jit(write)
-    assert kv_cache.WRITE_KERNEL[1] in kernel.lower(cache, scales, slots).as_text()
+    assert kv_cache.WRITE_KERNEL[0] in kernel.lower(cache, scales, slots).as_text()
     got = kernel(cache, scales, slots)
     past_end = kernel(cache, scales, jnp.array([-1, -1, 20, 400, -1, -1], jnp.int32))
     for before, after in zip(jax.tree.leaves((cache, scales)), past_end):
         np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
     monkeypatch.setattr(kv_cache, "_write_kernel_available", lambda: False)
     portable = jax.jit(lambda c, s, sl: write(c, s, sl))  # a new function: no trace cached with the kernel
-    assert kv_cache.WRITE_KERNEL[1] not in portable.lower(cache, scales, slots).as_text()
+    assert kv_cache.WRITE_KERNEL[0] not in portable.lower(cache, scales, slots).as_text()
     for a, b in zip(got, portable(cache, scales, slots)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

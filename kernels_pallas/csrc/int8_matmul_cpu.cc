@@ -12,7 +12,7 @@
 // Why: at batch 1 a decode step is the weights' GEMVs, and XLA:CPU runs a 1- or 2-row int8 dot through YNNPACK at
 // about 12 GB/s of weights (BENCHMARKS.md), under a third of what the f32 GEMVs reach. Here each weight byte is
 // read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
-// walked four rows at a time, and the blocks are spread over XLA's intra-op thread pool (parallel_for.h). With
+// walked four rows at a time, and the blocks are spread over the library's worker threads (parallel_for.h). With
 // AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd.
 // The result is the exact integer dot, so it equals XLA's bit for bit and the float scaling stays in JAX.
 
@@ -85,6 +85,45 @@ struct Matmul {
   // operand, and 128 * (row sum of x) is subtracted at the end: the result is exact. A strip is S sub-strips wide
   // (wide strips for few rows: longer contiguous reads of W) and is packed once, then streamed for every R-row chunk
   // of x (R x 4S accumulators + 4 weights + broadcast + constant within the 32 registers).
+  // Few rows (GEMV-like): W is streamed whole rows at a time, the order memory likes; item i owns K rows
+  // [i * rows_per_item, ...) across all N columns and accumulates into its own partial[i][r][N] (in L1/L2), which
+  // the caller sums. Column strips would read W in 64-256 byte pieces N bytes apart, at half the bandwidth.
+  void vnni_rows(int64_t item, int64_t rows_per_item, const uint32_t* xu, int32_t* partial) const {
+    const int64_t k4 = (k + 3) / 4, b0 = item * rows_per_item / 4, b1 = std::min(k4, (item + 1) * rows_per_item / 4);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    int32_t* acc = partial + item * m * n;
+    std::fill(acc, acc + m * n, 0);
+    alignas(64) int32_t lanes[4][16];
+    for (int64_t n0 = 0; n0 < n; n0 += 64) {
+      const int64_t width = std::min<int64_t>(64, n - n0);
+      const __mmask64 cols = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
+      __m512i a[4][4];  // [row][q], at most 4 rows
+      for (int64_t r = 0; r < m; ++r)
+        for (int q = 0; q < 4; ++q) a[r][q] = _mm512_setzero_si512();
+      for (int64_t b = b0; b < b1; ++b) {
+        __m512i w4[4];
+        for (int i = 0; i < 4; ++i) {
+          const int64_t row = 4 * b + i;
+          w4[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
+        }
+        const __m512i t0 = _mm512_unpacklo_epi8(w4[0], w4[1]), t1 = _mm512_unpackhi_epi8(w4[0], w4[1]);
+        const __m512i t2 = _mm512_unpacklo_epi8(w4[2], w4[3]), t3 = _mm512_unpackhi_epi8(w4[2], w4[3]);
+        const __m512i v[4] = {_mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip),
+                              _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip),
+                              _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip),
+                              _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip)};
+        for (int64_t r = 0; r < m; ++r) {
+          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[r * k4 + b]));
+          for (int q = 0; q < 4; ++q) a[r][q] = _mm512_dpbusd_epi32(a[r][q], v[q], x4);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], a[r][q]);
+        for (int64_t c = 0; c < width; ++c) acc[r * n + n0 + c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
+      }
+    }
+  }
+
   static constexpr int64_t kPrefetch = 16;
 
   template <int S, int R>
@@ -161,7 +200,7 @@ struct Matmul {
 #endif
 };
 
-ffi::Error Int8MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                          ffi::ResultBuffer<ffi::S32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
@@ -171,22 +210,39 @@ ffi::Error Int8MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
   // x's rows as 4 consecutive K values per uint32 (K zero-padded to a multiple of 4), and their sums.
   const int64_t k4 = (mm.k + 3) / 4;
-  auto xu = std::make_shared<std::vector<uint32_t>>(mm.m * k4, 0u);
-  auto xsum = std::make_shared<std::vector<int32_t>>(mm.m, 0);
-  auto* bytes = reinterpret_cast<int8_t*>(xu->data());
+  std::vector<uint32_t> xu(mm.m * k4, 0u);
+  std::vector<int32_t> xsum(mm.m, 0);
+  auto* bytes = reinterpret_cast<int8_t*>(xu.data());
   for (int64_t r = 0; r < mm.m; ++r)
-    for (int64_t c = 0; c < mm.k; ++c) (*xsum)[r] += (bytes[r * k4 * 4 + c] = mm.x[r * mm.k + c]);
+    for (int64_t c = 0; c < mm.k; ++c) xsum[r] += (bytes[r * k4 * 4 + c] = mm.x[r * mm.k + c]);
   auto run = [&](auto strips, auto rows) {
     constexpr int S = decltype(strips)::value, R = decltype(rows)::value;
-    pagejax::parallel_for(pool, (mm.n + 64 * S - 1) / (64 * S), [mm, xu, xsum](int64_t i) {
-      mm.vnni_strip<S, R>(i, xu->data(), xsum->data());
+    pagejax::parallel_for((mm.n + 64 * S - 1) / (64 * S), [&](int64_t i) {
+      mm.vnni_strip<S, R>(i, xu.data(), xsum.data());
     });
   };
-  if (mm.m == 1) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
-  else if (mm.m <= 3) run(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
-  else run(std::integral_constant<int, 1>{}, std::integral_constant<int, 6>{});
+  if (mm.m <= 4) {
+    // Row streaming: K cut into 4-row-aligned items, partial sums per item, summed here with the correction.
+    const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
+    const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
+    std::vector<int32_t> partial(used * mm.m * mm.n);
+    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, xu.data(), partial.data()); });
+    pagejax::parallel_for((mm.n + 1023) / 1024, [&](int64_t c) {
+      for (int64_t r = 0; r < mm.m; ++r) {
+        int32_t* dst = mm.out + r * mm.n;
+        const int64_t c0 = c * 1024, c1 = std::min<int64_t>(mm.n, c0 + 1024);
+        for (int64_t j = c0; j < c1; ++j) dst[j] = -128 * xsum[r];
+        for (int64_t i = 0; i < used; ++i) {
+          const int32_t* src = partial.data() + (i * mm.m + r) * mm.n;
+          for (int64_t j = c0; j < c1; ++j) dst[j] += src[j];
+        }
+      }
+    });
+  } else {
+    run(std::integral_constant<int, 1>{}, std::integral_constant<int, 6>{});
+  }
 #else
-  pagejax::parallel_for(pool, mm.portable_items(), [mm](int64_t i) { mm.portable_item(i); });
+  pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
 #endif
   return ffi::Error::Success();
 }
@@ -195,7 +251,6 @@ ffi::Error Int8MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxInt8MatmulCpu, Int8MatmulCpu,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [K, N]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // out [M, N]

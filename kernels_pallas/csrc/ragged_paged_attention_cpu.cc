@@ -9,7 +9,7 @@
 //
 // Work item = (sequence, KV head, block of up to kQueryBlock query tokens): the block's query rows (tokens x
 // query heads of that KV head) are scored against the keys they can see, softmaxed exactly (two passes: scores,
-// then max/exp/sum), and the values accumulated. Items are spread over XLA's intra-op thread pool
+// then max/exp/sum), and the values accumulated. Items are spread over the library's worker threads
 // (parallel_for.h).
 // Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
 
@@ -191,7 +191,7 @@ std::vector<Item> make_items(const int32_t* cu_q_lens, int64_t num_seqs, const S
 }
 
 template <typename KV>
-ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+ffi::Error dispatch(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> kv_scales,
                     bool has_scales, const Options& o, ffi::ResultBuffer<ffi::F32> out) {
@@ -209,7 +209,7 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
         q.typed_data(), static_cast<const KV*>(kv_pages.untyped_data()),
         has_scales ? kv_scales.typed_data() : nullptr, kv_lens.typed_data(), page_indices.typed_data(),
         cu_q_lens.typed_data(), out_data, s, o};
-    pagejax::parallel_for(pool, items->size(), [attn, items](int64_t i) { attn.run((*items)[i]); });
+    pagejax::parallel_for(items->size(), [&](int64_t i) { attn.run((*items)[i]); });
   };
   switch (s.head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;
@@ -219,7 +219,7 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-ffi::Error RaggedPagedAttentionCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                                    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                                    ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                    ffi::Buffer<ffi::F32> kv_scales, float sm_scale, float soft_cap, float k_scale,
@@ -230,12 +230,12 @@ ffi::Error RaggedPagedAttentionCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_scales must be kv_pages.shape[:3]");
   switch (kv_pages.element_type()) {
     case ffi::F32:
-      return dispatch<float>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o, out);
+      return dispatch<float>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o, out);
     case ffi::BF16:
-      return dispatch<uint16_t>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o,
+      return dispatch<uint16_t>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o,
                                 out);
     case ffi::S8:
-      return dispatch<int8_t>(pool, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, true, o, out);
+      return dispatch<int8_t>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, true, o, out);
     default:
       return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_pages must be float32, bfloat16 or int8");
   }
@@ -245,7 +245,6 @@ ffi::Error RaggedPagedAttentionCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxRaggedPagedAttentionCpu, RaggedPagedAttentionCpu,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
                                   .Arg<ffi::AnyBuffer>()         // kv_pages [P, page_size, 2 Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
