@@ -1,6 +1,6 @@
 """The C++ int8 matmul (XLA FFI) is the exact int32 dot: against numpy for both of its paths (AVX-512 VNNI where the
-CPU has it, and the portable one), over row counts around its 6-row chunks, K not a multiple of 4 and column counts
-around its 64-column strips; and the W8A8 matmul gives the same bits with the kernel as with XLA's dot."""
+CPU has it, and the portable one), over row counts on both sides of its row-streaming path (M <= 4) and around its
+6-row chunks, K not a multiple of 4 and column counts around its 64-column pieces; and the W8A8 matmul gives the same bits with the kernel as with XLA's dot."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def test_kernel_builds_where_a_compiler_is():
 
 
 @pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130),
-                                   (32, 576, 200), (64, 3, 129)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (3, 37, 130), (4, 9, 1),  # row streaming (M <= 4)
+                                   (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129)])
 def test_exact_int32_dot(portable, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.integers(-128, 128, (m, k), dtype=np.int8)  # the full int8 range, -128 included

@@ -1,11 +1,3 @@
-
-
-
-
-
-
-
-
 // int8 x int8 -> int32 matmul on CPU: an XLA FFI custom call behind inference/quantization.py's W8A8
 // path (`matmul(method="int8")` with per-channel int8 weights).
 //
@@ -18,8 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -80,122 +70,109 @@ struct Matmul {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
   // AVX-512 VNNI path. vpdpbusd multiplies 4 unsigned by 4 signed bytes per int32 lane and adds them up, so each
-  // 64-column sub-strip of W is repacked (per 4 rows of K) into 4 registers whose lanes hold one column's 4
-  // consecutive K values, made unsigned by flipping the sign bit (w + 128); x's 4 bytes are broadcast as the signed
-  // operand, and 128 * (row sum of x) is subtracted at the end: the result is exact. A strip is S sub-strips wide
-  // (wide strips for few rows: longer contiguous reads of W) and is packed once, then streamed for every R-row chunk
-  // of x (R x 4S accumulators + 4 weights + broadcast + constant within the 32 registers).
-  // Few rows (GEMV-like): W is streamed whole rows at a time, the order memory likes; item i owns K rows
-  // [i * rows_per_item, ...) across all N columns and accumulates into its own partial[i][r][N] (in L1/L2), which
-  // the caller sums. Column strips would read W in 64-256 byte pieces N bytes apart, at half the bandwidth.
-  void vnni_rows(int64_t item, int64_t rows_per_item, const uint32_t* xu, int32_t* partial) const {
-    const int64_t k4 = (k + 3) / 4, b0 = item * rows_per_item / 4, b1 = std::min(k4, (item + 1) * rows_per_item / 4);
+  // 64-column piece of 4 consecutive rows of W is repacked (`pack`) into 4 registers whose lanes hold one column's
+  // 4 K values, made unsigned by flipping the sign bit (w + 128); x's 4 bytes are broadcast as the signed operand,
+  // and 128 * (row sum of x) is subtracted at the end: the result is exact.
+  static constexpr int64_t kPrefetch = 16;  // rows ahead: W's rows are N bytes apart, beyond the prefetcher's reach
+
+  // v[q], lane 4L + j = the 4 K values of column n0 + 16L + 4q + j, rows 4b..4b+3 (zero past K or past `cols`).
+  void pack(int64_t b, int64_t n0, __mmask64 cols, bool prefetch, __m512i (&v)[4]) const {
+    __m512i r[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = 4 * b + i;
+      r[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
+      if (prefetch && row + kPrefetch < k)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (row + kPrefetch) * n + n0), _MM_HINT_T0);
+    }
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    int32_t* acc = partial + item * m * n;
-    std::fill(acc, acc + m * n, 0);
-    alignas(64) int32_t lanes[4][16];
-    for (int64_t n0 = 0; n0 < n; n0 += 64) {
-      const int64_t width = std::min<int64_t>(64, n - n0);
-      const __mmask64 cols = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
-      __m512i a[4][4];  // [row][q], at most 4 rows
-      for (int64_t r = 0; r < m; ++r)
-        for (int q = 0; q < 4; ++q) a[r][q] = _mm512_setzero_si512();
-      for (int64_t b = b0; b < b1; ++b) {
-        __m512i w4[4];
-        for (int i = 0; i < 4; ++i) {
-          const int64_t row = 4 * b + i;
-          w4[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
-        }
-        const __m512i t0 = _mm512_unpacklo_epi8(w4[0], w4[1]), t1 = _mm512_unpackhi_epi8(w4[0], w4[1]);
-        const __m512i t2 = _mm512_unpacklo_epi8(w4[2], w4[3]), t3 = _mm512_unpackhi_epi8(w4[2], w4[3]);
-        const __m512i v[4] = {_mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip),
-                              _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip),
-                              _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip),
-                              _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip)};
-        for (int64_t r = 0; r < m; ++r) {
-          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[r * k4 + b]));
-          for (int q = 0; q < 4; ++q) a[r][q] = _mm512_dpbusd_epi32(a[r][q], v[q], x4);
-        }
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], a[r][q]);
-        for (int64_t c = 0; c < width; ++c) acc[r * n + n0 + c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
-      }
+    const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+    v[0] = _mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip);
+    v[1] = _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip);
+    v[2] = _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip);
+    v[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip);
+  }
+
+  // Store a packed piece's 4 accumulators in column order (a 4 x 4 transpose of 128-bit lanes), `width` columns.
+  static void store_columns(const __m512i (&a)[4], int32_t* dst, int64_t width) {
+    const __m512i u0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), u1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), u3 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
+    const __m512i cols[4] = {_mm512_shuffle_i32x4(u0, u2, 0x88), _mm512_shuffle_i32x4(u0, u2, 0xDD),
+                             _mm512_shuffle_i32x4(u1, u3, 0x88), _mm512_shuffle_i32x4(u1, u3, 0xDD)};
+    for (int t = 0; t < 4 && 16 * t < width; ++t) {
+      const int64_t left = std::min<int64_t>(16, width - 16 * t);
+      _mm512_mask_storeu_epi32(dst + 16 * t, left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), cols[t]);
     }
   }
 
-  static constexpr int64_t kPrefetch = 16;
+  static __mmask64 column_mask(int64_t width) { return width >= 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1; }
 
-  template <int S, int R>
-  void vnni_strip(int64_t strip, const uint32_t* xu, const int32_t* xsum) const {
-    constexpr int64_t kWidth = 64 * S;
-    const int64_t n0 = strip * kWidth, k4 = (k + 3) / 4;
-    __mmask64 cols[S];
-    for (int s = 0; s < S; ++s) {
-      const int64_t width = std::clamp<int64_t>(n - n0 - 64 * s, 0, 64);
-      cols[s] = width == 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1;
-    }
-    const bool reuse = m > R;  // keep the packed strip only if a second row chunk will read it
-    thread_local std::vector<__m512i> pack;
-    if (reuse) pack.resize(4 * S * k4);
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i acc[R][4 * S];
-    auto dot = [&](const __m512i* v, int64_t r0, int64_t rows, int64_t b) {
-      for (int r = 0; r < R; ++r) {
-        if (r >= rows) break;
-        const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
-        for (int q = 0; q < 4 * S; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], a);
-      }
-    };
-    alignas(64) int32_t lanes[4][16];
-    auto finish = [&](int64_t r0, int64_t rows) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512i correction = _mm512_set1_epi32(xsum[r0 + r] * 128);
-        int32_t* dst = out + (r0 + r) * n + n0;
-        for (int s = 0; s < S; ++s) {
-          const int64_t width = std::clamp<int64_t>(n - n0 - 64 * s, 0, 64);
-          for (int q = 0; q < 4; ++q) _mm512_store_si512(lanes[q], _mm512_sub_epi32(acc[r][4 * s + q], correction));
-          for (int64_t c = 0; c < width; ++c) dst[64 * s + c] = lanes[(c % 16) / 4][4 * (c / 16) + c % 4];
+  // Few rows (M <= 4, GEMV-like): W is streamed whole rows at a time, the order memory likes; item i owns K rows
+  // [i * rows_per_item, ...) across all N columns and writes its partial sums to partial[i][r][N], which the caller
+  // adds up. Column strips (below) read W in 64-byte pieces N bytes apart: 11.5 vs 8.8 ms for SmolLM2's weights.
+  void vnni_rows(int64_t item, int64_t rows_per_item, const uint32_t* xu, int32_t* partial) const {
+    const int64_t k4 = (k + 3) / 4, b0 = item * rows_per_item / 4, b1 = std::min(k4, (item + 1) * rows_per_item / 4);
+    for (int64_t n0 = 0; n0 < n; n0 += 64) {
+      const int64_t width = std::min<int64_t>(64, n - n0);
+      __m512i acc[4][4];  // [row][q]
+      for (int64_t r = 0; r < m; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
+      for (int64_t b = b0; b < b1; ++b) {
+        __m512i v[4];
+        pack(b, n0, column_mask(width), false, v);
+        for (int64_t r = 0; r < m; ++r) {
+          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[r * k4 + b]));
+          for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
         }
       }
-    };
-    auto zero_acc = [&]() {
-      for (int r = 0; r < R; ++r)
-        for (int q = 0; q < 4 * S; ++q) acc[r][q] = _mm512_setzero_si512();
-    };
-    // First row chunk: repack each block of 4 K rows and use it at once.
-    zero_acc();
-    const int64_t first_rows = std::min<int64_t>(R, m);
+      for (int64_t r = 0; r < m; ++r) store_columns(acc[r], partial + (item * m + r) * n + n0, width);
+    }
+  }
+
+  // More rows: one 64-column strip of W per item, packed once (and used at once by the first 6 rows of x), then
+  // streamed from L1/L2 for every further 6-row chunk: 6 x 4 accumulators + 4 weights + a broadcast in 32 registers.
+  static constexpr int64_t kRowChunk = 6;
+
+  // One 6-row chunk of x against strip n0; kFirst packs W (storing it for later chunks when `keep`), the rest read
+  // the packed strip. A template, so the accumulators stay in registers in both loops.
+  template <bool kFirst>
+  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, __m512i* packed, const uint32_t* xu,
+                   const int32_t* xsum) const {
+    const int64_t k4 = (k + 3) / 4, rows = std::min(kRowChunk, m - r0);
+    __m512i acc[kRowChunk][4];
+    for (int r = 0; r < kRowChunk; ++r)
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
     for (int64_t b = 0; b < k4; ++b) {
-      __m512i v[4 * S];
-      for (int s = 0; s < S; ++s) {
-        __m512i r[4];
-        for (int i = 0; i < 4; ++i) {
-          const int64_t row = 4 * b + i;
-          r[i] = row < k ? _mm512_maskz_loadu_epi8(cols[s], w + row * n + n0 + 64 * s) : _mm512_setzero_si512();
-          // W's rows are N bytes apart, too far for the hardware prefetcher to follow: fetch kPrefetch rows ahead.
-          if (row + kPrefetch < k) _mm_prefetch(reinterpret_cast<const char*>(w + (row + kPrefetch) * n + n0 + 64 * s),
-                                                _MM_HINT_T0);
-        }
-        const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
-        const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
-        v[4 * s + 0] = _mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip);  // lane 4L + j: column 16L + j
-        v[4 * s + 1] = _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip);  // column 16L + 4 + j
-        v[4 * s + 2] = _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip);  // column 16L + 8 + j
-        v[4 * s + 3] = _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip);  // column 16L + 12 + j
+      __m512i v[4];
+      if constexpr (kFirst) {
+        pack(b, n0, column_mask(width), true, v);
+        if (keep)
+          for (int q = 0; q < 4; ++q) packed[4 * b + q] = v[q];
+      } else {
+        for (int q = 0; q < 4; ++q) v[q] = packed[4 * b + q];
       }
-      if (reuse)
-        for (int q = 0; q < 4 * S; ++q) pack[4 * S * b + q] = v[q];
-      dot(v, 0, first_rows, b);
+      for (int r = 0; r < kRowChunk; ++r) {
+        if (r >= rows) break;
+        const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
+      }
     }
-    finish(0, first_rows);
-    // Further row chunks stream the packed strip (from L1/L2).
-    for (int64_t r0 = R; r0 < m; r0 += R) {
-      const int64_t rows = std::min<int64_t>(R, m - r0);
-      zero_acc();
-      for (int64_t b = 0; b < k4; ++b) dot(&pack[4 * S * b], r0, rows, b);
-      finish(r0, rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i correction = _mm512_set1_epi32(xsum[r0 + r] * 128);
+      __m512i a[4];
+      for (int q = 0; q < 4; ++q) a[q] = _mm512_sub_epi32(acc[r][q], correction);
+      store_columns(a, out + (r0 + r) * n + n0, width);
     }
+  }
+
+  void vnni_strip(int64_t strip, const uint32_t* xu, const int32_t* xsum) const {
+    const int64_t n0 = strip * 64, width = std::min<int64_t>(64, n - n0);
+    const bool keep = m > kRowChunk;
+    thread_local std::vector<__m512i> packed;
+    if (keep) packed.resize(4 * ((k + 3) / 4));
+    strip_chunk<true>(n0, width, 0, keep, packed.data(), xu, xsum);
+    for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk)
+      strip_chunk<false>(n0, width, r0, keep, packed.data(), xu, xsum);
   }
 #endif
 };
@@ -215,22 +192,16 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
   auto* bytes = reinterpret_cast<int8_t*>(xu.data());
   for (int64_t r = 0; r < mm.m; ++r)
     for (int64_t c = 0; c < mm.k; ++c) xsum[r] += (bytes[r * k4 * 4 + c] = mm.x[r * mm.k + c]);
-  auto run = [&](auto strips, auto rows) {
-    constexpr int S = decltype(strips)::value, R = decltype(rows)::value;
-    pagejax::parallel_for((mm.n + 64 * S - 1) / (64 * S), [&](int64_t i) {
-      mm.vnni_strip<S, R>(i, xu.data(), xsum.data());
-    });
-  };
   if (mm.m <= 4) {
-    // Row streaming: K cut into 4-row-aligned items, partial sums per item, summed here with the correction.
+    // K cut into 4-row-aligned items; their partial sums are added here, with the correction.
     const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
     const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
     std::vector<int32_t> partial(used * mm.m * mm.n);
     pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, xu.data(), partial.data()); });
     pagejax::parallel_for((mm.n + 1023) / 1024, [&](int64_t c) {
+      const int64_t c0 = c * 1024, c1 = std::min<int64_t>(mm.n, c0 + 1024);
       for (int64_t r = 0; r < mm.m; ++r) {
         int32_t* dst = mm.out + r * mm.n;
-        const int64_t c0 = c * 1024, c1 = std::min<int64_t>(mm.n, c0 + 1024);
         for (int64_t j = c0; j < c1; ++j) dst[j] = -128 * xsum[r];
         for (int64_t i = 0; i < used; ++i) {
           const int32_t* src = partial.data() + (i * mm.m + r) * mm.n;
@@ -239,7 +210,7 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
       }
     });
   } else {
-    run(std::integral_constant<int, 1>{}, std::integral_constant<int, 6>{});
+    pagejax::parallel_for((mm.n + 63) / 64, [&](int64_t i) { mm.vnni_strip(i, xu.data(), xsum.data()); });
   }
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
