@@ -1,6 +1,7 @@
 """The C++ int8 matmul (XLA FFI) is the exact int32 dot: against numpy for both of its paths (AVX-512 VNNI where the
 CPU has it, and the portable one), over row counts on both sides of its row-streaming path (M <= 4) and around its
-6-row chunks, K not a multiple of 4 and column counts around its 64-column pieces; and the W8A8 matmul gives the same bits with the kernel as with XLA's dot."""
+6-row chunks, K not a multiple of 4 and column counts around its 64-column pieces; and the W8A8 matmul gives the
+same bits with the kernel as with XLA's dot."""
 
 from __future__ import annotations
 
