@@ -145,14 +145,29 @@ def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, theta: float, scaling: RopeSc
     return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
+ROPE_KERNEL = ("pagejax_rope_tables_cpu", "PagejaxRopeTablesCpu")  # FFI target, C symbol (csrc/rope_tables_cpu.cc)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of positions[T] x inv_freq[D/2], float32 [T, D/2]. On CPU a C++ kernel computes them
+    (`csrc/rope_tables_cpu.cc`): fused into the rotation, XLA:CPU re-evaluated them per head and output element."""
+    from kernels_pallas import cpu_build
+
+    if jax.default_backend() == "cpu" and cpu_build.unavailable_reason(*ROPE_KERNEL) is None:
+        table = jax.ShapeDtypeStruct((positions.shape[0], len(inv_freq)), jnp.float32)
+        return jax.ffi.ffi_call(ROPE_KERNEL[0], (table, table), vmap_method="sequential")(
+            positions.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32))
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, interleaved: bool = False,
                scale: float = 1.0) -> jax.Array:
     """RoPE on `x[..., T, H, D]` at integer `positions[T]`. Rotate-half pairs (i, i + D/2) by default (Hugging Face
     Llama); `interleaved` pairs (2i, 2i + 1) as DeepSeek's complex form does. `scale` multiplies cos and sin
     (YaRN's attention factor)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos = (jnp.cos(freqs) * scale)[:, None, :]
-    sin = (jnp.sin(freqs) * scale)[:, None, :]
+    cos, sin = rope_tables(positions, inv_freq)  # [T, D/2]
+    cos, sin = (cos * scale)[:, None, :], (sin * scale)[:, None, :]
     x32 = x.astype(jnp.float32)
     if interleaved:
         pairs = x32.reshape(*x32.shape[:-1], -1, 2)

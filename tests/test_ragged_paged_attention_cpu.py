@@ -189,3 +189,22 @@ def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
     assert kv_cache.WRITE_KERNEL[0] not in portable.lower(cache, scales, slots).as_text()
     for a, b in zip(got, portable(cache, scales, slots)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_cxx
+def test_rope_tables_kernel_matches_jnp(monkeypatch):
+    """models.layers.rope_tables through csrc/rope_tables_cpu.cc (materialized once, not re-evaluated per head)
+    equals XLA's cos/sin to float32 rounding, at positions up to 32k."""
+    from models import layers
+
+    positions = jnp.array([0, 1, 7, 128, 4095, 32767], jnp.int32)
+    inv_freq = layers.rope_inv_freq(64, 10000.0, None)
+    kernel = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
+    assert layers.ROPE_KERNEL[0] in kernel.lower(positions).as_text()
+    got = kernel(positions)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")  # any backend without the kernel
+    portable = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
+    assert layers.ROPE_KERNEL[0] not in portable.lower(positions).as_text()
+    for a, b in zip(got, portable(positions)):
+        assert a.shape == (6, 32)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
