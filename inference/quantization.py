@@ -35,7 +35,7 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
                (relative error ~1e-2 of the output scale, see scripts/quant_bench.py). At batch 1 the activation is
                padded to 2 rows, because XLA:CPU lowers a 1-row int8 dot by first converting the weight to int32.
                On CPU, per-channel int8 weights take the C++ kernel `kernels_pallas.int8_matmul_cpu` instead (AVX-512
-               VNNI where the CPU has it): the same exact int32 dot, so the same result, at 1.3-4x the speed.
+               VNNI where the CPU has it): the same exact int32 dot, so the same result, at 1.2-4.9x the speed.
     "grouped"  float per-group partial dots over [in/g, g, out] then scale and sum; exact to float rounding, but
                the unpacked weight is still converted to float32 in memory.
 
@@ -256,13 +256,11 @@ def _per_group(a: Any) -> jax.Array:
 
 
 def _int8_kernel_available() -> bool:
-    """On CPU, per-channel int8 dots go to `kernels_pallas.int8_matmul_cpu` (exact, 1.3-4x YNNPACK's speed in
+    """On CPU, per-channel int8 dots go to `kernels_pallas.int8_matmul_cpu` (exact, 1.2-4.9x YNNPACK's speed in
     BENCHMARKS.md) when it can be built; elsewhere, or without a compiler, XLA's dot runs."""
-    if jax.default_backend() != "cpu":
-        return False
-    from kernels_pallas import int8_matmul_cpu
+    from kernels_pallas import cpu_build, int8_matmul_cpu
 
-    return int8_matmul_cpu.available()
+    return cpu_build.runs_here(*int8_matmul_cpu.KERNEL)
 
 
 def _matmul_int8(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:

@@ -107,3 +107,9 @@ def unavailable_reason(target: str, symbol: str) -> str | None:
     except KernelBuildError as e:
         return str(e)
     return None
+
+
+def runs_here(target: str, symbol: str) -> bool:
+    """Whether a call site should take this kernel: the default backend is CPU and the kernel is built and
+    registered (else the caller's pure-JAX path runs)."""
+    return jax.default_backend() == "cpu" and unavailable_reason(target, symbol) is None

@@ -1,7 +1,7 @@
 """int8 x int8 -> int32 matmul on CPU: a C++ kernel (`csrc/int8_matmul_cpu.cc`) through XLA's FFI.
 
 The W8A8 path (`inference.quantization.matmul(method="int8")`) quantizes activations per row and multiplies int8 by
-int8 into int32; XLA:CPU runs that dot through YNNPACK at about 12 GB/s of weights for one or two rows, which makes
+int8 into int32; XLA:CPU runs that dot through YNNPACK at 8-12 GB/s of weights for one or two rows, which makes
 batch-1 int8 decode slower than the float32 GEMVs it should beat. This kernel returns the same exact int32 dot
 (so results are bit-identical), reading each weight byte once for all rows. Built on first use by `cpu_build`.
 """

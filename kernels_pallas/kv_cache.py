@@ -34,7 +34,7 @@ WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, 
 
 def _write_kernel_available() -> bool:
     """On CPU, where the C++ kernel builds (kernels_pallas.cpu_build), cache writes use it; registered on success."""
-    return jax.default_backend() == "cpu" and cpu_build.unavailable_reason(*WRITE_KERNEL) is None
+    return cpu_build.runs_here(*WRITE_KERNEL)
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:

@@ -153,7 +153,7 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     (`csrc/rope_tables_cpu.cc`): fused into the rotation, XLA:CPU re-evaluated them per head and output element."""
     from kernels_pallas import cpu_build
 
-    if jax.default_backend() == "cpu" and cpu_build.unavailable_reason(*ROPE_KERNEL) is None:
+    if cpu_build.runs_here(*ROPE_KERNEL):
         table = jax.ShapeDtypeStruct((positions.shape[0], len(inv_freq)), jnp.float32)
         return jax.ffi.ffi_call(ROPE_KERNEL[0], (table, table), vmap_method="sequential")(
             positions.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32))
