@@ -17,8 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -203,13 +201,13 @@ ffi::Error dispatch(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
   float* out_data = out->typed_data();
   std::fill(out_data, out_data + out->element_count(), 0.f);
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.max_seqs);
-  auto items = std::make_shared<const std::vector<Item>>(make_items(cu_q_lens.typed_data(), n, s));
+  const std::vector<Item> items = make_items(cu_q_lens.typed_data(), n, s);  // parallel_for returns when all ran
   auto run = [&](auto head_dim) {
     Attention<KV, decltype(head_dim)::value> attn{
         q.typed_data(), static_cast<const KV*>(kv_pages.untyped_data()),
         has_scales ? kv_scales.typed_data() : nullptr, kv_lens.typed_data(), page_indices.typed_data(),
         cu_q_lens.typed_data(), out_data, s, o};
-    pagejax::parallel_for(items->size(), [&](int64_t i) { attn.run((*items)[i]); });
+    pagejax::parallel_for(items.size(), [&](int64_t i) { attn.run(items[i]); });
   };
   switch (s.head_dim) {
     case 64: run(std::integral_constant<int, 64>{}); break;
