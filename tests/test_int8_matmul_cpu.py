@@ -1,7 +1,7 @@
-"""The C++ int8 matmul (XLA FFI) is the exact int32 dot: against numpy for both of its paths (AVX-512 VNNI where the
-CPU has it, and the portable one), over row counts on both sides of its row-streaming path (M <= 4) and around its
-6-row chunks, K not a multiple of 4 and column counts around its 64-column pieces; and the W8A8 matmul gives the
-same bits with the kernel as with XLA's dot."""
+"""The C++ W8A8 matmul (XLA FFI) quantizes x's rows, takes the exact int32 dot and rescales: against a numpy model of
+those steps, bit for bit, for both of its paths (AVX-512 VNNI where the CPU has it, and the portable one), over row
+counts on both sides of its row-streaming path (M <= 4) and around its 6-row chunks, K not a multiple of 4 or 16 and
+column counts around its 64-column pieces; and the W8A8 matmul gives the same bits with the kernel as without."""
 
 from __future__ import annotations
 
@@ -24,28 +24,44 @@ def test_kernel_builds_where_a_compiler_is():
     assert int8_matmul_cpu.available()
 
 
+def w8a8_numpy(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
+    """The W8A8 product in float32 numpy, in the operations XLA:CPU compiles quantization._matmul_int8 to."""
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    sx = np.where(amax > 0, amax * np.float32(1 / 127), np.float32(1)).astype(np.float32)
+    xq = np.rint(x * (np.float32(1) / sx)).astype(np.int64)
+    dot = (xq @ w.astype(np.int64)).astype(np.float32)  # exact: |dot| < 2**24 for these K
+    return (dot * sx) * w_scale
+
+
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (3, 37, 130), (4, 9, 1),  # row streaming (M <= 4)
-                                   (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129)])
-def test_exact_int32_dot(portable, m, k, n):
+                                   (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129),
+                                   (60, 600, 70)])  # M * K past the size quantized on the worker threads
+def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
-    x = rng.integers(-128, 128, (m, k), dtype=np.int8)  # the full int8 range, -128 included
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
+    x[0, :] = 0  # an all-zero row: scale 1, not 0 / 0
+    x[-1, 0] = np.abs(x[-1]).max() * 2  # +127 after quantizing...
+    x[-1, -1] = -x[-1, 0]  # ... and -127
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
-    x[0, :] = -128
     w[:, 0] = -128  # the extreme product, summed K times
-    got = jax.jit(lambda a, b: int8_matmul_cpu.int8_matmul_cpu(a, b, portable=portable))(x, w)
-    assert got.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(got), x.astype(np.int32) @ w.astype(np.int32))
+    w_scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    got = jax.jit(lambda a, b, c: int8_matmul_cpu.int8_matmul_cpu(a, b, c, portable=portable))(x, w, w_scale)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), w8a8_numpy(x, w, w_scale))
 
 
 def test_rejects_wrong_dtypes_and_shapes():
-    with pytest.raises(ValueError, match="expected int8 x"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), jnp.float32), jnp.zeros((4, 3), jnp.int8))
-    with pytest.raises(ValueError, match="expected int8 x"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), jnp.int8), jnp.zeros((5, 3), jnp.int8))
+    f32, i8 = jnp.float32, jnp.int8
+    with pytest.raises(ValueError, match="expected float32 x"):
+        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), i8), jnp.zeros((4, 3), i8), jnp.ones(3, f32))
+    with pytest.raises(ValueError, match="expected float32 x"):
+        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((5, 3), i8), jnp.ones(3, f32))
+    with pytest.raises(ValueError, match="w_scale"):
+        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((4, 3), i8), jnp.ones(4, f32))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("rows", [1, 3, 32, 100])
 def test_w8a8_matmul_is_bit_identical_with_and_without_the_kernel(rows, monkeypatch):
     rng = np.random.default_rng(rows)
     qw = quantization.quantize_int8(rng.standard_normal((96, 160)).astype(np.float32))
@@ -66,13 +82,12 @@ def test_concurrent_calls_share_the_workers_safely():
     from concurrent.futures import ThreadPoolExecutor
 
     rng = np.random.default_rng(11)
-    cases = [(rng.integers(-128, 128, (m, 300), dtype=np.int8), rng.integers(-128, 128, (300, 700), dtype=np.int8))
-             for m in (1, 3, 9, 32)]
+    cases = [(rng.standard_normal((m, 300)).astype(np.float32), rng.integers(-128, 128, (300, 700), dtype=np.int8),
+              rng.uniform(1e-3, 1e-1, 700).astype(np.float32)) for m in (1, 3, 9, 32)]
     fn = jax.jit(int8_matmul_cpu.int8_matmul_cpu)
 
     def run(case):
-        x, w = case
-        return all((np.asarray(fn(x, w)) == x.astype(np.int32) @ w.astype(np.int32)).all() for _ in range(10))
+        return all((np.asarray(fn(*case)) == w8a8_numpy(*case)).all() for _ in range(10))
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(run, cases * 2))

@@ -1,14 +1,23 @@
-// int8 x int8 -> int32 matmul on CPU: an XLA FFI custom call behind inference/quantization.py's W8A8
-// path (`matmul(method="int8")` with per-channel int8 weights).
+// The W8A8 matmul on CPU: an XLA FFI custom call behind inference/quantization.py's `matmul(method="int8")` with
+// per-channel int8 weights. It takes float32 activations and returns float32, doing what the JAX path does around
+// its int8 dot -- quantize each row of x (scale max|x| / 127, round half to even), the exact int8 x int8 -> int32
+// dot, then (float(dot) * x_scale) * w_scale -- with the same float operations in the same order, so the result
+// is bit-identical (tested).
 //
 // Why: at batch 1 a decode step is the weights' GEMVs, and XLA:CPU runs a 1- or 2-row int8 dot through YNNPACK at
 // about 12 GB/s of weights (BENCHMARKS.md), under a third of what the f32 GEMVs reach. Here each weight byte is
 // read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
 // walked four rows at a time, and the blocks are spread over the library's worker threads (parallel_for.h). With
 // AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd.
-// The result is the exact integer dot, so it equals XLA's bit for bit and the float scaling stays in JAX.
+// Quantizing and rescaling in here rather than in XLA: those were XLA:CPU fusions of their own around each of the
+// 211 dots, 9.5 of a 33 ms chain of SmolLM2's int8 matmuls at 32 rows (BENCHMARKS.md).
+
+// The library is built with -fassociative-math (cpu_build.FLAGS, for the attention kernel's reductions); here it
+// would turn (dot * x_scale) * w_scale into dot * (x_scale * w_scale), one rounding off XLA's result.
+#pragma GCC optimize("no-associative-math")
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -19,7 +28,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -27,11 +36,35 @@ namespace {
 constexpr int64_t kColumnBlock = 256;
 constexpr int64_t kMaxRows = 16;
 
+// Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
+// The float operations are those XLA:CPU compiles inference/quantization.py's `_matmul_int8` to: its algebraic
+// simplifier turns `amax / 127` into a multiply by the constant 1/127 and `x / scale` into x * (1 / scale).
+inline float row_scale(const float* row, int64_t k) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+  return amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+}
+
+inline int8_t quantize(float v, float inv_scale) {
+  // rint rounds half to even in the default rounding mode, as jnp.round; the clamp only keeps NaN defined.
+  return static_cast<int8_t>(std::rint(std::max(-127.f, std::min(127.f, v * inv_scale))));
+}
+
 struct Matmul {
-  const int8_t* x;  // [M, K]
-  const int8_t* w;  // [K, N]
-  int32_t* out;     // [M, N]
+  const int8_t* xq;     // [M, k_pad], k_pad = K rounded up to a multiple of 4
+  const float* xscale;  // [M]
+  const int32_t* xsum;  // [M]
+  const int8_t* w;      // [K, N]
+  const float* wscale;  // [N]
+  float* out;           // [M, N]
   int64_t m, k, n;
+
+  int64_t k_pad() const { return (k + 3) / 4 * 4; }
+  // x's rows as 4 consecutive K values per uint32: what vpdpbusd broadcasts (xq points into a uint32 buffer).
+  const uint32_t* xu() const { return reinterpret_cast<const uint32_t*>(static_cast<const void*>(xq)); }
+  float rescale(int32_t dot, int64_t r, int64_t col) const {
+    return static_cast<float>(dot) * xscale[r] * wscale[col];
+  }
 
   void run_portable(int64_t block, int64_t r0, int64_t rows) const {
     const int64_t n0 = block * kColumnBlock, width = std::min(kColumnBlock, n - n0);
@@ -44,7 +77,7 @@ struct Matmul {
       const int8_t* w2 = w1 + n;
       const int8_t* w3 = w2 + n;
       for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* xr = x + (r0 + r) * k + kk;
+        const int8_t* xr = xq + (r0 + r) * k_pad() + kk;
         const int32_t a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
         int32_t* ar = acc[r];
         for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
@@ -53,12 +86,13 @@ struct Matmul {
     for (; kk < k; ++kk) {
       const int8_t* w0 = w + kk * n + n0;
       for (int64_t r = 0; r < rows; ++r) {
-        const int32_t a0 = x[(r0 + r) * k + kk];
+        const int32_t a0 = xq[(r0 + r) * k_pad() + kk];
         int32_t* ar = acc[r];
         for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j];
       }
     }
-    for (int64_t r = 0; r < rows; ++r) std::copy(acc[r], acc[r] + width, out + (r0 + r) * n + n0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = rescale(acc[r][j], r0 + r, n0 + j);
   }
 
   int64_t portable_items() const { return ((n + kColumnBlock - 1) / kColumnBlock) * ((m + kMaxRows - 1) / kMaxRows); }
@@ -93,15 +127,40 @@ struct Matmul {
     v[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip);
   }
 
-  // Store a packed piece's 4 accumulators in column order (a 4 x 4 transpose of 128-bit lanes), `width` columns.
-  static void store_columns(const __m512i (&a)[4], int32_t* dst, int64_t width) {
+  // A packed piece's 4 accumulators in column order (a 4 x 4 transpose of 128-bit lanes): cols[t] = columns
+  // 16t..16t+15 of the piece.
+  static void to_columns(const __m512i (&a)[4], __m512i (&cols)[4]) {
     const __m512i u0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), u1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
     const __m512i u2 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), u3 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
-    const __m512i cols[4] = {_mm512_shuffle_i32x4(u0, u2, 0x88), _mm512_shuffle_i32x4(u0, u2, 0xDD),
-                             _mm512_shuffle_i32x4(u1, u3, 0x88), _mm512_shuffle_i32x4(u1, u3, 0xDD)};
+    cols[0] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    cols[1] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    cols[2] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    cols[3] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+
+  static __mmask16 lanes(int64_t width, int t) {
+    const int64_t left = std::min<int64_t>(16, width - 16 * t);
+    return left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  }
+
+  // The piece's `width` int32 sums, in column order.
+  static void store_columns(const __m512i (&a)[4], int32_t* dst, int64_t width) {
+    __m512i cols[4];
+    to_columns(a, cols);
+    for (int t = 0; t < 4 && 16 * t < width; ++t) _mm512_mask_storeu_epi32(dst + 16 * t, lanes(width, t), cols[t]);
+  }
+
+  // The piece's `width` results of row r, columns n0..: (float(sum - 128 * xsum[r]) * xscale[r]) * wscale[col].
+  void store_rescaled(const __m512i (&a)[4], int64_t r, int64_t n0, int64_t width) const {
+    __m512i cols[4];
+    to_columns(a, cols);
+    const __m512i correction = _mm512_set1_epi32(xsum[r] * 128);
+    const __m512 xs = _mm512_set1_ps(xscale[r]);
     for (int t = 0; t < 4 && 16 * t < width; ++t) {
-      const int64_t left = std::min<int64_t>(16, width - 16 * t);
-      _mm512_mask_storeu_epi32(dst + 16 * t, left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), cols[t]);
+      const __mmask16 mask = lanes(width, t);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(cols[t], correction));
+      const __m512 ws = _mm512_maskz_loadu_ps(mask, wscale + n0 + 16 * t);
+      _mm512_mask_storeu_ps(out + r * n + n0 + 16 * t, mask, _mm512_mul_ps(_mm512_mul_ps(dot, xs), ws));
     }
   }
 
@@ -110,7 +169,7 @@ struct Matmul {
   // Few rows (M <= 4, GEMV-like): W is streamed whole rows at a time, the order memory likes; item i owns K rows
   // [i * rows_per_item, ...) across all N columns and writes its partial sums to partial[i][r][N], which the caller
   // adds up. Column strips (below) read W in 64-byte pieces N bytes apart: 11.5 vs 8.8 ms for SmolLM2's weights.
-  void vnni_rows(int64_t item, int64_t rows_per_item, const uint32_t* xu, int32_t* partial) const {
+  void vnni_rows(int64_t item, int64_t rows_per_item, int32_t* partial) const {
     const int64_t k4 = (k + 3) / 4, b0 = item * rows_per_item / 4, b1 = std::min(k4, (item + 1) * rows_per_item / 4);
     for (int64_t n0 = 0; n0 < n; n0 += 64) {
       const int64_t width = std::min<int64_t>(64, n - n0);
@@ -121,7 +180,7 @@ struct Matmul {
         __m512i v[4];
         pack(b, n0, column_mask(width), false, v);
         for (int64_t r = 0; r < m; ++r) {
-          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[r * k4 + b]));
+          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu()[r * k4 + b]));
           for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
         }
       }
@@ -136,8 +195,7 @@ struct Matmul {
   // One 6-row chunk of x against strip n0; kFirst packs W (storing it for later chunks when `keep`), the rest read
   // the packed strip. A template, so the accumulators stay in registers in both loops.
   template <bool kFirst>
-  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, __m512i* packed, const uint32_t* xu,
-                   const int32_t* xsum) const {
+  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, __m512i* packed) const {
     const int64_t k4 = (k + 3) / 4, rows = std::min(kRowChunk, m - r0);
     __m512i acc[kRowChunk][4];
     for (int r = 0; r < kRowChunk; ++r)
@@ -153,64 +211,95 @@ struct Matmul {
       }
       for (int r = 0; r < kRowChunk; ++r) {
         if (r >= rows) break;
-        const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu[(r0 + r) * k4 + b]));
+        const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu()[(r0 + r) * k4 + b]));
         for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512i correction = _mm512_set1_epi32(xsum[r0 + r] * 128);
-      __m512i a[4];
-      for (int q = 0; q < 4; ++q) a[q] = _mm512_sub_epi32(acc[r][q], correction);
-      store_columns(a, out + (r0 + r) * n + n0, width);
-    }
+    for (int64_t r = 0; r < rows; ++r) store_rescaled(acc[r], r0 + r, n0, width);
   }
 
-  void vnni_strip(int64_t strip, const uint32_t* xu, const int32_t* xsum) const {
+  void vnni_strip(int64_t strip) const {
     const int64_t n0 = strip * 64, width = std::min<int64_t>(64, n - n0);
     const bool keep = m > kRowChunk;
     thread_local std::vector<__m512i> packed;
     if (keep) packed.resize(4 * ((k + 3) / 4));
-    strip_chunk<true>(n0, width, 0, keep, packed.data(), xu, xsum);
+    strip_chunk<true>(n0, width, 0, keep, packed.data());
     for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk)
-      strip_chunk<false>(n0, width, r0, keep, packed.data(), xu, xsum);
+      strip_chunk<false>(n0, width, r0, keep, packed.data());
   }
 #endif
 };
 
-ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                         ffi::ResultBuffer<ffi::S32> out) {
+// Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
+// max and rint), so the AVX-512 build spells them out: 16 lanes, the same operations per element.
+void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+  auto mask = [&](int64_t c) { return k - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - c)) - 1); };
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask(c), xr + c)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float scale = *xscale = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < k; c += 16) {
+    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(c), xr + c), inv)));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    sum = _mm512_add_epi32(sum, q);
+    _mm512_mask_cvtepi32_storeu_epi8(qr + c, mask(c), q);
+  }
+  *xsum = _mm512_reduce_add_epi32(sum);
+#else
+  const float inv_scale = 1.f / (*xscale = row_scale(xr, k));
+  int32_t sum = 0;
+  for (int64_t c = 0; c < k; ++c) sum += (qr[c] = quantize(xr[c], inv_scale));
+  *xsum = sum;
+#endif
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xscale, int32_t* xsum) {
+  const int64_t k_pad = (k + 3) / 4 * 4;
+  auto row = [&](int64_t r) { quantize_row(x + r * k, k, xq + r * k_pad, xscale + r, xsum + r); };
+  if (m * k < (1 << 15)) {
+    for (int64_t r = 0; r < m; ++r) row(r);
+  } else {
+    pagejax::parallel_for(m, row);
+  }
+}
+
+ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
+                         ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K] and w [K, N]");
-  const Matmul mm{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[1]};
-  if (mm.m == 0 || mm.n == 0) return ffi::Error::Success();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1])
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N]");
+  const int64_t m = xd[0], k = xd[1], n = wd[1], k4 = (k + 3) / 4;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  std::vector<uint32_t> xu(m * k4, 0u);  // the quantized rows; a uint32 buffer, read as bytes or 4-byte groups
+  std::vector<float> xscale(m);
+  std::vector<int32_t> xsum(m);
+  int8_t* xq = reinterpret_cast<int8_t*>(xu.data());
+  quantize_rows(x.typed_data(), m, k, xq, xscale.data(), xsum.data());
+  const Matmul mm{xq, xscale.data(), xsum.data(), w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
-  // x's rows as 4 consecutive K values per uint32 (K zero-padded to a multiple of 4), and their sums.
-  const int64_t k4 = (mm.k + 3) / 4;
-  std::vector<uint32_t> xu(mm.m * k4, 0u);
-  std::vector<int32_t> xsum(mm.m, 0);
-  auto* bytes = reinterpret_cast<int8_t*>(xu.data());
-  for (int64_t r = 0; r < mm.m; ++r)
-    for (int64_t c = 0; c < mm.k; ++c) xsum[r] += (bytes[r * k4 * 4 + c] = mm.x[r * mm.k + c]);
-  if (mm.m <= 4) {
-    // K cut into 4-row-aligned items; their partial sums are added here, with the correction.
+  if (m <= 4) {
+    // K cut into 4-row-aligned items; their partial sums are added here, with the correction, and rescaled.
     const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
     const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
-    std::vector<int32_t> partial(used * mm.m * mm.n);
-    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, xu.data(), partial.data()); });
-    pagejax::parallel_for((mm.n + 1023) / 1024, [&](int64_t c) {
-      const int64_t c0 = c * 1024, c1 = std::min<int64_t>(mm.n, c0 + 1024);
-      for (int64_t r = 0; r < mm.m; ++r) {
-        int32_t* dst = mm.out + r * mm.n;
-        for (int64_t j = c0; j < c1; ++j) dst[j] = -128 * xsum[r];
+    std::vector<int32_t> partial(used * m * n);
+    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, partial.data()); });
+    pagejax::parallel_for((n + 1023) / 1024, [&](int64_t c) {
+      const int64_t c0 = c * 1024, c1 = std::min<int64_t>(n, c0 + 1024);
+      int32_t dot[1024];
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = c0; j < c1; ++j) dot[j - c0] = -128 * xsum[r];
         for (int64_t i = 0; i < used; ++i) {
-          const int32_t* src = partial.data() + (i * mm.m + r) * mm.n;
-          for (int64_t j = c0; j < c1; ++j) dst[j] += src[j];
+          const int32_t* src = partial.data() + (i * m + r) * n;
+          for (int64_t j = c0; j < c1; ++j) dot[j - c0] += src[j];
         }
+        for (int64_t j = c0; j < c1; ++j) mm.out[r * n + j] = mm.rescale(dot[j - c0], r, j);
       }
     });
   } else {
-    pagejax::parallel_for((mm.n + 63) / 64, [&](int64_t i) { mm.vnni_strip(i, xu.data(), xsum.data()); });
+    pagejax::parallel_for((n + 63) / 64, [&](int64_t i) { mm.vnni_strip(i); });
   }
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
@@ -222,6 +311,7 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxInt8MatmulCpu, Int8MatmulCpu,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [K, N]
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // out [M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_scale [N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
