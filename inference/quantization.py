@@ -256,6 +256,19 @@ def _per_group(a: Any) -> jax.Array:
     return jnp.asarray(a)[:, None, :]  # [G, 1, N]
 
 
+#: Up to this many activation rows, "dequant" runs the C++ grouped kernel on CPU; beyond, XLA's float32 dot of the
+#: dequantized weight is faster (576 x 1536 Q4: 0.83 vs 0.86 ms at 32 rows, 1.63 vs 1.23 ms at 64; BENCHMARKS.md).
+GROUPED_KERNEL_MAX_ROWS = 32
+
+
+def grouped_kernel_runs(rows: int) -> bool:
+    """Whether `matmul(method="dequant")` of `rows` rows runs `kernels_pallas.grouped_matmul_cpu` here (CPU, a
+    compiler, not PAGEJAX_CPU_KERNELS=0): no float copy of the weight, 10-16x XLA's "dequant" at batch 1."""
+    from kernels_pallas import cpu_build, grouped_matmul_cpu
+
+    return rows <= GROUPED_KERNEL_MAX_ROWS and cpu_build.runs_here(*grouped_matmul_cpu.KERNEL)
+
+
 def _int8_kernel_available() -> bool:
     """On CPU, per-channel int8 dots go to `kernels_pallas.int8_matmul_cpu` (exact, 1.2-4.9x YNNPACK's speed in
     BENCHMARKS.md) when it can be built; elsewhere, or without a compiler, XLA's dot runs."""
@@ -322,7 +335,13 @@ def matmul(x: Any, qw: QuantizedWeight, method: str = "dequant") -> jax.Array:
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    if method == "dequant":
+    if method == "dequant" and grouped_kernel_runs(x2.shape[0]):
+        from kernels_pallas.grouped_matmul_cpu import grouped_matmul_cpu
+
+        y = grouped_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits, group_size=qw.group_size,
+                               zero_point=qw.zero_point if qw.zero_point is None else jnp.asarray(qw.zero_point),
+                               offset=qw.offset if qw.offset is None else jnp.asarray(qw.offset))
+    elif method == "dequant":
         y = jnp.dot(x2, qw.dequantize())
     elif method == "int8":
         y = _matmul_int8(x2, qw)

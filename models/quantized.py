@@ -28,9 +28,11 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
             SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied embedding / LM head.
 
 `pick_method(qw, rows)` chooses the matmul from the weight's form and the (static, trace-time) number of rows:
-per-channel int8 weights use "int8"; grouped weights use "dequant" (an exact, weight-only dequantization inside the
-jit), except a large grouped matrix (the Q8_0 LM head, 576 x 49152) where "dequant" writes a 108 MiB float32 copy
-per call and the "int8" path is faster. Numbers: BENCHMARKS.md (scripts/quant_table.py, scripts/quant_bench.py).
+per-channel int8 weights use "int8"; grouped weights use "dequant" (an exact, weight-only dequantization: on CPU
+up to 32 rows the C++ kernel `kernels_pallas.grouped_matmul_cpu`, which reads the codes in place), except, where
+XLA's dot runs, a large grouped matrix (the Q8_0 LM head, 576 x 49152) with few rows: there "dequant" writes a
+108 MiB float32 copy per call and the "int8" path is faster. Numbers: BENCHMARKS.md (scripts/quant_table.py,
+scripts/quant_bench.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference.quantization import QuantizedWeight, dequantize, matmul, pack_int4, quantize, quantize_int8
+from inference.quantization import (QuantizedWeight, dequantize, grouped_kernel_runs, matmul, pack_int4, quantize,
+                                    quantize_int8)
 
 QUANTIZATION_MODES = ("int8", "int4", "int4-awq", "gguf")
 #: Grouped weights with more elements than this use the "int8" matmul instead of "dequant" (see the module docstring).
@@ -57,7 +60,7 @@ def pick_method(qw: QuantizedWeight, rows: int) -> str:
     """The `quantization.matmul` method for `rows` activation rows (static at trace time)."""
     if qw.bits == 8 and qw.group_size == qw.shape[0]:
         return "int8"  # per channel: W8A8, no float weight
-    if qw.shape[0] * qw.shape[1] > DEQUANT_MAX_ELEMENTS:
+    if qw.shape[0] * qw.shape[1] > DEQUANT_MAX_ELEMENTS and not grouped_kernel_runs(rows):
         return "int8"
     return "dequant"
 

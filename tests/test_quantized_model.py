@@ -94,7 +94,10 @@ def test_method_choice():
     from inference.quantization import quantize_int4, quantize_int8
     assert pick_method(quantize_int8(w), 1) == "int8"
     assert pick_method(quantize_int4(w, 32), 1) == pick_method(quantize_int4(w, 32), 32) == "dequant"
-    assert pick_method(quantize_int8(jnp.ones((576, 49152)), 32), 1) == "int8"  # Q8_0 LM head
+    from inference.quantization import grouped_kernel_runs
+    head = quantize_int8(jnp.ones((576, 49152)), 32)  # Q8_0 LM head: the C++ kernel, else W8A8 (no float copy)
+    assert pick_method(head, 1) == ("dequant" if grouped_kernel_runs(1) else "int8")
+    assert pick_method(head, 64) == "int8"
 
 
 def test_bad_modes_are_clear_errors():

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -273,26 +274,27 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::B
     return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N]");
   const int64_t m = xd[0], k = xd[1], n = wd[1], k4 = (k + 3) / 4;
   if (m == 0 || n == 0) return ffi::Error::Success();
-  std::vector<uint32_t> xu(m * k4, 0u);  // the quantized rows; a uint32 buffer, read as bytes or 4-byte groups
-  std::vector<float> xscale(m);
-  std::vector<int32_t> xsum(m);
-  int8_t* xq = reinterpret_cast<int8_t*>(xu.data());
-  quantize_rows(x.typed_data(), m, k, xq, xscale.data(), xsum.data());
-  const Matmul mm{xq, xscale.data(), xsum.data(), w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
+  uint32_t* xu = pagejax::scratch<uint32_t, 0>(m * k4);  // the quantized rows, read as bytes or 4-byte groups
+  std::fill(xu, xu + m * k4, 0u);                         // (zero past K)
+  float* xscale = pagejax::scratch<float, 1>(m);
+  int32_t* xsum = pagejax::scratch<int32_t, 2>(m);
+  int8_t* xq = reinterpret_cast<int8_t*>(xu);
+  quantize_rows(x.typed_data(), m, k, xq, xscale, xsum);
+  const Matmul mm{xq, xscale, xsum, w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
   if (m <= 4) {
     // K cut into 4-row-aligned items; their partial sums are added here, with the correction, and rescaled.
     const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
     const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
-    std::vector<int32_t> partial(used * m * n);
-    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, partial.data()); });
+    int32_t* partial = pagejax::scratch<int32_t, 3>(used * m * n);  // every element is written
+    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, partial); });
     pagejax::parallel_for((n + 1023) / 1024, [&](int64_t c) {
       const int64_t c0 = c * 1024, c1 = std::min<int64_t>(n, c0 + 1024);
       int32_t dot[1024];
       for (int64_t r = 0; r < m; ++r) {
         for (int64_t j = c0; j < c1; ++j) dot[j - c0] = -128 * xsum[r];
         for (int64_t i = 0; i < used; ++i) {
-          const int32_t* src = partial.data() + (i * m + r) * n;
+          const int32_t* src = partial + (i * m + r) * n;
           for (int64_t j = c0; j < c1; ++j) dot[j - c0] += src[j];
         }
         for (int64_t j = c0; j < c1; ++j) mm.out[r * n + j] = mm.rescale(dot[j - c0], r, j);
