@@ -7,8 +7,8 @@
 //
 // Why: XLA:CPU ran "dequant" as written -- a float32 copy of every weight, written and read again per call -- which
 // made a batch-1 SmolLM2 step with 4-bit weights 150 ms, 12x the int8 one (BENCHMARKS.md). Here each code byte is
-// read once: work items of about 96 K rows x 1024 columns, 64 columns and up to two activation rows in registers at
-// a time, the K parts' partial sums added at the end in a fixed order.
+// read once: work items of whole groups x up to 4096 columns, 64 columns and up to two activation rows in registers
+// at a time, the K parts' partial sums added at the end in a fixed order.
 
 #include <algorithm>
 #include <cstdint>
@@ -27,8 +27,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kStrip = 64;  // columns per register block
-constexpr int64_t kBlock = 1024;  // columns per work item
-constexpr int64_t kPartRows = 96;  // K rows per work item (whole groups)
+constexpr int64_t kBlock = 4096;  // columns per work item at most
+constexpr int64_t kItems = 32;    // work items to aim for: K is cut into parts until there are about this many
 constexpr int64_t kRows = 2;    // activation rows per pass over a strip
 constexpr int64_t kPrefetch = 16;  // code rows ahead: they are N bytes apart, beyond the hardware prefetcher's reach
 
@@ -78,7 +78,8 @@ struct Grouped {
   // even / odd rows for 8 bits) halve the FMA dependency chains.
   template <int R>
   void strip(int64_t r0, int64_t n0, int64_t width, int64_t g0, int64_t g1, float* dst) const {
-    __mmask16 mask[4];  // all 4 vectors always (masked past `width`): a loop bound known here keeps y, lo, hi in registers
+    // All 4 vectors always, masked past `width`: a loop bound known at compile time keeps y, lo, hi in registers.
+    __mmask16 mask[4];
     for (int t = 0; t < 4; ++t) mask[t] = lanes(width, t);
     __m512 y[R][4];
     for (int r = 0; r < R; ++r)
@@ -183,12 +184,16 @@ ffi::Error GroupedMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buff
   const Grouped mm{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()), scale.typed_data(),
                    has_zero ? zero.typed_data() : nullptr, has_offset ? offset.typed_data() : nullptr, xs,
                    m, k, n, group_size, bits};
-  // Items: (K part of about kPartRows code rows) x (block of kBlock columns). Each item reads its rows front to
-  // back over its columns, a few dozen streams the prefetcher follows; a strip-per-item split, each strip walking
-  // all K rows 64 bytes at a time, read SmolLM2's Q8_0 LM head at half the speed. The parts' partial sums are added
-  // below, part by part.
-  const int64_t groups_per_part = std::max<int64_t>(1, kPartRows / group_size);
-  const int64_t parts = (groups + groups_per_part - 1) / groups_per_part, blocks = (n + kBlock - 1) / kBlock;
+  // Items: (a part of K, whole groups) x (a block of up to kBlock columns). Each item reads its code rows front to
+  // back over its columns; a strip-per-item split, each strip walking all K rows 64 bytes at a time, read SmolLM2's
+  // Q8_0 LM head at half the speed. K is cut into parts until there are about kItems items (at ~30 us a call, both
+  // threads need several), and the parts' partial sums are added below, part by part. Measured on SmolLM2's
+  // matrices: 4096-column blocks 1.7 vs 2.2 ms (1024) for the head; one group per part 5.9 vs 7.3 ms (three) for
+  // the layers' 210 matrices.
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t wanted = std::clamp<int64_t>((kItems + blocks - 1) / blocks, 1, groups);
+  const int64_t groups_per_part = (groups + wanted - 1) / wanted;
+  const int64_t parts = (groups + groups_per_part - 1) / groups_per_part;
   float* partial = parts > 1 ? pagejax::scratch<float, 1>(parts * m * n) : nullptr;  // every element is written
   pagejax::parallel_for(parts * blocks, [&](int64_t i) {
     const int64_t p = i / blocks, c0 = (i % blocks) * kBlock;
