@@ -26,7 +26,9 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
 
     "dequant"  dequantize inside the jit, then one float dot. Exact (equals x @ qw.dequantize() to float rounding),
                but XLA:CPU materializes the full float32 weight before the dot (the dot is a library call, so the
-               convert cannot fuse into it) and that convert is slow for large weights.
+               convert cannot fuse into it) and that convert is slow for large weights. So on CPU, up to
+               GROUPED_KERNEL_MAX_ROWS rows, the C++ kernel `kernels_pallas.grouped_matmul_cpu` computes the same
+               product from the codes in place (group by group, float32 activations and accumulation).
     "int8"     dynamic per-token activation quantization (symmetric int8 per row and per weight group), then
                int8 x int8 -> int32 dots per group, integer zero-point correction, float scales, sum over groups.
                No float (or int32) copy of the weight exists (the int8 dot runs in XLA:CPU's YNNPACK fusion);
