@@ -285,9 +285,10 @@ def _matmul_int8(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     gsz, ng = qw.group_size, qw.num_groups
     if (qw.bits == 8 and ng == 1 and qw.zero_point is None and qw.offset is None
             and _int8_kernel_available()):  # per channel on CPU: the C++ kernel does all of the below, same bits
-        from kernels_pallas.int8_matmul_cpu import int8_matmul_cpu
+        from kernels_pallas.int8_matmul_cpu import MAX_K, int8_matmul_cpu
 
-        return int8_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(n))
+        if k <= MAX_K:
+            return int8_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(n))
     xg = x2.reshape(m, ng, gsz).transpose(1, 0, 2)  # [G, M, g]
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     sx = jnp.where(amax > 0, amax / 127.0, 1.0)  # [G, M, 1]

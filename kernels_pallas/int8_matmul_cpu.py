@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from kernels_pallas import cpu_build
 
 KERNEL = ("pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")  # FFI target, C symbol
+MAX_K = 65535  # input features at most: the kernel's int32 sums stay exact
 
 
 def available() -> bool:
@@ -26,9 +27,9 @@ def int8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, portable:
     with scale max|x| / 127 (round half to even), the exact int32 dot, then (dot * x_scale) * w_scale. CPU only.
     `portable` builds the path without AVX-512 VNNI (what a CPU without it runs; tests compare both)."""
     if (x.dtype != jnp.float32 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]
-            or w_scale.shape != (w.shape[1],)):
-        raise ValueError(f"expected float32 x [M, K], int8 w [K, N] and w_scale [N], got {x.dtype}{list(x.shape)}, "
-                         f"{w.dtype}{list(w.shape)} and {list(w_scale.shape)}")
+            or w_scale.shape != (w.shape[1],) or x.shape[1] > MAX_K):
+        raise ValueError(f"expected float32 x [M, K], int8 w [K, N] and w_scale [N] with K <= {MAX_K}, got "
+                         f"{x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)} and {list(w_scale.shape)}")
     target, symbol = KERNEL
     target += "_portable" if portable else ""
     cpu_build.register(target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())

@@ -68,6 +68,18 @@ def test_rejects_inconsistent_inputs():
         call(x, qw.q, qw.scale, bits=4, group_size=64)  # scales of 32-row groups
     with pytest.raises(ValueError, match="expected float32 x"):
         call(x, qw.q, qw.scale, bits=4, group_size=32, zero_point=qw.zero_point, offset=qw.scale)
+    with pytest.raises(ValueError, match="expected float32 x"):
+        call(x, qw.q, qw.scale, bits=4, group_size=32, zero_point=qw.zero_point.astype(jnp.int32))
+    with pytest.raises(ValueError, match="expected x"):
+        call(x[0], qw.q, qw.scale, bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_empty_k_gives_zeros(portable):
+    fn = jax.jit(lambda a, q, s: grouped_matmul_cpu.grouped_matmul_cpu(a, q, s, bits=8, group_size=32,
+                                                                        portable=portable))
+    got = fn(np.zeros((2, 0), np.float32), np.zeros((0, 7), np.int8), np.zeros((0, 7), np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((2, 7), np.float32))
 
 
 @pytest.mark.parametrize("rows", [1, 32, 33])

@@ -51,6 +51,22 @@ def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
     np.testing.assert_array_equal(np.asarray(got), w8a8_numpy(x, w, w_scale))
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_empty_k_and_non_finite_rows(portable):
+    """K = 0 gives zeros; a row with a NaN or an inf gives garbage for that row only (as the JAX path does), without
+    undefined behaviour in the kernel (NaN is quantized to 0): the other rows stay exact."""
+    fn = jax.jit(lambda a, b, c: int8_matmul_cpu.int8_matmul_cpu(a, b, c, portable=portable))
+    got = fn(np.zeros((3, 0), np.float32), np.zeros((0, 5), np.int8), np.ones(5, np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((3, 5), np.float32))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 40)).astype(np.float32)
+    x[1, 3], x[2, 7] = np.nan, np.inf
+    w = rng.integers(-128, 128, (40, 70), dtype=np.int8)
+    s = rng.uniform(1e-3, 1e-1, 70).astype(np.float32)
+    got = np.asarray(fn(x, w, s))
+    np.testing.assert_array_equal(got[[0, 3]], w8a8_numpy(x[[0, 3]], w, s))
+
+
 def test_rejects_wrong_dtypes_and_shapes():
     f32, i8 = jnp.float32, jnp.int8
     with pytest.raises(ValueError, match="expected float32 x"):
@@ -59,6 +75,9 @@ def test_rejects_wrong_dtypes_and_shapes():
         int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((5, 3), i8), jnp.ones(3, f32))
     with pytest.raises(ValueError, match="w_scale"):
         int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((4, 3), i8), jnp.ones(4, f32))
+    k = int8_matmul_cpu.MAX_K + 1  # int32 sums could overflow: the W8A8 matmul takes XLA's dot instead
+    with pytest.raises(ValueError, match="K <= 65535"):
+        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((1, k), f32), jnp.zeros((k, 1), i8), jnp.ones(1, f32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 100])

@@ -69,6 +69,11 @@ struct Grouped {
   }
 
 #ifdef PAGEJAX_GROUPED_AVX512
+  // The strip's 64 bytes of code row `row`, if there is one.
+  void prefetch(int64_t row, int64_t n0) const {
+    if (row < (bits == 4 ? k / 2 : k)) _mm_prefetch(reinterpret_cast<const char*>(q + row * n + n0), _MM_HINT_T0);
+  }
+
   static __mmask16 lanes(int64_t width, int t) {
     const int64_t left = std::clamp<int64_t>(width - 16 * t, 0, 16);
     return left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -95,7 +100,7 @@ struct Grouped {
         const int64_t half = gs / 2;
         for (int64_t i = 0; i < half; ++i) {
           const uint8_t* row = q + (g * half + i) * n + n0;
-          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch * n), _MM_HINT_T0);
+          prefetch(g * half + i + kPrefetch, n0);
           for (int t = 0; t < 4; ++t) {
             // A code's float is a lookup (vpermps reads an index's low 4 bits): cheaper than and + convert.
             const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask[t], row + 16 * t));
@@ -110,8 +115,8 @@ struct Grouped {
       } else {
         for (int64_t i = 0; i < gs; i += 2) {
           const uint8_t* row = q + (g * gs + i) * n + n0;
-          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch * n), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(row + (kPrefetch + 1) * n), _MM_HINT_T0);
+          prefetch(g * gs + i + kPrefetch, n0);
+          prefetch(g * gs + i + kPrefetch + 1, n0);
           for (int t = 0; t < 4; ++t) {
             const __m512 z0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask[t], row + 16 * t)));
             const __m512 z1 =
@@ -169,11 +174,16 @@ ffi::Error GroupedMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buff
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || (bits != 4 && bits != 8) || group_size <= 0 ||
       group_size % 2 || xd[1] % group_size || qd[0] * (bits == 4 ? 2 : 1) != xd[1] ||
       sd[0] != xd[1] / group_size || sd[1] != qd[1] || (has_zero && zero.element_count() != scale.element_count()) ||
-      (has_offset && offset.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("grouped_matmul_cpu: inconsistent shapes");
+      (has_offset && offset.element_count() != scale.element_count()) ||
+      q.element_type() != (bits == 4 ? ffi::U8 : ffi::S8))
+    return ffi::Error::InvalidArgument("grouped_matmul_cpu: inconsistent shapes or dtypes");
   const int64_t m = xd[0], k = xd[1], n = qd[1], groups = k / group_size;
   float* y = out->typed_data();
   if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(y, y + m * n, 0.f);
+    return ffi::Error::Success();
+  }
   float* xs = pagejax::scratch<float, 0>(m * groups);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {

@@ -15,31 +15,36 @@
 // The library is built with -fassociative-math (cpu_build.FLAGS, for the attention kernel's reductions); here it
 // would turn (dot * x_scale) * w_scale into dot * (x_scale * w_scale), one rounding off XLA's result.
 #pragma GCC optimize("no-associative-math")
+#ifdef __clang__
+#pragma clang fp reassociate(off)
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "parallel_for.h"
 #include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
-#include <immintrin.h>
-#endif
+// Largest K: the int32 sums (up to 255 * 127 * K with the +128 bias of the VNNI path) stay below 2^31.
+constexpr int64_t kMaxK = 65535;
 
 // Portable path: the compiler vectorizes over columns; a block's int32 accumulators of all rows stay in L1.
 constexpr int64_t kColumnBlock = 256;
 constexpr int64_t kMaxRows = 16;
 
-// Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
-// The float operations are those XLA:CPU compiles inference/quantization.py's `_matmul_int8` to: its algebraic
-// simplifier turns `amax / 127` into a multiply by the constant 1/127 and `x / scale` into x * (1 / scale).
+// The float operations of the activation quantizing are those XLA:CPU compiles inference/quantization.py's
+// `_matmul_int8` to: its algebraic simplifier turns `amax / 127` into a multiply by the constant 1/127 and `x / scale`
+// into x * (1 / scale).
 inline float row_scale(const float* row, int64_t k) {
   float amax = 0.f;
   for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
@@ -47,8 +52,10 @@ inline float row_scale(const float* row, int64_t k) {
 }
 
 inline int8_t quantize(float v, float inv_scale) {
-  // rint rounds half to even in the default rounding mode, as jnp.round; the clamp only keeps NaN defined.
-  return static_cast<int8_t>(std::rint(std::max(-127.f, std::min(127.f, v * inv_scale))));
+  // rint rounds half to even in the default rounding mode, as jnp.round; NaN (from NaN or infinite inputs) -> 0, as
+  // XLA's convert gives, and the clamp keeps the cast defined.
+  const float t = v * inv_scale;
+  return std::isnan(t) ? 0 : static_cast<int8_t>(std::rint(std::max(-127.f, std::min(127.f, t))));
 }
 
 struct Matmul {
@@ -233,6 +240,7 @@ struct Matmul {
 
 // Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
 // max and rint), so the AVX-512 build spells them out: 16 lanes, the same operations per element.
+// Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
 void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
   auto mask = [&](int64_t c) { return k - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - c)) - 1); };
@@ -243,7 +251,9 @@ void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t
   const __m512 inv = _mm512_set1_ps(1.f / scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < k; c += 16) {
-    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(c), xr + c), inv)));
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(c), xr + c), inv);
+    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0, as the portable path
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
     const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sum = _mm512_add_epi32(sum, q);
     _mm512_mask_cvtepi32_storeu_epi8(qr + c, mask(c), q);
@@ -270,10 +280,14 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xsca
 ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
                          ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1])
-    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N]");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1] || xd[1] > kMaxK)
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N], K <= 65535");
   const int64_t m = xd[0], k = xd[1], n = wd[1], k4 = (k + 3) / 4;
   if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(out->typed_data(), out->typed_data() + m * n, 0.f);
+    return ffi::Error::Success();
+  }
   uint32_t* xu = pagejax::scratch<uint32_t, 0>(m * k4);  // the quantized rows, read as bytes or 4-byte groups
   std::fill(xu, xu + m * k4, 0u);                         // (zero past K)
   float* xscale = pagejax::scratch<float, 1>(m);

@@ -11,7 +11,8 @@
 // query heads of that KV head) are scored against the keys they can see, softmaxed exactly (two passes: scores,
 // then max/exp/sum), and the values accumulated. Items are spread over the library's worker threads
 // (parallel_for.h). With AVX-512 and a head_dim of 64 or 128, both passes convert each key and value row to float
-// once for up to 4 query rows held in registers, and 16 keys' dot products are summed across lanes together
+// once for up to 4 (64) or 2 (128) query rows held in registers, and 16 keys' dot products are summed across lanes
+// together
 // (`sum16x16`); written as plain loops, g++ converted the row again for every query row and reduced every dot on
 // its own (7.8 GB/s of int8 cache at batch 32, BENCHMARKS.md).
 // Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_for.h"
@@ -102,8 +104,8 @@ inline __m512 sum16x16(const __m512 (&v)[16]) {
 }
 #endif
 
-// Calls fn.template operator()<R>() for R = min(kMax, rows - r0) in chunks over [0, rows): register-blocked
-// query rows.
+// Calls fn(std::integral_constant<int, R>{}, r0) for chunks [r0, r0 + R) of [0, rows), R = min(kMax, rows - r0):
+// register-blocked query rows.
 template <int kMax, typename Fn>
 void for_row_chunks(int64_t rows, Fn&& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMax) {
@@ -157,7 +159,7 @@ struct Attention {
   template <int R>
   void scores(const Item& it, int64_t lo, int64_t hi, int64_t L, const float* qbuf, int64_t r0, float* p) const {
     __m512 qv[R][kChunks], part[R][16];
-    alignas(64) float key_scale[16];
+    alignas(64) float key_scale[16] = {};  // lanes past n stay 0 (they are masked out when stored)
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChunks; ++c) qv[r][c] = _mm512_loadu_ps(qbuf + (r0 + r) * kD + 16 * c);
     int64_t n = 0, j0 = lo;  // keys j0 .. j0 + n - 1 are in part

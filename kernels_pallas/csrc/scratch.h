@@ -2,7 +2,7 @@
 //
 // Why: a decode step calls each kernel hundreds of times, and a std::vector per call allocates -- above glibc's mmap
 // threshold (128 KiB, e.g. the LM head's partial sums) that is a fresh mapping whose pages fault in on every call.
-// This buffer grows to the largest size asked and is reused; its contents are not initialized.
+// This buffer grows to the largest size asked and is reused; it holds whatever the last call left there.
 
 #pragma once
 
