@@ -259,7 +259,8 @@ def _per_group(a: Any) -> jax.Array:
 
 
 #: Up to this many activation rows, "dequant" runs the C++ grouped kernel on CPU; beyond, XLA's float32 dot of the
-#: dequantized weight is faster (576 x 1536 Q4: 0.83 vs 0.86 ms at 32 rows, 1.63 vs 1.23 ms at 64; BENCHMARKS.md).
+#: dequantized weight is about as fast or faster (576 x 1536 Q4 from cache: 0.54 vs 0.45 ms at 32 rows, 2.7 vs 1.5 at
+#: 128; the 576 x 49152 Q8_0 head: 17 vs 50 ms at 32 rows; BENCHMARKS.md).
 GROUPED_KERNEL_MAX_ROWS = 32
 
 

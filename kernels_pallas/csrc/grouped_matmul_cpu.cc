@@ -7,8 +7,9 @@
 //
 // Why: XLA:CPU ran "dequant" as written -- a float32 copy of every weight, written and read again per call -- which
 // made a batch-1 SmolLM2 step with 4-bit weights 150 ms, 12x the int8 one (BENCHMARKS.md). Here each code byte is
-// read once: work items of whole groups x up to 4096 columns, 64 columns and up to two activation rows in registers
-// at a time, the K parts' partial sums added at the end in a fixed order.
+// read once: work items of whole groups x up to 4096 columns, 64 columns at a time; up to two activation rows are
+// multiplied as the codes are converted, more rows against a float tile of one group's codes; the K parts' partial
+// sums are added at the end in a fixed order.
 
 #include <algorithm>
 #include <cstdint>
@@ -29,7 +30,8 @@ namespace {
 constexpr int64_t kStrip = 64;  // columns per register block
 constexpr int64_t kBlock = 4096;  // columns per work item at most
 constexpr int64_t kItems = 32;    // work items to aim for: K is cut into parts until there are about this many
-constexpr int64_t kRows = 2;    // activation rows per pass over a strip
+constexpr int64_t kRows = 2;    // activation rows per pass over a strip, converting codes on the way (M <= 2)
+constexpr int64_t kTileRows = 4;  // more rows: per pass over a group's float tile
 constexpr int64_t kPrefetch = 16;  // code rows ahead: they are N bytes apart, beyond the hardware prefetcher's reach
 
 struct Grouped {
@@ -74,6 +76,68 @@ struct Grouped {
     if (row < (bits == 4 ? k / 2 : k)) _mm_prefetch(reinterpret_cast<const char*>(q + row * n + n0), _MM_HINT_T0);
   }
 
+  // 16 columns of a 4-bit code row as floats: the low nibbles (K row i of the group) and the high ones (row i + g/2).
+  // A code's float is a lookup (vpermps reads an index's low 4 bits): cheaper than and + convert.
+  static void nibbles(const uint8_t* p, __mmask16 mask, __m512& lo, __m512& hi) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p));
+    lo = _mm512_permutexvar_ps(b, codes);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), codes);
+  }
+
+  // 16 columns of an 8-bit code row as floats.
+  static __m512 int8_codes(const uint8_t* p, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+  }
+
+  // Calls fn(i, t, slot, z) with z = the codes of K row g * gs + i, columns n0 + 16t.., as floats, code row by code
+  // row (a 4-bit row holds K rows i and i + g/2: slots 0 and 1; 8-bit rows go in pairs, slots 0 and 1): the slot
+  // lets `strip` keep two FMA chains.
+  template <typename Fn>
+  void for_each_code(int64_t g, int64_t n0, const __mmask16 (&mask)[4], Fn&& fn) const {
+    if (bits == 4) {
+      const int64_t half = gs / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const uint8_t* row = q + (g * half + i) * n + n0;
+        prefetch(g * half + i + kPrefetch, n0);
+        for (int t = 0; t < 4; ++t) {
+          __m512 zl, zh;
+          nibbles(row + 16 * t, mask[t], zl, zh);
+          fn(i, t, 0, zl);
+          fn(half + i, t, 1, zh);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < gs; i += 2) {  // gs is even
+        const uint8_t* row = q + (g * gs + i) * n + n0;
+        prefetch(g * gs + i + kPrefetch, n0);
+        prefetch(g * gs + i + kPrefetch + 1, n0);
+        for (int t = 0; t < 4; ++t) {
+          fn(i, t, 0, int8_codes(row + 16 * t, mask[t]));
+          fn(i + 1, t, 1, int8_codes(row + n + 16 * t, mask[t]));
+        }
+      }
+    }
+  }
+
+  // Group g's scale, zero point and offset for the 16 columns n0 + 16t.. (zeros where absent).
+  struct GroupTerms {
+    __m512 scale, zero, offset;
+    // y + scale * (dot - zero * sum) + offset * sum, sum = the row's x summed over the group.
+    __m512 add(__m512 dot, float sum, __m512 y) const {
+      const __m512 s = _mm512_set1_ps(sum);
+      return _mm512_fmadd_ps(offset, s, _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, s, dot), y));
+    }
+  };
+
+  GroupTerms terms(int64_t g, int64_t n0, int t, __mmask16 mask) const {
+    const int64_t col = g * n + n0 + 16 * t;
+    return {_mm512_maskz_loadu_ps(mask, scale + col),
+            zero == nullptr ? _mm512_setzero_ps()
+                            : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, zero + col))),
+            offset == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, offset + col)};
+  }
+
   static __mmask16 lanes(int64_t width, int t) {
     const int64_t left = std::clamp<int64_t>(width - 16 * t, 0, 16);
     return left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -89,61 +153,80 @@ struct Grouped {
     __m512 y[R][4];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) y[r][t] = _mm512_setzero_ps();
-    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t g = g0; g < g1; ++g) {
       __m512 lo[R][4], hi[R][4];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 4; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_ps();
       const float* xg[R];
       for (int r = 0; r < R; ++r) xg[r] = x + (r0 + r) * k + g * gs;
-      if (bits == 4) {
-        const int64_t half = gs / 2;
-        for (int64_t i = 0; i < half; ++i) {
-          const uint8_t* row = q + (g * half + i) * n + n0;
-          prefetch(g * half + i + kPrefetch, n0);
-          for (int t = 0; t < 4; ++t) {
-            // A code's float is a lookup (vpermps reads an index's low 4 bits): cheaper than and + convert.
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask[t], row + 16 * t));
-            const __m512 zl = _mm512_permutexvar_ps(b, codes);
-            const __m512 zh = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), codes);
-            for (int r = 0; r < R; ++r) {
-              lo[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r][i]), zl, lo[r][t]);
-              hi[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r][half + i]), zh, hi[r][t]);
-            }
-          }
-        }
-      } else {
-        for (int64_t i = 0; i < gs; i += 2) {
-          const uint8_t* row = q + (g * gs + i) * n + n0;
-          prefetch(g * gs + i + kPrefetch, n0);
-          prefetch(g * gs + i + kPrefetch + 1, n0);
-          for (int t = 0; t < 4; ++t) {
-            const __m512 z0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask[t], row + 16 * t)));
-            const __m512 z1 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask[t], row + n + 16 * t)));
-            for (int r = 0; r < R; ++r) {
-              lo[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r][i]), z0, lo[r][t]);
-              hi[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(xg[r][i + 1]), z1, hi[r][t]);
-            }
-          }
-        }
-      }
-      for (int t = 0; t < 4; ++t) {
-        const int64_t col = g * n + n0 + 16 * t;
-        const __m512 sc = _mm512_maskz_loadu_ps(mask[t], scale + col);
-        const __m512 zp = zero == nullptr ? _mm512_setzero_ps()
-                                          : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                _mm_maskz_loadu_epi8(mask[t], zero + col)));
-        const __m512 off = offset == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[t], offset + col);
+      for_each_code(g, n0, mask, [&](int64_t i, int t, int slot, __m512 z) {
         for (int r = 0; r < R; ++r) {
-          const __m512 sum = _mm512_set1_ps(xs[(r0 + r) * groups() + g]);
-          const __m512 dot = _mm512_fnmadd_ps(zp, sum, _mm512_add_ps(lo[r][t], hi[r][t]));
-          y[r][t] = _mm512_fmadd_ps(off, sum, _mm512_fmadd_ps(sc, dot, y[r][t]));
+          __m512& a = slot ? hi[r][t] : lo[r][t];
+          a = _mm512_fmadd_ps(_mm512_set1_ps(xg[r][i]), z, a);
         }
+      });
+      for (int t = 0; t < 4; ++t) {
+        const GroupTerms c = terms(g, n0, t, mask[t]);
+        for (int r = 0; r < R; ++r)
+          y[r][t] = c.add(_mm512_add_ps(lo[r][t], hi[r][t]), xs[(r0 + r) * groups() + g], y[r][t]);
       }
     }
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) _mm512_mask_storeu_ps(dst + (r0 + r) * n + n0 + 16 * t, mask[t], y[r][t]);
+  }
+
+  // More rows: group g's codes of the strip converted to float once, tile[i * 64 + c] = z[g * gs + i, n0 + c], for
+  // every chunk of rows to multiply against (`tile_rows`); converting again per pair of rows, as `strip` does, cost
+  // more than the FMAs.
+  void convert_group(int64_t g, int64_t n0, const __mmask16 (&mask)[4], float* tile) const {
+    for_each_code(g, n0, mask, [&](int64_t i, int t, int, __m512 z) {
+      _mm512_store_ps(tile + i * kStrip + 16 * t, z);
+    });
+  }
+
+  // Rows [r0, r0 + R) x the strip, group g from its float tile, added into dst (set when g is the item's first).
+  template <int R>
+  void tile_rows(int64_t r0, int64_t n0, int64_t g, bool first, const __mmask16 (&mask)[4], const float* tile,
+                 float* dst) const {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+    const float* xg[R];
+    for (int r = 0; r < R; ++r) xg[r] = x + (r0 + r) * k + g * gs;
+    for (int64_t i = 0; i < gs; ++i) {
+      __m512 w[4];
+      for (int t = 0; t < 4; ++t) w[t] = _mm512_load_ps(tile + i * kStrip + 16 * t);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(xg[r][i]);
+        for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_fmadd_ps(a, w[t], acc[r][t]);
+      }
+    }
+    for (int t = 0; t < 4; ++t) {
+      const GroupTerms c = terms(g, n0, t, mask[t]);
+      for (int r = 0; r < R; ++r) {
+        float* out = dst + (r0 + r) * n + n0 + 16 * t;
+        const __m512 before = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[t], out);
+        _mm512_mask_storeu_ps(out, mask[t], c.add(acc[r][t], xs[(r0 + r) * groups() + g], before));
+      }
+    }
+  }
+
+  void tiled(int64_t n0, int64_t width, int64_t g0, int64_t g1, float* dst) const {
+    __mmask16 mask[4];
+    for (int t = 0; t < 4; ++t) mask[t] = lanes(width, t);
+    float* tile = pagejax::scratch<float, 2>(gs * kStrip + 16);  // per thread: each worker converts its own
+    tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tile) + 63) & ~uintptr_t(63));
+    for (int64_t g = g0; g < g1; ++g) {
+      convert_group(g, n0, mask, tile);
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+        switch (std::min(kTileRows, m - r0)) {
+          case 1: tile_rows<1>(r0, n0, g, g == g0, mask, tile, dst); break;
+          case 2: tile_rows<2>(r0, n0, g, g == g0, mask, tile, dst); break;
+          case 3: tile_rows<3>(r0, n0, g, g == g0, mask, tile, dst); break;
+          default: tile_rows<4>(r0, n0, g, g == g0, mask, tile, dst); break;
+        }
+      }
+    }
   }
 #endif
 
@@ -151,6 +234,12 @@ struct Grouped {
   void item(int64_t c0, int64_t c1, int64_t g0, int64_t g1, float* dst) const {
     for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
       const int64_t width = std::min(kStrip, c1 - n0);
+#ifdef PAGEJAX_GROUPED_AVX512
+      if (m > kRows) {
+        tiled(n0, width, g0, g1, dst);
+        continue;
+      }
+#endif
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = std::min(kRows, m - r0);
 #ifdef PAGEJAX_GROUPED_AVX512
