@@ -339,10 +339,12 @@ def matmul(x: Any, qw: QuantizedWeight, method: str = "dequant") -> jax.Array:
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    if method == "dequant" and grouped_kernel_runs(x2.shape[0]):
+    if (method == "dequant" and grouped_kernel_runs(x2.shape[0])
+            and (qw.zero_point is None or np.dtype(qw.zero_point.dtype) == np.int8)):  # what the kernel reads
         from kernels_pallas.grouped_matmul_cpu import grouped_matmul_cpu
 
-        y = grouped_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits, group_size=qw.group_size,
+        y = grouped_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits,
+                               group_size=int(qw.group_size),
                                zero_point=qw.zero_point if qw.zero_point is None else jnp.asarray(qw.zero_point),
                                offset=qw.offset if qw.offset is None else jnp.asarray(qw.offset))
     elif method == "dequant":

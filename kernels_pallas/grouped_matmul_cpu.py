@@ -31,7 +31,7 @@ def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: in
     m, k = x.shape
     rows = k // 2 if bits == 4 else k
     n = q.shape[1]
-    groups = (k // group_size, n) if isinstance(group_size, int) and group_size > 0 else None
+    groups = (k // group_size, n) if isinstance(group_size, (int, np.integer)) and group_size > 0 else None
     if (x.dtype != jnp.float32 or bits not in (4, 8) or groups is None or group_size % 2 or k % group_size
             or q.shape != (rows, n) or np.dtype(q.dtype) != np.dtype(jnp.uint8 if bits == 4 else jnp.int8)
             or scale.shape != groups or (zero_point is not None and offset is not None)

@@ -92,6 +92,17 @@ def test_dequant_matmul_takes_the_kernel_up_to_its_row_limit(rows):
     np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
 
 
+def test_dequant_of_a_weight_the_kernel_does_not_read_takes_xla():
+    """Zero points stored wider than int8 are outside the kernel's contract: XLA's dot, the same product."""
+    rng = np.random.default_rng(3)
+    qw = quantization.quantize_int4(rng.standard_normal((64, 20)).astype(np.float32), 32)
+    qw = qw.replace(zero_point=jnp.asarray(qw.zero_point, jnp.int32))
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    fn = jax.jit(lambda a: quantization.matmul(a, qw, "dequant"))
+    assert grouped_matmul_cpu.KERNEL[0] not in fn.lower(x).as_text()
+    np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
+
+
 def test_pick_method_keeps_a_large_grouped_matrix_on_the_kernel(monkeypatch):
     big = quantization.QuantizedWeight(q=np.zeros((576, 49152), np.int8), scale=np.ones((18, 49152), np.float32),
                                        bits=8, group_size=32, shape=(576, 49152))
