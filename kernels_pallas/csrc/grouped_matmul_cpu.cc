@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "parallel_for.h"
+#include "register_blocks.h"
 #include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -27,11 +28,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using pagejax::for_row_chunks;
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+using pagejax::first_lanes;
+#endif
+
 constexpr int64_t kStrip = 64;  // columns per register block
 constexpr int64_t kBlock = 4096;  // columns per work item at most
 constexpr int64_t kItems = 32;    // work items to aim for: K is cut into parts until there are about this many
 constexpr int64_t kRows = 2;    // activation rows per pass over a strip, converting codes on the way (M <= 2)
-constexpr int64_t kTileRows = 4;  // more rows: per pass over a group's float tile
+constexpr int kTileRows = 4;  // more rows: per pass over a group's float tile
 constexpr int64_t kPrefetch = 16;  // code rows ahead: they are N bytes apart, beyond the hardware prefetcher's reach
 
 struct Grouped {
@@ -138,10 +144,6 @@ struct Grouped {
             offset == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, offset + col)};
   }
 
-  static __mmask16 lanes(int64_t width, int t) {
-    const int64_t left = std::clamp<int64_t>(width - 16 * t, 0, 16);
-    return left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  }
 
   // The same for R rows and one strip, 16 columns a vector; lo / hi accumulators (the two nibbles of a byte, or
   // even / odd rows for 8 bits) halve the FMA dependency chains.
@@ -149,7 +151,7 @@ struct Grouped {
   void strip(int64_t r0, int64_t n0, int64_t width, int64_t g0, int64_t g1, float* dst) const {
     // All 4 vectors always, masked past `width`: a loop bound known at compile time keeps y, lo, hi in registers.
     __mmask16 mask[4];
-    for (int t = 0; t < 4; ++t) mask[t] = lanes(width, t);
+    for (int t = 0; t < 4; ++t) mask[t] = first_lanes(width - 16 * t);
     __m512 y[R][4];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < 4; ++t) y[r][t] = _mm512_setzero_ps();
@@ -213,19 +215,14 @@ struct Grouped {
 
   void tiled(int64_t n0, int64_t width, int64_t g0, int64_t g1, float* dst) const {
     __mmask16 mask[4];
-    for (int t = 0; t < 4; ++t) mask[t] = lanes(width, t);
+    for (int t = 0; t < 4; ++t) mask[t] = first_lanes(width - 16 * t);
     float* tile = pagejax::scratch<float, 2>(gs * kStrip + 16);  // per thread: each worker converts its own
     tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tile) + 63) & ~uintptr_t(63));
     for (int64_t g = g0; g < g1; ++g) {
       convert_group(g, n0, mask, tile);
-      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-        switch (std::min(kTileRows, m - r0)) {
-          case 1: tile_rows<1>(r0, n0, g, g == g0, mask, tile, dst); break;
-          case 2: tile_rows<2>(r0, n0, g, g == g0, mask, tile, dst); break;
-          case 3: tile_rows<3>(r0, n0, g, g == g0, mask, tile, dst); break;
-          default: tile_rows<4>(r0, n0, g, g == g0, mask, tile, dst); break;
-        }
-      }
+      for_row_chunks<kTileRows>(m, [&](auto rows, int64_t r0) {
+        tile_rows<decltype(rows)::value>(r0, n0, g, g == g0, mask, tile, dst);
+      });
     }
   }
 #endif

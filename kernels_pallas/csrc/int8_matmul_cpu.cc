@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "parallel_for.h"
+#include "register_blocks.h"
 #include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,6 +35,10 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+using pagejax::first_lanes;
+#endif
 
 // Largest K: the int32 sums (up to 255 * 127 * K with the +128 bias of the VNNI path) stay below 2^31.
 constexpr int64_t kMaxK = 65535;
@@ -146,16 +151,13 @@ struct Matmul {
     cols[3] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
   }
 
-  static __mmask16 lanes(int64_t width, int t) {
-    const int64_t left = std::min<int64_t>(16, width - 16 * t);
-    return left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  }
 
   // The piece's `width` int32 sums, in column order.
   static void store_columns(const __m512i (&a)[4], int32_t* dst, int64_t width) {
     __m512i cols[4];
     to_columns(a, cols);
-    for (int t = 0; t < 4 && 16 * t < width; ++t) _mm512_mask_storeu_epi32(dst + 16 * t, lanes(width, t), cols[t]);
+    for (int t = 0; t < 4 && 16 * t < width; ++t)
+      _mm512_mask_storeu_epi32(dst + 16 * t, first_lanes(width - 16 * t), cols[t]);
   }
 
   // The piece's `width` results of row r, columns n0..: (float(sum - 128 * xsum[r]) * xscale[r]) * wscale[col].
@@ -165,7 +167,7 @@ struct Matmul {
     const __m512i correction = _mm512_set1_epi32(xsum[r] * 128);
     const __m512 xs = _mm512_set1_ps(xscale[r]);
     for (int t = 0; t < 4 && 16 * t < width; ++t) {
-      const __mmask16 mask = lanes(width, t);
+      const __mmask16 mask = first_lanes(width - 16 * t);
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(cols[t], correction));
       const __m512 ws = _mm512_maskz_loadu_ps(mask, wscale + n0 + 16 * t);
       _mm512_mask_storeu_ps(out + r * n + n0 + 16 * t, mask, _mm512_mul_ps(_mm512_mul_ps(dot, xs), ws));
@@ -243,20 +245,20 @@ struct Matmul {
 // Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
 void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
-  auto mask = [&](int64_t c) { return k - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - c)) - 1); };
   __m512 vmax = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask(c), xr + c)));
+  for (int64_t c = 0; c < k; c += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(first_lanes(k - c), xr + c)));
   const float amax = _mm512_reduce_max_ps(vmax);
   const float scale = *xscale = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
   const __m512 inv = _mm512_set1_ps(1.f / scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < k; c += 16) {
-    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(c), xr + c), inv);
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(k - c), xr + c), inv);
     v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0, as the portable path
     v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
     const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sum = _mm512_add_epi32(sum, q);
-    _mm512_mask_cvtepi32_storeu_epi8(qr + c, mask(c), q);
+    _mm512_mask_cvtepi32_storeu_epi8(qr + c, first_lanes(k - c), q);
   }
   *xsum = _mm512_reduce_add_epi32(sum);
 #else

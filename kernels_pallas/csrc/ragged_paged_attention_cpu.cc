@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "register_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
@@ -35,6 +36,11 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+using pagejax::for_row_chunks;
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+using pagejax::first_lanes;
+#endif
 
 constexpr int64_t kQueryBlock = 8;
 
@@ -104,20 +110,6 @@ inline __m512 sum16x16(const __m512 (&v)[16]) {
 }
 #endif
 
-// Calls fn(std::integral_constant<int, R>{}, r0) for chunks [r0, r0 + R) of [0, rows), R = min(kMax, rows - r0):
-// register-blocked query rows.
-template <int kMax, typename Fn>
-void for_row_chunks(int64_t rows, Fn&& fn) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMax) {
-    switch (std::min<int64_t>(kMax, rows - r0)) {
-      case 1: fn(std::integral_constant<int, 1>{}, r0); break;
-      case 2: if constexpr (kMax >= 2) fn(std::integral_constant<int, 2>{}, r0); break;
-      case 3: if constexpr (kMax >= 3) fn(std::integral_constant<int, 3>{}, r0); break;
-      default: if constexpr (kMax >= 4) fn(std::integral_constant<int, 4>{}, r0); break;
-    }
-  }
-}
-
 // kD > 0: head_dim known at compile time (fully unrolled dot products); kD == 0: any head_dim.
 template <typename KV, int kD>
 struct Attention {
@@ -164,7 +156,7 @@ struct Attention {
       for (int c = 0; c < kChunks; ++c) qv[r][c] = _mm512_loadu_ps(qbuf + (r0 + r) * kD + 16 * c);
     int64_t n = 0, j0 = lo;  // keys j0 .. j0 + n - 1 are in part
     auto flush = [&] {
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 lanes = first_lanes(n);
       const __m512 scale = _mm512_load_ps(key_scale);
       for (int r = 0; r < R; ++r) {
         for (int64_t i = n; i < 16; ++i) part[r][i] = _mm512_setzero_ps();
