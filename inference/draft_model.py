@@ -226,7 +226,7 @@ def _propose_step(graphdef, treedef, param_leaves, kv_caches, inp: ModelInput, s
     s = logits.shape[0]
     live = jnp.arange(s) < inp.attn.num_seqs[0]
     pages = inp.attn.page_indices
-    page_size = kv_caches[0].shape[1]
+    page_size = model.config.kv_cache_page_size(kv_caches[0])
     keyed = _draft_keys(sampling)
     tokens, probs = [], []
     tok = None

@@ -26,6 +26,7 @@ from inference.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from inference.sequence import Sequence, SequenceStatus
 from inference.speculative import AdaptiveK, DraftModelProposer, NgramProposer
 from inference.stop import check_stop, flush_text
+from kernels_pallas.backend import target_backend
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def reads_padded_pages(config) -> bool:
     sequence's length. An explicit `attn_impl="reference"` on CPU is not detected (it only costs some padding)."""
     from kernels_pallas import ragged_paged_attention_cpu
 
-    return jax.default_backend() == "cpu" and (config.is_mla or not ragged_paged_attention_cpu.available())
+    return target_backend() == "cpu" and (config.is_mla or not ragged_paged_attention_cpu.available())
 
 
 class Engine:

@@ -30,6 +30,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import SchedulerConfig
 from inference.speculative import NgramProposer
 from inference.streaming import DeltaTracker, EngineLoop, StreamDelta
+from kernels_pallas.backend import target_backend
 from models.decoder import build_decoder
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,16 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
 DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a fraction of it instead
+
+
+def resolve_dtype(dtype: str) -> str:
+    """A dtype name, with "auto" made bfloat16 on TPU and GPU (what they compute in) and float32 on CPU (which
+    has no fast bf16 path, and where results are exact)."""
+    if dtype == "auto":
+        return "float32" if target_backend() == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+    return dtype
 
 
 def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -> int:
@@ -50,7 +61,7 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", kv_cache_dtype: str | None = None,
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", kv_cache_dtype: str | None = None,
                  page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
@@ -59,7 +70,10 @@ class LLM:
                  seed: int = 0, compilation_cache_dir: str | None = "default",
                  quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  quantization_group_size: int | None = None):
-        """`compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
+        """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
+        TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
+
+        `compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
         ~/.cache/pagejax/xla; None leaves JAX's cache settings alone).
 
         `quantization`: None (weights in `dtype`), "int8" (per-channel int8 weights, W8A8 matmuls), "int4" (grouped
@@ -81,8 +95,7 @@ class LLM:
         `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
         if compilation_cache_dir is not None:
             enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        dtype = resolve_dtype(dtype)
         loaded = load_model(model)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -107,7 +120,10 @@ class LLM:
             jnp.dtype(kv_dtype).itemsize, scale_bytes=4 if kv_cache_dtype == "int8" else 0)
         bytes_per_token = kv_bytes(loaded.config) + (kv_bytes(draft.config) if draft is not None else 0)
         budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
-        num_pages = budget // (bytes_per_token * page_size)
+        num_pages = int(budget // (bytes_per_token * page_size))
+        configs = [loaded.config] + ([draft.config] if draft is not None else [])
+        while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
+            num_pages -= 1  # the layout's padding (an int8 cache's scale rows) costs a few pages at most
         if num_pages < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
                              f"({bytes_per_token} bytes per token{' with the draft model' if draft else ''}); raise "

@@ -39,7 +39,7 @@ class StepOutput:
     num_accepted: np.ndarray | None = None  # i32[S]
 
 
-def _step(graphdef, treedef, layout: _Layout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
+def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
           *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
@@ -60,7 +60,7 @@ def _step(graphdef, treedef, layout: _Layout, param_leaves, kv_caches, inp: Mode
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class StepLayout:
     """Static facts of a tensor-parallel model for the step: the real vocabulary (logits past it are padding) and
     the shardings of the KV cache and of the logits sampling reads (replicated). All None: one device."""
 
@@ -70,7 +70,14 @@ class _Layout:
     vocab_axis: str | None = None  # the mesh axis the LM head's vocab dimension is split over
 
 
-def _logits(model, layout: _Layout, hidden):
+def jit_step(graphdef, treedef, layout: StepLayout):
+    """The jitted step `(param_leaves, kv_caches, inp, sampling, *, use_filters, logprobs, prompt_logprobs)`, KV
+    cache donated: what the runner calls, and what `scripts/aot_compile.py` compiles from abstract inputs."""
+    return jax.jit(functools.partial(_step, graphdef, treedef, layout),
+                   static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))
+
+
+def _logits(model, layout: StepLayout, hidden):
     logits = model.logits(hidden)
     if layout.vocab_axis is not None:
         # Pin the LM-head output vocab-parallel first, so XLA gathers the [T, V] logits and not the [D, V] weight.
@@ -112,13 +119,12 @@ def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, us
     return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp), emitted, accepted
 
 
-def _new_cache(shape: tuple[int, ...], kv_dtype):
-    """One caching layer's zeroed cache: an array, or pages + scales for an int8 cache."""
-    if jnp.dtype(kv_dtype) == jnp.int8:
-        if len(shape) != 4:
-            raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache")
-        return QuantizedKV.zeros(shape)
-    return jnp.zeros(shape, kv_dtype)
+def _new_cache(spec):
+    """One caching layer's zeroed cache from its `ModelConfig.kv_cache_spec`: an array, or pages + scales for an
+    int8 cache."""
+    if isinstance(spec, tuple):
+        return QuantizedKV(pages=jnp.zeros(spec[0].shape, spec[0].dtype), scales=jnp.zeros(spec[1].shape, spec[1].dtype))
+    return jnp.zeros(spec.shape, spec.dtype)
 
 
 def _copy_cache_pages(cache, src, dst):
@@ -145,31 +151,27 @@ class ModelRunner:
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
-        shape = padded.kv_cache_shape(num_pages, page_size)
-        layout = _Layout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
+        spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
+        layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
         if mesh is None:
-            self.kv_caches = [_new_cache(shape, kv_dtype) for _ in range(padded.num_kv_layers)]
+            self.kv_caches = [_new_cache(spec) for _ in range(padded.num_kv_layers)]
         else:
             from sharding.partition import kv_cache_sharding, param_shardings, replicated
             self.param_shardings = param_shardings(params, mesh)
             self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
             # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
-            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales follow the pages' head axis
-                spec = kv_sharding.spec
-                kv_sharding = QuantizedKV(pages=kv_sharding, scales=jax.sharding.NamedSharding(
-                    mesh, jax.sharding.PartitionSpec(*spec[:3]) if len(spec) > 3 else spec))
-            zeros = jax.jit(lambda: _new_cache(shape, kv_dtype), out_shardings=kv_sharding)  # created in shards
+            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
+                kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
+            zeros = jax.jit(lambda: _new_cache(spec), out_shardings=kv_sharding)  # created in shards
             self.kv_caches = [zeros() for _ in range(padded.num_kv_layers)]
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
                                          vocab_axis=vocab_axis)
-        static = ("use_filters", "logprobs", "prompt_logprobs")
-        # Two partials, so each entry point keeps its own compilation cache (and count).
-        step = (_step, self.graphdef, self.param_treedef, layout)
-        self.prefill_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
-        self.decode_step = jax.jit(functools.partial(*step), static_argnames=static, donate_argnums=(1,))
+        # Two jitted functions, so each entry point keeps its own compilation cache (and count).
+        self.prefill_step = jit_step(self.graphdef, self.param_treedef, layout)
+        self.decode_step = jit_step(self.graphdef, self.param_treedef, layout)
         # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
         group_of = {padded.kv_layer(i): padded.kv_group(i) for i in range(padded.num_layers)}
         self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]

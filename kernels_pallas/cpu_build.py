@@ -28,6 +28,8 @@ import tempfile
 import jax
 import jaxlib
 
+from kernels_pallas.backend import target_backend
+
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # Reassociation lets g++ vectorize reductions; no -ffinite-math-only: masked attention scores are -inf.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
@@ -112,4 +114,4 @@ def unavailable_reason(target: str, symbol: str) -> str | None:
 def runs_here(target: str, symbol: str) -> bool:
     """Whether a call site should take this kernel: the default backend is CPU and the kernel is built and
     registered (else the caller's pure-JAX path runs)."""
-    return jax.default_backend() == "cpu" and unavailable_reason(target, symbol) is None
+    return target_backend() == "cpu" and unavailable_reason(target, symbol) is None

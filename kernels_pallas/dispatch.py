@@ -17,6 +17,7 @@ import logging
 import jax
 
 from kernels_pallas import ragged_paged_attention_cpu as cpu_kernel
+from kernels_pallas.backend import target_backend
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "tpu", "gpu")
@@ -39,7 +40,7 @@ def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
+    backend = target_backend()
     if backend == "gpu":
         from kernels_pallas.ragged_paged_attention_gpu import tiles_ok
 
@@ -55,7 +56,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            interpret=False, max_q_len: int | None = None,
                            kv_scales: jax.Array | None = None) -> jax.Array:
     """See `ragged_paged_attention_reference` for the contract. `interpret` goes to the Pallas kernels only."""
-    impl = resolve_impl(impl, kv_pages.shape[1], q.shape[-1])
+    impl = resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_layout.py)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
               v_scale=v_scale, max_q_len=max_q_len, kv_scales=kv_scales)
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)

@@ -1,18 +1,18 @@
-"""Writing new keys and values into the paged KV cache, optionally quantized to int8 on write.
+"""Writing new keys and values into the paged KV cache (layout: `kv_layout.py`), optionally quantized to int8 on
+write, and copying pages (copy-on-write).
 
-The cache of one layer is `[num_pages, page_size, 2 * Hkv, D]` with K at even and V at odd head slots (the layout
-of JAX's ragged paged attention op). A token's slot is `page * page_size + offset`; padding tokens carry a negative
-slot and leave the cache untouched, so a padded batch never writes outside its own pages.
+A token's slot is `page * page_size + offset`; padding tokens carry a negative slot and leave the cache untouched,
+so a padded batch never writes outside its own pages.
 
 Why a loop of `dynamic_update_slice` and not one scatter: on XLA CPU a scatter whose result is read again in the
 same computation (attention reads the pages right after the write) made XLA copy the whole cache, every layer,
 every step (0.2 s per decode step for a 200 MB cache). A while loop with a traced trip count keeps the update in
-place, at a few microseconds per token. `write_rows` is that loop for any page-shaped arrays; the KV write, the
-int8 scales and the MLA latent write (`mla_attention_ref.write_latent`) all go through it.
+place, at a few microseconds per token. `write_rows` is that loop for any cache array `[H, ...]`; the KV write,
+the int8 scales and the MLA latent write (`mla_attention_ref.write_latent`) all go through it. Each update is one
+`[H, 1, ..., W]` block in the array's own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
 
-int8 KV cache: per-token-per-head symmetric scales. When `kv_scales` is given, the cache is int8 and
-`kv_scales[num_pages, page_size, 2 * Hkv]` (float32, the same slot layout as the pages: K scale at even, V scale at
-odd head slots) holds, for each token and KV head, `scale = max|x| over D / 127`; the stored value is
+int8 KV cache: per-token-per-head symmetric scales. With `kv_scales` the cache is int8 and each token's K and V
+of each KV head get `scale = max|x| over D / 127` (float32, stored as `kv_layout.py` says); the stored value is
 `round(x / scale)` clipped to [-127, 127], and every attention impl dequantizes as `int8 * scale`. Why per token
 and head rather than the static per-tensor `k_scale`/`v_scale` floats of the op's contract: a new token's range is
 known when it is written, so no calibration pass is needed and one outlier token cannot flatten the resolution of
@@ -23,24 +23,25 @@ i.e. `(D + 4) / (2 * D)` of a bf16 cache (0.516 at D=128, 0.531 at D=64). The st
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import cpu_build
+from kernels_pallas.backend import target_backend
+from kernels_pallas.kv_layout import SCALE_LANES, cache_dims, check_kv_scales, pack_kv
 
 INT8_MAX = 127.0
 WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, C symbol (csrc/write_rows_cpu.cc)
+
+Write = tuple[jax.Array, jax.Array]  # (rows [T, H, W], offsets i32[T]): see write_rows
 
 
 def _write_kernel_available() -> bool:
     """On CPU, where the C++ kernel builds (kernels_pallas.cpu_build), cache writes use it; registered on success."""
     return cpu_build.runs_here(*WRITE_KERNEL)
-
-
-def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
-    """[T, Hkv, ...] x2 -> [T, 2 * Hkv, ...] with K at even and V at odd slots."""
-    num_tokens, num_kv_heads = k.shape[:2]
-    return jnp.stack([k, v], axis=2).reshape(num_tokens, 2 * num_kv_heads, *k.shape[2:])
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,77 +56,137 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
-    """Shared validation of the int8-cache scales (every impl calls it)."""
-    if kv_scales is None:
-        return
-    if kv_scales.shape != kv_pages.shape[:3]:
-        raise ValueError(f"kv_scales shape {kv_scales.shape} must be kv_pages.shape[:3] = {kv_pages.shape[:3]} "
-                         "(one scale per token slot and combined KV head)")
-    if kv_pages.dtype != jnp.int8:
-        raise ValueError(f"kv_scales given with {kv_pages.dtype} kv_pages; per-token scales are for an int8 cache")
+def _block_start(offset: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """Element `offset` of one head's slab (`shape` = the array's shape past the head axis) as start indices."""
+    idx = []
+    for d in reversed(shape):
+        idx.append(offset % d)
+        offset = offset // d
+    return (0, *reversed(idx))
 
 
-def write_rows(arrays: tuple[jax.Array, ...], rows: tuple[jax.Array, ...], slot_mapping: jax.Array, *,
-               sharded: bool = False):
-    """Write rows[j][i] into arrays[j] at slot slot_mapping[i] for every j; slots < 0 are padding and are skipped.
+def write_rows(arrays: Sequence[jax.Array], writes: Sequence[Sequence[Write]], *, sharded: bool = False):
+    """Apply `writes[j]` to `arrays[j]` (`[H, ...]`) and return the new arrays.
 
-    Each array is `[num_pages, page_size, *rest]` and each rows entry `[T, *rest]` (cast to the array's dtype).
-    One in-place fori_loop updates all arrays (see the module docstring for why not a scatter); on CPU the C++
-    kernel `csrc/write_rows_cpu.cc` does the same with one memcpy per row, in place (~0.1 ms less per layer),
-    unless `sharded` (arrays partitioned by GSPMD over a mesh: XLA cannot partition a custom call).
+    Each write is `(rows [T, H, W], offsets i32[T])`: token t's W elements of head h land at elements
+    `[offsets[t], offsets[t] + W)` of head h's slab (the array past its head axis, row-major; a W-wide run never
+    crosses the last axis). Offsets outside the slab (negative: padding) write nothing. One in-place fori_loop does every
+    write (see the module docstring for why not a scatter); on CPU the C++ kernel `csrc/write_rows_cpu.cc` does
+    one memcpy per token and head, in place, unless `sharded` (arrays partitioned by GSPMD over a mesh: XLA
+    cannot partition a custom call).
     """
     if not sharded and _write_kernel_available():
-        slots = slot_mapping.astype(jnp.int32)
-        return tuple(jax.ffi.ffi_call(WRITE_KERNEL[0], jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                      input_output_aliases={0: 0})(a, r.astype(a.dtype), slots)
-                     for a, r in zip(arrays, rows))
-    page_size = arrays[0].shape[1]
-    new = tuple(r.astype(a.dtype)[:, None, None] for a, r in zip(arrays, rows))  # [T, 1, 1, *rest]
+        out = []
+        for array, array_writes in zip(arrays, writes):
+            for rows, offsets in array_writes:
+                array = jax.ffi.ffi_call(WRITE_KERNEL[0], jax.ShapeDtypeStruct(array.shape, array.dtype),
+                                         input_output_aliases={0: 0})(array, rows.astype(array.dtype),
+                                                                      offsets.astype(jnp.int32))
+            out.append(array)
+        return tuple(out)
+    if target_backend() != "cpu":
+        return tuple(_scatter_rows(a, w) for a, w in zip(arrays, writes))
+    count = writes[0][0][1].shape[0]
     # A traced trip count stops XLA from unrolling (and then copying) short loops.
-    trip_count = jax.lax.optimization_barrier(jnp.int32(slot_mapping.shape[0]))
+    trip_count = jax.lax.optimization_barrier(jnp.int32(count))
 
     def write_one(i, arrs):
-        slot = slot_mapping[i]
-        page, offset = jnp.maximum(slot, 0) // page_size, jnp.maximum(slot, 0) % page_size
         out = []
-        for arr, n in zip(arrs, new):
-            start = (page, offset) + (0,) * (arr.ndim - 2)
-            current = jax.lax.dynamic_slice(arr, start, n.shape[1:])
-            out.append(jax.lax.dynamic_update_slice(arr, jnp.where(slot >= 0, n[i], current), start))
+        for arr, array_writes in zip(arrs, writes):
+            for rows, offsets in array_writes:
+                offset = offsets[i]
+                heads, width = rows.shape[1:]
+                inside = (offset >= 0) & (offset <= math.prod(arr.shape[1:]) - width)
+                new = rows[i].astype(arr.dtype).reshape(heads, *(1,) * (arr.ndim - 2), width)
+                start = _block_start(jnp.where(inside, offset, 0), arr.shape[1:])
+                current = jax.lax.dynamic_slice(arr, start, new.shape)
+                arr = jax.lax.dynamic_update_slice(arr, jnp.where(inside, new, current), start)
+            out.append(arr)
         return tuple(out)
 
     return jax.lax.fori_loop(0, trip_count, write_one, tuple(arrays))
+
+
+def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
+    """`write_rows` for one array as scatters (TPU, GPU): each write's runs fill the last axis whole (W = its
+    size) or are single elements (W = 1). Offsets outside the slab index past axis 1 and are dropped."""
+    slab = math.prod(array.shape[1:])
+    for rows, offsets in writes:
+        width = rows.shape[2]
+        inside = (offsets >= 0) & (offsets <= slab - width)
+        idx = list(_block_start(jnp.where(inside, offsets, 0), array.shape[1:])[1:])
+        idx[0] = jnp.where(inside, idx[0], array.shape[1])  # out of bounds: dropped
+        values = rows.astype(array.dtype).swapaxes(0, 1)  # [H, T, W]
+        if width == array.shape[-1]:
+            array = array.at[(slice(None), *idx[:-1])].set(values, mode="drop")
+        elif width == 1:
+            array = array.at[(slice(None), *idx)].set(values[..., 0], mode="drop")
+        else:
+            raise ValueError(f"rows of width {width} neither fill the last axis ({array.shape[-1]}) nor are single "
+                             "elements")
+    return array
+
+
+def _scale_offsets(slots: jax.Array, valid: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Where a token's K and V scales sit in its head's flattened scales (kv_layout.py); -1 where not `valid`."""
+    k = slots // page_size * 2 * page_size + slots % page_size
+    return jnp.where(valid, k, -1), jnp.where(valid, k + page_size, -1)
 
 
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
              kv_scales: jax.Array | None = None, *, sharded: bool = False):
     """Write the new K/V `[T, Hkv, D]` of T tokens into their slots; slots < 0 are padding and are skipped.
 
-    Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (`[num_pages, page_size, 2 * Hkv]` f32, int8
-    `kv_pages`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is returned.
-    `sharded`: the cache is partitioned over a mesh (see `write_rows`).
+    Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (int8 `kv_pages`, both from
+    `kv_layout.kv_cache_spec`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is
+    returned. `sharded`: the cache is partitioned over a mesh (see `write_rows`).
     """
+    _, num_pages, page_size, head_dim = cache_dims(kv_pages)
+    slots = slot_mapping.astype(jnp.int32)
+    valid = (slots >= 0) & (slots < num_pages * page_size)  # padding (and anything past the pool) is skipped
+    row_offsets = jnp.where(valid, slots * 2 * head_dim, -1)
     if kv_scales is None:
-        (kv_pages,) = write_rows((kv_pages,), (interleave_kv(k, v),), slot_mapping, sharded=sharded)
+        (kv_pages,) = write_rows((kv_pages,), (((pack_kv(k, v), row_offsets),),), sharded=sharded)
         return kv_pages
     check_kv_scales(kv_pages, kv_scales)
     (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
-    return write_rows((kv_pages, kv_scales), (interleave_kv(kq, vq), interleave_kv(ks, vs)), slot_mapping,
+    k_at, v_at = _scale_offsets(slots, valid, page_size)
+    return write_rows((kv_pages, kv_scales),
+                      (((pack_kv(kq, vq), row_offsets),), ((ks[..., None], k_at), (vs[..., None], v_at))),
                       sharded=sharded)
 
 
 def copy_pages(kv_pages: jax.Array, src: jax.Array, dst: jax.Array, kv_scales: jax.Array | None = None):
-    """Copy whole pages src[i] -> dst[i] in order (copy-on-write of shared pages); in place, as in `write_kv`.
-
-    With `kv_scales` (int8 cache) the scales' pages are copied too and `(kv_pages, kv_scales)` is returned.
-    """
-    arrays = (kv_pages,) if kv_scales is None else (kv_pages, kv_scales)
+    """Copy whole pages src[i] -> dst[i] of every head in order (copy-on-write of shared pages); in place, as in
+    `write_kv`. With `kv_scales` (int8 cache) the pages' scales are copied too and `(kv_pages, kv_scales)` is
+    returned."""
+    page_size = kv_pages.shape[2]
+    # A page's 2 * page_size scales, in runs of `chunk` that each stay inside one 128-lane row.
+    chunk = math.gcd(2 * page_size, SCALE_LANES)
     trip_count = jax.lax.optimization_barrier(jnp.int32(src.shape[0]))
 
     def copy_one(i, arrs):
-        return tuple(jax.lax.dynamic_update_slice_in_dim(a, jax.lax.dynamic_slice_in_dim(a, src[i], 1, axis=0),
-                                                         dst[i], axis=0) for a in arrs)
+        pages = jax.lax.dynamic_update_slice_in_dim(arrs[0], jax.lax.dynamic_slice_in_dim(arrs[0], src[i], 1, axis=1),
+                                                    dst[i], axis=1)
+        if kv_scales is None:
+            return (pages,)
+        scales = arrs[1]
+        heads = scales.shape[0]
+        for c in range(0, 2 * page_size, chunk):
+            s_start = _block_start(src[i] * 2 * page_size + c, scales.shape[1:])
+            d_start = _block_start(dst[i] * 2 * page_size + c, scales.shape[1:])
+            scales = jax.lax.dynamic_update_slice(scales, jax.lax.dynamic_slice(scales, s_start, (heads, 1, chunk)),
+                                                  d_start)
+        return pages, scales
 
-    out = jax.lax.fori_loop(0, trip_count, copy_one, arrays)
+    out = jax.lax.fori_loop(0, trip_count, copy_one, (kv_pages,) if kv_scales is None else (kv_pages, kv_scales))
     return out[0] if kv_scales is None else out
+
+
+def quantize_cache(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A float cache quantized whole, as `write_kv` would have stored its tokens: `(int8 pages, scales)` (tests,
+    benchmarks and tools that build an int8 cache from random data)."""
+    from kernels_pallas.kv_layout import scales_from_pages, split_kv
+
+    (kq, ks), (vq, vs) = (quantize_int8(x) for x in split_kv(kv_pages))
+    return pack_kv(kq, vq), scales_from_pages(jnp.stack([ks, vs], axis=2))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.backend import target_backend
 from kernels_pallas.kv_cache import write_rows
 from kernels_pallas.ragged_paged_attention_ref import (
     DEFAULT_MASK_VALUE, gather_queries, masked_softmax, query_blocks, scatter_queries, visible_keys)
@@ -31,8 +32,11 @@ def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.A
     `sharded`: the pages are partitioned over a mesh (see `kv_cache.write_rows`)."""
     if latent.shape[-1] != latent_pages.shape[-1]:
         raise ValueError(f"latent rows of width {latent.shape[-1]} do not fit latent_pages {latent_pages.shape}")
-    (latent_pages,) = write_rows((latent_pages,), (latent,), slot_mapping, sharded=sharded)
-    return latent_pages
+    slots = slot_mapping.astype(jnp.int32)
+    offsets = jnp.where(slots >= 0, slots * latent.shape[-1], -1)
+    # The latent has no head axis: one "head" (a leading axis of 1 is free on every backend).
+    (latent_pages,) = write_rows((latent_pages[None],), (((latent[:, None], offsets),),), sharded=sharded)
+    return latent_pages[0]
 
 
 def check_mla_shapes(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> tuple[int, int]:
@@ -92,7 +96,7 @@ def ragged_paged_mla_attention(q_latent, q_rope, latent_pages, kv_lens, page_ind
         from kernels_pallas.ragged_paged_attention_gpu import tiles_ok
 
         dims = (latent_pages.shape[1], q_latent.shape[-1], q_rope.shape[-1])
-        on_gpu = jax.default_backend() == "gpu" and tiles_ok(*dims) and q_rope.shape[-1] <= q_latent.shape[-1]
+        on_gpu = target_backend() == "gpu" and tiles_ok(*dims) and q_rope.shape[-1] <= q_latent.shape[-1]
         impl = "gpu" if on_gpu else "reference"
     args = (q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, max_q_len=max_q_len)

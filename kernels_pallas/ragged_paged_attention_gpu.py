@@ -23,16 +23,26 @@ Grid `(sequence, kv_head, query_block * num_kv_splits)`.
     the array (Pallas' interpreter would clamp such a slice where Triton would not). The output uses the same
     layout; a program stores only the rows it owns (masked store), so neighbouring sequences' programs write
     disjoint rows and need no ordering; rows owned by no valid sequence are zeroed by the wrapper.
-  * KV stays in its `[num_pages, page_size, 2 * Hkv, D]` layout: BlockSpecs pick head slot `2h` (K) and `2h + 1`
-    (V) for the whole page pool (no copy; on Triton a BlockSpec is pointer arithmetic), and a block of pages is one
-    gathered load `k_ref[pages]`. Page-table entries past the sequence's last page are replaced by page 0 before
-    the load, so garbage table entries are never dereferenced; keys past kv_len are masked and their V rows zeroed
-    (a zero probability times a NaN in an unused slot would still poison the accumulator).
+  * KV (`kv_layout.py`: `[Hkv, num_pages, page_size, 2 * D]`, each token's K in lanes [0, D), V in [D, 2D)): K and
+    V are two BlockSpecs over KV head h's pages, column blocks 0 and 1 of width D (no copy; on Triton a BlockSpec
+    is pointer arithmetic), and a block of pages is one gathered load `k_ref[pages]`: per page `page_size` rows of
+    D contiguous elements. Page-table entries past the sequence's last page are replaced by page 0 before the
+    load, so garbage table entries are never dereferenced.
+  * Stale slots: a slot no query of the block sees (past kv_len, before the sliding window, a page that a padding
+    table entry points at) may hold anything, NaN/Inf included (a freed page keeps its last owner's data), and
+    K and V of a token share a row, so both are stale together. Keys outside `[kv_lo, kv_hi)` (the window start
+    of the block's first query, the causal horizon of its last) have their V rows and V/K scales zeroed before
+    anything multiplies them: V by a masked load (`other=0`), so a stale row is not even read (MLA, whose value
+    is key part 0, by a `where`). A stale K only reaches its own score column, which the mask `where` replaces,
+    so K is loaded unmasked. A masked key's probability is 0, or 1 while its row has seen no visible key yet
+    (wiped by `alpha = 0` at the row's first visible key), and 0 * NaN would be NaN.
   * The KV loop runs only over blocks inside the causal horizon and the sliding window of the block's queries
     (dynamic fori_loop bounds), with the online softmax (running max, sum, accumulator in f32).
-  * int8 cache: the per-token scales of the block's keys are gathered like the pages (`[pages, page_size]` of head
-    slot 2h / 2h+1) and applied to score columns (K) and probability columns (V), as JAX's GPU paged attention
-    does, rather than dequantizing `[block_kv, D]` tiles: the same product with fewer multiplies.
+  * int8 cache: the scales `[Hkv, scale_rows, 128]` are passed as `[Hkv, scale_rows * 128]` (a reshape, no copy)
+    and KV head h's flat row is gathered at `page * 2 * page_size + t` (K) and `+ page_size` (V) for the block's
+    pages, then applied to score columns (K) and probability columns (V), as JAX's GPU paged attention does,
+    rather than dequantizing `[block_kv, D]` tiles: the same product with fewer multiplies. The padding tail of
+    the scale rows is never read.
   * Split-KV (`num_kv_splits > 1`, static; by default chosen from the grid size): long decode has few programs
     (sequences x KV heads: 8 x 3 = 24 for SmolLM2 at batch 8) for a GPU's 132 SMs, so each program's KV block range
     is cut into `num_kv_splits` contiguous chunks on the third grid axis;
@@ -41,12 +51,32 @@ Grid `(sequence, kv_head, query_block * num_kv_splits)`.
   * The score is a sum of per-part dots (`paged_flash_attention` takes several (query, key) parts and an optional
     separate value), so the MLA kernel (`mla_attention_gpu.py`: parts (q_latent, c) and (q_rope, k_rope), value =
     c) is this kernel, not a copy of it.
-  * Precision: f32 inputs use IEEE f32 dots (`Precision.HIGHEST`; Triton's default would be TF32); bf16 inputs
-    use bf16 dots with f32 accumulation and probabilities rounded to bf16 for `p @ V`.
+  * Precision: bf16 (and int8, computed in q's dtype) inputs use bf16 dots with f32 accumulation and probabilities
+    rounded to bf16 for `p @ V`. f32 inputs use IEEE f32 dots (`F32_PRECISION = Precision.HIGHEST`: FMAs on the
+    CUDA cores, no tensor cores), because the f32 path is the accuracy path (same numbers as the reference and the
+    CPU kernel; bf16 is the serving dtype). Alternatives (compiled; accuracy emulated in numpy at D=128, relative
+    to the output): TF32 (Triton's default) is ~5e-4 off, so it is not f32; 3xTF32
+    (`DotAlgorithmPreset.TF32_TF32_F32_X3`) is f32-accurate on tensor cores but sits at 255 registers for 64+ row
+    prefill tiles and cannot run in the CPU interpreter (XLA CPU rejects the algorithm); bf16x3 is ~1e-5 off.
+    The cost of HIGHEST is f32 prefill at CUDA-core rate and small tiles (`BLOCK_SIZES`); ptxas's register use
+    for the FMA dot is erratic across neighbouring tile shapes (some spill tens of KB), so the f32 entries were
+    picked by compiling each of them, like all the others.
 
-Status: tested on CPU in interpret mode and lowered to Triton IR (`jax.export` for CUDA) in the tests; it has not
-been compiled by Triton or run on a GPU yet (`scripts/kernel_bench.py` is the first check to run on one). Block
-size defaults are untuned.
+Block sizes: `BLOCK_SIZES` (per chip, decode / prefill, by dtype), chosen from deviceless compiles (`jax 0.12`,
+`gpu_compile_report.py` parses ptxas): every table entry compiles for H100 and H200 without spills, at D 64/128,
+Hkv 3/8 (split-KV on and off). Shared memory per program, as measured, follows from the tiles: the 64+ row
+prefill tiles hold the q tile plus `num_stages` K+V blocks (bf16 D=128: 32 KiB q + 2 x 32 KiB = 96 KiB; 173
+registers x 8 warps: one program per SM by registers, two by shared memory); the 16-row decode tiles hold
+`num_stages - 1` K+V blocks plus a few KiB of layout-conversion scratch (bf16 D=128, 128 tokens: 64 + 8 = 72
+KiB; 122 registers: two programs per SM). `num_stages=3` adds no third buffer for these gathered loads (only
+barrier bytes), so the table uses 2 (1 for f32, whose loads are staged through shared memory anyway). V is
+masked by a masked load rather than a `where` because the `where` kept V in registers (bf16 decode, 4 warps:
+242 registers and 104 KiB with it, 168 and 72 KiB with the masked load).
+
+Status: tested on CPU in interpret mode; compiled deviceless for sm_90a (Triton + ptxas) in the tests where
+jax-cuda13-plugin is installed; not yet run on a GPU (`scripts/kernel_bench.py` is the first check to run on
+one), so the table is tuned on compiler numbers, not timings. Pallas' Triton backend is deprecated since jax
+0.11 (still works in 0.12 with a DeprecationWarning).
 
 Known costs (not correctness issues): decode with a small group wastes rows (MHA decode fills 1 of 16 rows; the
 MMA is idle, not the memory system); each K/V load of a block is a gather of `page_size * D` contiguous elements
@@ -63,9 +93,32 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.backend import target_device_kind
+from kernels_pallas.kv_layout import cache_dims
 from kernels_pallas.ragged_paged_attention_ref import DEFAULT_MASK_VALUE, check_attention_inputs
 
 MIN_DOT = 16  # tl.dot needs M, N, K >= 16
+
+# f32 dots (an f32 cache with f32 queries): see the module docstring.
+F32_PRECISION = lax.Precision.HIGHEST
+
+# Block sizes per GPU, for decode (max_q_len == 1) or anything else, by the tiles' dtype ("float32" when q or the
+# cache is f32): query rows per program (block_q * Gp), KV tokens per block (the largest power of two within
+# kv_tokens and within kv_bytes of K + V per block: the shared-memory buffer of one pipeline stage), Triton's
+# num_warps and num_stages. Chosen from ptxas's numbers in deviceless compiles (H100/H200, jax 0.12.0.1, Hq = 4 *
+# Hkv, D 64 and 128; see the module docstring): no spills, registers well under the 255 ceiling. H100 and H200
+# have the same SM (132 SMs, 227 KiB shared memory per block, 64K registers per SM), only HBM differs, so they
+# share one table until timings on hardware say otherwise.
+_KIB = 1024
+_HOPPER = {
+    ("decode", "bfloat16"): dict(rows=16, kv_tokens=256, kv_bytes=64 * _KIB, num_warps=8, num_stages=2),
+    ("decode", "int8"): dict(rows=16, kv_tokens=128, kv_bytes=16 * _KIB, num_warps=8, num_stages=2),
+    ("decode", "float32"): dict(rows=16, kv_tokens=32, kv_bytes=32 * _KIB, num_warps=8, num_stages=1),
+    ("prefill", "bfloat16"): dict(rows=128, kv_tokens=64, kv_bytes=32 * _KIB, num_warps=8, num_stages=2),
+    ("prefill", "int8"): dict(rows=128, kv_tokens=64, kv_bytes=8 * _KIB, num_warps=8, num_stages=2),
+    ("prefill", "float32"): dict(rows=64, kv_tokens=32, kv_bytes=16 * _KIB, num_warps=8, num_stages=1),
+}
+BLOCK_SIZES = {"h100": _HOPPER, "h200": _HOPPER, "default": _HOPPER}
 
 
 def _next_pow2(n: int) -> int:
@@ -81,15 +134,15 @@ def _cdiv(a, b):
 
 def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num_parts, value_is_key0, quantized,
             block_q, group_pad, page_size, pages_per_block, pages_per_seq, num_kv_splits, sm_scale, sliding_window,
-            soft_cap, mask_value, v_scale):
+            soft_cap, mask_value, v_scale, precision):
     """One (sequence, KV head, query block, KV split) program. refs: `num_parts` query refs, `num_parts` key refs
     (score = sum of the parts' dots: one part for plain attention, (latent, rope) for MLA), the value ref unless
-    the value is key part 0 (MLA's latent), the K/V scale refs for an int8 cache, then the outputs."""
+    the value is key part 0 (MLA's latent), the KV head's flat scales for an int8 cache, then the outputs."""
     refs = list(refs)
     q_refs, k_refs = refs[:num_parts], refs[num_parts:2 * num_parts]
     refs = refs[2 * num_parts:]
     v_ref = None if value_is_key0 else refs.pop(0)
-    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    scales_ref = refs.pop(0) if quantized else None
     out_refs = refs
     s = pl.program_id(0)
     j = pl.program_id(2)
@@ -109,13 +162,14 @@ def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num
         row0 = (q_start + block_first) * group_pad
         qs = [r[pl.ds(row0, rows), :] for r in q_refs]  # [rows, D_i] each
         compute_dtype = qs[0].dtype
-        precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+        dot_precision = precision if compute_dtype == jnp.float32 else None
         tok = lax.div(lax.broadcasted_iota(jnp.int32, (rows,), 0), group_pad)  # token offset of each row
         owned = tok < n_valid
         first_pos = kv_len - q_len + block_first
         q_pos = first_pos + tok  # [rows]
 
-        # Causal / sliding-window KV range of the block's valid queries, in KV blocks, then this split's chunk.
+        # Keys some query of the block sees: [kv_lo, kv_hi) (causal horizon, sliding window). In KV blocks, then
+        # this split's chunk. Slots outside it may hold anything (NaN/Inf of a freed page's last owner).
         kv_hi = first_pos + n_valid
         kv_lo = 0 if sliding_window is None else jnp.maximum(0, first_pos - sliding_window + 1)
         b_start = lax.div(kv_lo, block_kv)
@@ -130,28 +184,43 @@ def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num
             page_no = b * pages_per_block + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
             pages = page_table_ref[pl.ds(b * pages_per_block, pages_per_block)]
             pages = jnp.where(page_no < seq_pages, pages, 0)  # never follow a table entry past the sequence
-            ks = [r[pages].reshape(block_kv, -1) for r in k_refs]  # [block_kv, D_i] each
-            v = ks[0] if value_is_key0 else v_ref[pages].reshape(block_kv, -1)
-            scores = sum(plgpu.dot(q, k.astype(compute_dtype), trans_b=True, precision=precision)
+            k_pos = b * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+            in_range = (k_pos >= kv_lo) & (k_pos < kv_hi)
+            ks = [r[pages].reshape(block_kv, -1) for r in k_refs]  # [block_kv, D_i] each: a gather of pages
+            # V rows outside [kv_lo, kv_hi) must be zeros before `p @ V`: a masked key has p = 0 (or 1 while a row
+            # has seen nothing yet), and 0 * NaN is NaN. A masked load (other=0) does not read them and, unlike a
+            # `where`, costs no registers (module docstring). K needs no zeroing: a NaN stays in its own score
+            # column, which the `where` below replaces.
+            if value_is_key0:
+                v = jnp.where(in_range[:, None], ks[0], jnp.zeros_like(ks[0]))
+            else:
+                shape = (pages_per_block, page_size, v_ref.shape[-1])  # index every axis: the interpreter's
+                at = [lax.broadcasted_iota(jnp.int32, shape, a) for a in (1, 2)]  # masked load needs it
+                at = (jnp.broadcast_to(pages[:, None, None], shape), *at)
+                rows_ok = jnp.broadcast_to(in_range.reshape(pages_per_block, page_size, 1), shape)
+                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=0).reshape(block_kv, -1)
+            scores = sum(plgpu.dot(q, k.astype(compute_dtype), trans_b=True, precision=dot_precision)
                          for q, k in zip(qs, ks)) * sm_scale  # [rows, block_kv] f32
-            if quantized:
-                scores = scores * ks_ref[pages].reshape(1, block_kv)
+            if quantized:  # the KV head's scales flattened: page p's K scales at p * 2 * page_size, V after them
+                scale_at = pages[:, None] * (2 * page_size) + lax.broadcasted_iota(
+                    jnp.int32, (pages_per_block, page_size), 1)
+                k_sc = jnp.where(in_range, scales_ref[scale_at].reshape(block_kv), 0.0)
+                v_sc = jnp.where(in_range, scales_ref[scale_at + page_size].reshape(block_kv), 0.0)
+                scores = scores * k_sc[None, :]
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            k_pos = b * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
             if sliding_window is not None:
                 visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
             scores = jnp.where(visible, scores, mask_value)
-            v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # unused slots may hold NaN
 
             m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
             alpha = jnp.exp(m_prev - m_new)
             p = jnp.exp(scores - m_new[:, None])
             l_new = alpha * l_prev + jnp.sum(p, axis=1)
             if quantized:
-                p = p * vs_ref[pages].reshape(1, block_kv)
-            pv = plgpu.dot(p.astype(compute_dtype), v.astype(compute_dtype), precision=precision)
+                p = p * v_sc[None, :]
+            pv = plgpu.dot(p.astype(compute_dtype), v.astype(compute_dtype), precision=dot_precision)
             return m_new, l_new, alpha[:, None] * acc_prev + pv
 
         value_dim = out_refs[0].shape[-1]
@@ -188,18 +257,28 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return out / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def default_block_sizes(group: int, page_size: int, pages_per_seq: int, max_q_len: int,
-                        kv_bytes_per_token: int) -> tuple[int, int]:
-    """(block_q, pages_per_block). Rows = block_q * Gp: a power of two in [16, 64] (Gp itself when the group alone
-    is larger). KV block: the largest power of two of tokens whose K and V tiles fit in ~64 KiB (shared memory for
-    Triton's 2-stage pipeline: 128 tokens at D=128 bf16, 32 for MLA's 576-wide bf16 rows), at most 128, at least 16,
-    and not much beyond the longest sequence. Untuned: no GPU was available when these were chosen."""
+def gpu_chip(device_kind: str | None = None) -> str:
+    """'h100', 'h200' or 'default' from a device kind ("NVIDIA H100 80GB HBM3", "NVIDIA H200"); None: the chip
+    being compiled for (`backend.target_device_kind`)."""
+    kind = (device_kind or target_device_kind("gpu") or "").lower()
+    return next((chip for chip in ("h100", "h200") if chip in kind), "default")
+
+
+def block_config(chip: str | None, group: int, page_size: int, pages_per_seq: int, max_q_len: int,
+                 key_width: int, value_dim: int, dtype: str) -> dict:
+    """(block_q, pages_per_block, num_warps, num_stages) from `BLOCK_SIZES[chip]`. Rows = block_q * Gp: the entry's
+    `rows`, scaled down for value dims over 128 (the f32 accumulator is rows x value_dim), fewer for short queries,
+    at least 16 and at least Gp. KV block: see `BLOCK_SIZES`; `key_width` is the lanes of K (all parts) plus V
+    per token, and the block is not much longer than the longest sequence."""
+    entry = BLOCK_SIZES[gpu_chip() if chip is None else chip][("decode" if max_q_len == 1 else "prefill", dtype)]
     group_pad = _next_pow2(group)
-    block_q = max(MIN_DOT // group_pad, 1)
-    block_q = max(block_q, min(_next_pow2(max_q_len), max(64 // group_pad, 1)))
-    fit = 1 << max(0, (65536 // max(kv_bytes_per_token, 1)).bit_length() - 1)  # largest power of two <= budget
-    block_kv = max(MIN_DOT, min(128, fit, _next_pow2(pages_per_seq * page_size)))
-    return block_q, max(1, block_kv // page_size)
+    rows = min(entry["rows"], max(MIN_DOT, entry["rows"] * 128 // value_dim))
+    block_q = max(MIN_DOT // group_pad, min(_next_pow2(max_q_len), rows // group_pad), 1)
+    token_bytes = key_width * jnp.dtype(dtype).itemsize
+    fit = 1 << max(0, (entry["kv_bytes"] // token_bytes).bit_length() - 1)  # largest power of two within budget
+    block_kv = max(MIN_DOT, min(entry["kv_tokens"], fit, _next_pow2(pages_per_seq * page_size)))
+    return dict(block_q=block_q, pages_per_block=max(1, block_kv // page_size), num_warps=entry["num_warps"],
+                num_stages=entry["num_stages"])
 
 
 def default_kv_splits(num_programs: int, num_kv_blocks: int, target_programs: int = 512) -> int:
@@ -238,7 +317,8 @@ def from_rows(out: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tok
 
 def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, page_indices, kv_lens, cu_q_lens,
                           num_seqs, *, page_size, value_dim, sm_scale, sliding_window, soft_cap, mask_value, v_scale,
-                          max_q_len, interpret, num_kv_splits, block_q, pages_per_block, num_warps, num_stages):
+                          max_q_len, interpret, num_kv_splits, block_q, pages_per_block, num_warps, num_stages,
+                          chip=None):
     """Validate, lay out and launch. q_parts: `[T, Hkv, group, D_i]` each; key / value / scale operands: (array,
     BlockSpec) pairs over the page pool (value None: the value is key part 0). Returns `[T, Hkv * group,
     value_dim]` in q's dtype, split-KV partials combined and rows of no valid sequence zeroed."""
@@ -255,11 +335,12 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
     max_seqs, pages_per_seq = page_indices.shape
     max_q_len = num_tokens if max_q_len is None else max(1, min(max_q_len, num_tokens))
     key_width = sum(p.shape[-1] for p in q_parts) + (value_dim if value_operand is not None else 0)
-    kv_itemsize = jnp.dtype(key_operands[0][0].dtype).itemsize
-    default_bq, default_ppb = default_block_sizes(group, page_size, pages_per_seq, max_q_len,
-                                                  key_width * kv_itemsize)
-    block_q = default_bq if block_q is None else block_q
-    pages_per_block = default_ppb if pages_per_block is None else pages_per_block
+    kv_dtype = jnp.dtype(key_operands[0][0].dtype)
+    tiles = "float32" if jnp.dtype(jnp.float32) in (kv_dtype, jnp.dtype(q_parts[0].dtype)) else kv_dtype.name
+    config = block_config(chip, group, page_size, pages_per_seq, max_q_len, key_width, value_dim, tiles)
+    given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
+    config |= {k: v for k, v in given.items() if v is not None}
+    block_q, pages_per_block = config["block_q"], config["pages_per_block"]
     check_block_sizes(block_q * group_pad, pages_per_block * page_size)
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
 
@@ -292,11 +373,12 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
         _kernel, num_parts=len(q_parts), value_is_key0=value_operand is None, quantized=bool(scale_operands),
         block_q=block_q, group_pad=group_pad, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq, num_kv_splits=splits, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, v_scale=v_scale)
+        soft_cap=soft_cap, mask_value=mask_value, v_scale=v_scale,
+        precision=F32_PRECISION)
     outs = pl.pallas_call(
         kernel, grid=(max_seqs, num_kv_heads, num_q_blocks * splits), in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config["num_warps"], num_stages=config["num_stages"]),
         name="ragged_paged_attention_gpu",
     )(*operands)
     out = outs[0] if splits == 1 else combine_splits(*outs)
@@ -305,7 +387,7 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]; K at even, V at odd head slots
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py): K lanes, then V lanes
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -318,34 +400,39 @@ def ragged_paged_attention_gpu(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
-    kv_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
     interpret: bool = False,
     num_kv_splits: int | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    chip: str | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`; returns `[T, Hq, D]` in q's dtype.
 
     `interpret=True` runs Pallas' generic interpreter (the only way off GPU). `num_kv_splits` (static) cuts each
     program's KV range into that many chunks on the grid, combined in a second pass, for long decode with few
     sequences; None picks `default_kv_splits` from the grid size. `block_q` (query tokens per program; block_q *
-    next_pow2(group) must be a power of two >= 16) and `pages_per_block` (pages per KV block; times page_size a
-    power of two >= 16) default to `default_block_sizes`; `num_warps`/`num_stages` go to Triton.
+    next_pow2(group) must be a power of two >= 16), `pages_per_block` (pages per KV block; times page_size a
+    power of two >= 16), `num_warps` and `num_stages` (Triton's) override `BLOCK_SIZES[chip]` (`chip`: 'h100',
+    'h200'; default: the GPU this runs on, see `gpu_chip`).
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, _, head_dim = q.shape
-    num_pages, page_size = kv_pages.shape[:2]
-    kv_spec = lambda slot: pl.BlockSpec((num_pages, page_size, None, head_dim),  # noqa: E731
-                                        lambda s, h, j: (0, 0, 2 * h + slot, 0))
-    scale_spec = lambda slot: pl.BlockSpec((num_pages, page_size, None),  # noqa: E731
-                                           lambda s, h, j: (0, 0, 2 * h + slot))
-    scales = [] if kv_scales is None else [(kv_scales.astype(jnp.float32), scale_spec(slot)) for slot in (0, 1)]
+    _, num_pages, page_size, _ = cache_dims(kv_pages)
+    # K and V are column blocks 0 and 1 (lanes [0, D) and [D, 2D)) of KV head h's pages: no copy, on Triton a
+    # BlockSpec is pointer arithmetic.
+    kv_spec = lambda half: pl.BlockSpec((None, num_pages, page_size, head_dim),  # noqa: E731
+                                        lambda s, h, j: (h, 0, 0, half))
+    scales = []
+    if kv_scales is not None:  # [Hkv, scale_rows * 128]: a reshape of contiguous rows, no copy
+        flat = kv_scales.astype(jnp.float32).reshape(num_kv_heads, -1)
+        scales = [(flat, pl.BlockSpec((None, flat.shape[1]), lambda s, h, j: (h, 0)))]
     return paged_flash_attention(
         [q.reshape(num_tokens, num_kv_heads, group, head_dim)], [(kv_pages, kv_spec(0))],
         (kv_pages, kv_spec(1)), scales, page_indices, kv_lens, cu_q_lens, num_seqs, page_size=page_size,
         value_dim=head_dim, sm_scale=sm_scale if k_scale is None else sm_scale * k_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, mask_value=mask_value, v_scale=v_scale,
         max_q_len=max_q_len, interpret=interpret, num_kv_splits=num_kv_splits, block_q=block_q,
-        pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
+        pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages, chip=chip)

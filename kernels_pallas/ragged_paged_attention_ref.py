@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kv_cache import check_kv_scales
+from kernels_pallas.kv_layout import cache_dims, check_kv_scales, scales_by_page, split_kv
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -28,11 +28,11 @@ def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Arr
                            sliding_window: int | None) -> tuple[int, int]:
     """The contract's shape checks, shared by every impl; returns (num_kv_heads, query heads per KV head)."""
     num_q_heads, head_dim = q.shape[1:]
-    if kv_pages.ndim != 4 or kv_pages.shape[3] != head_dim or kv_pages.shape[2] % 2:
+    num_kv_heads, _, _, cache_head_dim = cache_dims(kv_pages)
+    if cache_head_dim != head_dim:
         raise ValueError(f"kv_pages shape {kv_pages.shape} does not match q shape {q.shape}: expected "
-                         "[num_pages, page_size, 2 * num_kv_heads, head_dim]")
+                         f"[num_kv_heads, num_pages, page_size, 2 * {head_dim}] (kernels_pallas.kv_cache_spec)")
     check_kv_scales(kv_pages, kv_scales)
-    num_kv_heads = kv_pages.shape[2] // 2
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if sliding_window is not None and sliding_window < 1:
@@ -41,12 +41,11 @@ def check_attention_inputs(q: jax.Array, kv_pages: jax.Array, kv_scales: jax.Arr
 
 
 def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
-    """pages[page_indices]: each sequence's pages, [S, pages_per_seq, page_size, ...].
+    """pages[:, page_indices]: each sequence's pages of every KV head, [Hkv, S, pages_per_seq, ...].
 
     Page indices are in bounds by contract (padding rows point at a real page, usually 0), so the gather promises
-    it: XLA CPU then copies whole page rows instead of clamping every element (a 12.6 MB gather alone: 1.04 -> 0.46
-    ms)."""
-    return pages.at[page_indices].get(mode="promise_in_bounds")
+    it: XLA CPU then copies whole page rows instead of clamping every element."""
+    return pages.at[:, page_indices].get(mode="promise_in_bounds")
 
 
 class QueryBlocks(NamedTuple):
@@ -106,7 +105,7 @@ def scatter_queries(out: jax.Array, blocks: QueryBlocks, num_tokens: int) -> jax
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]; K at even, V at odd head slots
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py): K lanes, then V lanes
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -119,30 +118,32 @@ def ragged_paged_attention_reference(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
-    kv_scales: jax.Array | None = None,  # f32[num_pages, page_size, 2 * Hkv] for an int8 cache
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
 ) -> jax.Array:
     """Attention of packed ragged queries over paged KV. Returns `[T, Hq, D]` in q's dtype.
 
     Rows of q that belong to no valid sequence (padding, or sequences at index >= num_seqs) come back as zeros.
     `max_q_len` is a static upper bound on any valid sequence's query length (default: T).
-    `kv_scales` (int8 cache, see `kv_cache.py`): per-token-per-head scales in the pages' slot layout; K/V are
-    dequantized as `int8 * scale` (and then by the static `k_scale`/`v_scale` if given).
+    `kv_scales` (int8 cache, see `kv_cache.py`): per-token-per-head scales; K/V are dequantized as
+    `int8 * scale` (and then by the static `k_scale`/`v_scale` if given).
+    Whatever a slot holds that no query may see (past `kv_len`, before the window, pages that padding entries of
+    `page_indices` point at: a freed page keeps its last owner's data, NaN included) changes no output.
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_combined_kv_heads, _ = kv_pages.shape
+    _, num_pages, page_size, _ = kv_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
     q_block = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
     kv_len_max = pages_per_seq * page_size
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
 
-    kv = gather_pages(kv_pages, page_indices).reshape(max_seqs, kv_len_max, num_combined_kv_heads, head_dim)
-    k = kv[:, :, 0::2].astype(jnp.float32)
-    v = kv[:, :, 1::2].astype(jnp.float32)
+    kv = gather_pages(kv_pages, page_indices).reshape(num_kv_heads, max_seqs, kv_len_max, 2 * head_dim)
+    k, v = (x.astype(jnp.float32) for x in split_kv(kv))  # [Hkv, S, L, D]
     if kv_scales is not None:
-        scales = gather_pages(kv_scales, page_indices).reshape(max_seqs, kv_len_max, num_combined_kv_heads, 1)
-        k = k * scales[:, :, 0::2]
-        v = v * scales[:, :, 1::2]
+        scales = gather_pages(scales_by_page(kv_scales, num_pages, page_size), page_indices)  # [Hkv, S, P, 2, ps]
+        scales = jnp.moveaxis(scales, 3, 0).reshape(2, num_kv_heads, max_seqs, kv_len_max, 1)
+        k = k * scales[0]
+        v = v * scales[1]
     if k_scale is not None:
         k = k * k_scale
     if v_scale is not None:
@@ -150,8 +151,10 @@ def ragged_paged_attention_reference(
 
     blocks = query_blocks(kv_lens, cu_q_lens, num_seqs, num_tokens, q_block)
     qs = gather_queries(q, blocks).reshape(max_seqs, q_block, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("sqhgd,slhd->shgql", qs, k) * sm_scale
+    scores = jnp.einsum("sqhgd,hsld->shgql", qs, k) * sm_scale
     visible = visible_keys(blocks, kv_lens, kv_len_max, sliding_window)
     probs = masked_softmax(scores, visible[:, None, None], soft_cap, mask_value)
-    out = jnp.einsum("shgql,slhd->sqhgd", probs, v).reshape(max_seqs, q_block, num_q_heads, head_dim)
+    # A key no query of its sequence sees has probability 0 everywhere, but 0 * NaN is NaN: zero its V.
+    v = jnp.where(jnp.any(visible, axis=1)[None, :, :, None], v, 0.0)
+    out = jnp.einsum("shgql,hsld->sqhgd", probs, v).reshape(max_seqs, q_block, num_q_heads, head_dim)
     return scatter_queries(out, blocks, num_tokens).astype(q.dtype)

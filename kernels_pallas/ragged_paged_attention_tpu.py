@@ -22,21 +22,21 @@ Scalar prefetch (`PrefetchScalarGridSpec`): `kv_lens`, `page_indices` (flattened
 address generation never waits on a vector load.
 
 All of q, kv_pages and the output stay in HBM (`memory_space=pl.ANY`) and are moved by hand with
-`pltpu.make_async_copy`:
-  * KV: a sequence's pages are scattered over the pool, so no BlockSpec index map can describe a KV block of
-    several pages; manual DMA of each page into a contiguous VMEM buffer does. Each page is copied with two
-    strided DMAs (its K head slot and its V head slot), each landing on a static, tile-aligned row offset of a
-    `[2, pages_per_block * page_size, head_dim]` buffer, so the matmul sees one contiguous `[block_kv, D]` tile
-    with no in-kernel reshape.
+`pltpu.make_async_copy`. What the real Mosaic compiler allows shaped this (deviceless compiles,
+`scripts/aot_compile.py`): a DMA may start a tiled (last two) axis only at a tile boundary, and bf16/int8 pack 2/4
+rows into one 32-bit sublane row, so single rows of a packed array cannot be addressed.
+  * KV (`kv_layout.py`: `[Hkv, num_pages, page_size, 2 * D]`): one (KV head, page) is one contiguous
+    `[page_size, 2D]` block, copied whole by one DMA into slot `j` of a `[2, pages_per_block, page_size, 2D]`
+    buffer (leading axes only, so any page_size works for any dtype); K and V are lane slices of it.
   * Double buffering: the copies for KV block `b + 1` are started before block `b` is computed and waited on only
     when block `b + 1` is needed, so HBM latency hides behind the MXU/VPU work of the current block. Each buffer
     slot has its own DMA semaphore.
   * Only pages that hold tokens of this sequence are fetched (`page < cdiv(kv_len, page_size)`), so stale or
     garbage entries at the end of a page-table row are never dereferenced, and blocks entirely beyond the causal
     horizon or before the sliding window are never fetched or computed (the fori_loop bounds are computed from
-    SMEM scalars). Tokens inside a fetched block that are out of range are masked; V rows beyond `kv_len` are
-    zeroed before `p @ V`, because unfetched VMEM is uninitialised (NaN in the TPU interpreter) and `0 * NaN`
-    would poison the accumulator.
+    SMEM scalars). Tokens inside a fetched block that no query may see are masked, and their V rows (and V
+    scales) are zeroed before `p @ V`: unfetched VMEM is uninitialised (NaN in the TPU interpreter), a freed page
+    keeps its last owner's data, and `0 * NaN` would poison the accumulator.
   * q and out are packed ragged along tokens, so a sequence's rows start at an arbitrary token offset and a
     query block is generally not aligned to any fixed tile of the token axis. DMA sizes must be static, so each
     grid point moves a full `block_q`-row window that starts at `min(token_start, T - block_q)` (in bounds by
@@ -46,27 +46,34 @@ All of q, kv_pages and the output stay in HBM (`memory_space=pl.ANY`) and are mo
     This needs the grid points that touch neighbouring windows to run in order (hence "arbitrary"), and the
     output is aliased to a zero-initialised input so rows owned by no valid sequence come out as zeros without a
     separate pass.
-  * q is stored in VMEM head-major as `[group * block_q, D]` (one strided DMA per query head into a static,
-    tile-aligned row range), so the `group` heads of the KV head become rows of a single `[group*block_q, D] x
-    [D, block_kv]` MXU matmul instead of `group` small ones, and no sublane-strided load or reshape is needed.
+  * q and out travel as float32 `[T, Hq, D]`: one query head of a window is one sublane row per token, which a
+    DMA can address only in a 32-bit array. q is cast to the cache's dtype in VMEM for the MXU, so bf16 still
+    runs bf16 matmuls; q and out are a small fraction of the bytes a step moves (the cache is the rest). In VMEM
+    q is head-major `[group * block_q, D]` (one strided DMA per query head into a static row range), so the
+    `group` heads of the KV head are rows of a single `[group*block_q, D] x [D, block_kv]` MXU matmul.
 
 Online softmax (flash-attention style) over KV blocks with the running max `m`, sum `l` and accumulator as
 fori_loop carries in f32: the full `[rows, kv_len]` score matrix never exists, so VMEM use is independent of the
 context length. The first block a row sees may be fully masked (sliding window); then `m` is the mask value and
 the garbage it accumulates is wiped by `alpha = exp(mask - m_new) = 0` as soon as the row's first visible key
 (its own position, always visible) arrives. Scores are computed with f32 accumulation
-(`preferred_element_type`); for bf16 inputs the probabilities are cast to the V dtype for the second matmul (the
-MXU's native bf16 path), which costs ~3 significant digits and is why bf16 is tested at ~2e-2.
+(`preferred_element_type`); for bf16 inputs the probabilities are cast to bf16 for the second matmul (the MXU's
+native path), which costs ~3 significant digits and is why bf16 is tested at ~2e-2.
 
-int8 KV cache (`kv_scales`, see `kv_cache.py`): each page's `[page_size, 2]` (K scale, V scale) columns of this KV
-head are DMA'd with its K/V rows into a third double buffer on the same semaphore, and K/V are dequantized in VMEM
-as `int8 * scale` in f32 (the scale is a per-row column broadcast along lanes, which Mosaic does natively) before
-the matmuls. HBM traffic per token and head is D int8 values + 4 bytes of scale each for K and V.
+int8 KV cache (`kv_scales`, `[Hkv, scale_rows, 128]`): the 128-lane row(s) holding a page's K and V scales are
+DMA'd with the page; a dynamic lane rotation brings the page's scales to lane 0, and the pages' scales are joined
+into one `[1, block_kv]` row each for K and V. int8 values are exact in bf16, so K and V enter the MXU as bf16
+(f32 for f32 queries) and the scales multiply score columns (K) and probability columns (V), the same product
+with `block_kv` instead of `block_kv * D` multiplies. HBM traffic per token and head is D int8 values + 4 bytes of
+scale each for K and V.
+
+Block sizes come from `BLOCK_SIZES` (per chip generation: KV tokens per block, query rows per block), sized so the
+double-buffered KV block stays far inside the default scoped VMEM; `scripts/aot_compile.py` compiles them for
+each chip. They are not yet tuned on hardware.
 
 Known costs of this design (deliberate simplicity, not correctness issues): KV for the next grid point is not
-prefetched across grid points, so every grid point pays one exposed DMA latency; per-(page, head) DMAs move
-`page_size` rows of `head_dim` elements each (short bursts; a head-major page layout would make them contiguous);
-a decode query block of `block_q` rows uses one row (pick `block_q=8`, the f32 sublane count; 16 for bf16 packing).
+prefetched across grid points, so every grid point pays one exposed DMA latency; a decode query block of
+`block_q` rows uses one row.
 """
 
 from __future__ import annotations
@@ -79,7 +86,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.backend import target_device_kind
+from kernels_pallas.kv_layout import SCALE_LANES
 from kernels_pallas.ragged_paged_attention_ref import DEFAULT_MASK_VALUE, check_attention_inputs
+
+# Per TPU generation: KV tokens per block (rounded to whole pages) and query rows per block. The double-buffered
+# KV block is 2 * kv_tokens * 2D * itemsize bytes (1 MiB for 512 bf16 tokens at D = 256), far inside the default
+# scoped VMEM (16 MiB on v5e, 32 MiB on v6e); larger blocks amortise the per-block DMA and loop overhead.
+BLOCK_SIZES = {
+    "v5e": dict(kv_tokens=256, block_q=8),
+    "v6e": dict(kv_tokens=512, block_q=8),
+    "v5p": dict(kv_tokens=512, block_q=8),
+    "default": dict(kv_tokens=256, block_q=8),
+}
+
+
+def chip_generation(device_kind: str | None = None) -> str:
+    """'v5e', 'v6e', 'v5p' or 'default' from a device kind ("TPU v5 lite", "TPU v6 lite", "TPU v5"); None: the
+    chip being compiled for (`backend.target_device_kind`)."""
+    kind = (device_kind or target_device_kind("tpu") or "").lower()
+    if "v6" in kind:
+        return "v6e"
+    if "v5" in kind:
+        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+    return "default"
 
 
 def _div(a, b):
@@ -97,21 +127,24 @@ def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
     # inputs (HBM): q_hbm, kv_hbm, [scales_hbm,] out_init_hbm; output (HBM, aliased to out_init_hbm): out_hbm;
-    # scratch: q_vmem, o_vmem, k_vmem, v_vmem, [s_vmem,] kv_sems, io_sems  ([...] only for an int8 cache)
+    # scratch: q_vmem, o_vmem, kv_vmem, [s_vmem,] kv_sems, io_sems  ([...] only for an int8 cache)
     *refs,
     block_q, group, page_size, pages_per_block, pages_per_seq, num_tokens, sm_scale, sliding_window, soft_cap,
-    mask_value, k_scale, v_scale, quantized,
+    mask_value, k_scale, v_scale, quantized, compute_dtype,
 ):
     if quantized:
-        q_hbm, kv_hbm, scales_hbm, _, out_hbm, q_vmem, o_vmem, k_vmem, v_vmem, s_vmem, kv_sems, io_sems = refs
+        q_hbm, kv_hbm, scales_hbm, _, out_hbm, q_vmem, o_vmem, kv_vmem, s_vmem, kv_sems, io_sems = refs
     else:
-        q_hbm, kv_hbm, _, out_hbm, q_vmem, o_vmem, k_vmem, v_vmem, kv_sems, io_sems = refs
+        q_hbm, kv_hbm, _, out_hbm, q_vmem, o_vmem, kv_vmem, kv_sems, io_sems = refs
         scales_hbm = s_vmem = None
     h = pl.program_id(0)
     s = pl.program_id(1)
     qb = pl.program_id(2)
     block_kv = pages_per_block * page_size
     rows = group * block_q
+    head_dim = kv_vmem.shape[-1] // 2
+    scale_span = 2 * page_size  # a page's K then V scales, in its head's flattened scales
+    rows_per_page = max(1, scale_span // SCALE_LANES)
 
     q_start = cu_q_lens_ref[s]
     q_len = cu_q_lens_ref[s + 1] - q_start
@@ -146,20 +179,22 @@ def _kernel(
         b_end = _cdiv(kv_hi, block_kv)
         seq_pages = jnp.minimum(_cdiv(kv_len, page_size), pages_per_seq)
 
+        def page_of(b, j):
+            page_no = b * pages_per_block + j
+            return page_no, page_indices_ref[s * pages_per_seq + jnp.minimum(page_no, pages_per_seq - 1)]
+
         def kv_copies(b, slot):
-            """(condition, copies) for each page of KV block b into buffer slot `slot`: its K head slot, its V
-            head slot and, for an int8 cache, the page's [page_size, 2] (K scale, V scale) columns."""
+            """(condition, copies) for each page of KV block b into buffer slot `slot`: its [page_size, 2D] rows
+            of this KV head and, for an int8 cache, the 128-lane scale row(s) holding the page's scales."""
             out = []
             for j in range(pages_per_block):
-                page_no = b * pages_per_block + j
-                page = page_indices_ref[s * pages_per_seq + jnp.minimum(page_no, pages_per_seq - 1)]
-                dst = pl.ds(j * page_size, page_size)
-                copies = [pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h], k_vmem.at[slot, dst], kv_sems.at[slot]),
-                          pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1], v_vmem.at[slot, dst],
-                                                kv_sems.at[slot])]
+                page_no, page = page_of(b, j)
+                copies = [pltpu.make_async_copy(kv_hbm.at[h, page], kv_vmem.at[slot, j], kv_sems.at[slot])]
                 if quantized:
-                    copies.append(pltpu.make_async_copy(scales_hbm.at[page, :, pl.ds(2 * h, 2)],
-                                                        s_vmem.at[slot, dst], kv_sems.at[slot]))
+                    row = _div(page * scale_span, SCALE_LANES)
+                    copies.append(pltpu.make_async_copy(
+                        scales_hbm.at[h, pl.ds(row, rows_per_page)],
+                        s_vmem.at[slot, pl.ds(j * rows_per_page, rows_per_page)], kv_sems.at[slot]))
                 out.append((page_no < seq_pages, copies))
             return out
 
@@ -177,6 +212,23 @@ def _kernel(
                     for cp in copies:
                         cp.wait()
 
+        def block_scales(b, slot):
+            """([1, block_kv] K scales, [1, block_kv] V scales) of KV block b's keys."""
+            k_parts, v_parts = [], []
+            for j in range(pages_per_block):
+                if rows_per_page == 1:
+                    _, page = page_of(b, j)
+                    lane = lax.rem(page * scale_span, SCALE_LANES)
+                    row = pltpu.roll(s_vmem[slot, pl.ds(j, 1), :], lax.rem(SCALE_LANES - lane, SCALE_LANES), 1)
+                    k_parts.append(row[:, :page_size])
+                    v_parts.append(row[:, page_size:scale_span])
+                else:  # a page's scales fill whole rows: K rows, then V rows
+                    half = rows_per_page // 2
+                    for r in range(half):
+                        k_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + r, 1), :])
+                        v_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + half + r, 1), :])
+            return jnp.concatenate(k_parts, axis=1), jnp.concatenate(v_parts, axis=1)
+
         for g in range(group):
             q_copy(g).start()
             out_read(g).start()
@@ -193,10 +245,7 @@ def _kernel(
         q_idx = block_first + win_row - shift  # index within the sequence
         row_valid = (q_idx >= 0) & (q_idx < block_first + n_valid)
         q_pos = kv_len - q_len + q_idx  # [rows, 1]
-
-        q = q_vmem[...]
-        compute_dtype = q.dtype if kv_hbm.dtype == q.dtype and not quantized else jnp.float32
-        q = q.astype(compute_dtype)
+        q = q_vmem[...].astype(compute_dtype)
 
         def body(b, carry):
             m_prev, l_prev, acc_prev = carry
@@ -207,35 +256,38 @@ def _kernel(
                 start_kv(b + 1, 1 - slot)
 
             wait_kv(b, slot)
-            k = k_vmem[slot].astype(compute_dtype)  # [block_kv, D]
-            v = v_vmem[slot]
-            if quantized:  # per-token scales broadcast along D (lanes): dequantize in f32 before the matmuls
-                kv_sc = s_vmem[slot]  # [block_kv, 2]
-                k = k * kv_sc[:, 0:1]
-                v = v.astype(jnp.float32) * kv_sc[:, 1:2]
+            kv = kv_vmem[slot]  # [pages_per_block, page_size, 2D]
+            if quantized:  # int8 values are exact in bf16; the scales multiply columns below
+                kv = kv.astype(jnp.float32)
+            kv = kv.reshape(block_kv, 2 * head_dim).astype(compute_dtype)
+            k, v = kv[:, :head_dim], kv[:, head_dim:]
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             scale = sm_scale if k_scale is None else sm_scale * k_scale
+            k_pos = b * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            key_seen = (k_pos >= kv_lo) & (k_pos < kv_len)  # keys some query of the block may see
+            if quantized:
+                k_sc, v_sc = block_scales(b, slot)
+                scores = scores * k_sc
             scores = scores * scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            k_pos = b * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            visible = (k_pos <= q_pos) & (k_pos < kv_len)
+            visible = (k_pos <= q_pos) & key_seen
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
             scores = jnp.where(visible, scores, mask_value)
             k_col = b * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
-            v = jnp.where(k_col < kv_len, v, jnp.zeros_like(v))  # unfetched VMEM may hold NaN
+            v = jnp.where((k_col >= kv_lo) & (k_col < kv_len), v, jnp.zeros_like(v))  # stale / unfetched rows
 
             m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_new)
             p = jnp.exp(scores - m_new)
             l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv_dtype = v.dtype if v.dtype == q.dtype else jnp.float32
-            pv = lax.dot_general(p.astype(pv_dtype), v.astype(pv_dtype), (((1,), (0,)), ((), ())),
+            if quantized:
+                p = p * jnp.where(key_seen, v_sc, 0.0)
+            pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
             return m_new, l_new, alpha * acc_prev + pv
 
-        head_dim = q.shape[-1]
         init = (jnp.full((rows, 1), mask_value, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
                 jnp.zeros((rows, head_dim), jnp.float32))
         _, l_fin, acc = lax.fori_loop(b_start, b_end, body, init)
@@ -245,7 +297,7 @@ def _kernel(
 
         for g in range(group):
             out_read(g).wait()
-        o_vmem[...] = jnp.where(row_valid, result.astype(o_vmem.dtype), o_vmem[...])
+        o_vmem[...] = jnp.where(row_valid, result, o_vmem[...])
         for g in range(group):
             out_write(g).start()
         for g in range(group):
@@ -254,7 +306,7 @@ def _kernel(
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]; K at even, V at odd head slots
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py)
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -271,39 +323,45 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     kv_scales: jax.Array | None = None,
+    chip: str | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`; returns `[T, Hq, D]` in q's dtype.
 
     `max_q_len` (static) bounds any valid sequence's query length and sets the number of query blocks per
     sequence (default: T). `interpret` is passed to `pl.pallas_call` (e.g. `pltpu.InterpretParams()` on CPU).
-    `block_q` (query tokens per block, default 8 for 4-byte and 16 for narrower q) and `pages_per_block` (pages per
-    KV block, default: enough for ~128 tokens, at most pages_per_seq) are tuning knobs. `kv_scales` (int8 cache,
-    `[num_pages, page_size, 2 * Hkv]` f32): each page's two scale columns of this KV head are DMA'd beside its K/V
-    rows and K/V are dequantized in VMEM (f32) before the matmuls.
+    `block_q` and `pages_per_block` override `BLOCK_SIZES[chip]` (`chip`: 'v5e', 'v6e', 'v5p'; default: the
+    TPU this runs on, see `chip_generation`). `kv_scales`: an int8 cache's scales (kv_layout.py); page_size must
+    then divide 64 or be a multiple of 64, so a page's scales never straddle a 128-lane row.
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
-    page_size = kv_pages.shape[1]
+    page_size = kv_pages.shape[2]
     quantized = kv_scales is not None
+    if quantized and SCALE_LANES % (2 * page_size) and (2 * page_size) % SCALE_LANES:
+        raise ValueError(f"an int8 cache on TPU needs page_size dividing 64 or a multiple of 64, got {page_size}")
     max_seqs, pages_per_seq = page_indices.shape
-    if block_q is None:
-        block_q = 8 if jnp.dtype(q.dtype).itemsize >= 4 else 16
+    sizes = BLOCK_SIZES[chip_generation() if chip is None else chip]
+    block_q = sizes["block_q"] if block_q is None else block_q
     if pages_per_block is None:
-        pages_per_block = max(1, min(pages_per_seq, 128 // page_size))
+        pages_per_block = max(1, min(pages_per_seq, sizes["kv_tokens"] // page_size))
     max_q_len = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
     num_q_blocks = max(1, _cdiv(max_q_len, block_q))
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+    # bf16 (or f32) matmuls as the cache is stored; an int8 cache computes in q's dtype.
+    compute_dtype = q.dtype if quantized or kv_pages.dtype == q.dtype else jnp.float32
 
     padded_tokens = max(num_tokens, block_q)  # every grid point moves a full block_q-row window
+    q32 = q.astype(jnp.float32)  # one head of a window is one row per token: addressable only at 32 bits
     if padded_tokens != num_tokens:
-        q = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
-    out_init = jnp.zeros((padded_tokens, num_q_heads, head_dim), q.dtype)
-    block_kv = pages_per_block * page_size
+        q32 = jnp.pad(q32, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    out_init = jnp.zeros((padded_tokens, num_q_heads, head_dim), jnp.float32)
+    rows_per_page = max(1, 2 * page_size // SCALE_LANES)
 
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq, num_tokens=padded_tokens, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, quantized=quantized)
+        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, quantized=quantized,
+        compute_dtype=compute_dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
@@ -311,11 +369,10 @@ def ragged_paged_attention_tpu(
         in_specs=[any_spec] * (4 if quantized else 3),
         out_specs=any_spec,
         scratch_shapes=[
-            pltpu.VMEM((group * block_q, head_dim), q.dtype),  # q rows, head-major
-            pltpu.VMEM((group * block_q, head_dim), q.dtype),  # output window (read-modify-write)
-            pltpu.VMEM((2, block_kv, head_dim), kv_pages.dtype),  # K double buffer
-            pltpu.VMEM((2, block_kv, head_dim), kv_pages.dtype),  # V double buffer
-            *([pltpu.VMEM((2, block_kv, 2), jnp.float32)] if quantized else []),  # (K, V) scales double buffer
+            pltpu.VMEM((group * block_q, head_dim), jnp.float32),  # q rows, head-major
+            pltpu.VMEM((group * block_q, head_dim), jnp.float32),  # output window (read-modify-write)
+            pltpu.VMEM((2, pages_per_block, page_size, 2 * head_dim), kv_pages.dtype),  # KV double buffer
+            *([pltpu.VMEM((2, pages_per_block * rows_per_page, SCALE_LANES), jnp.float32)] if quantized else []),
             pltpu.SemaphoreType.DMA((2,)),  # one per KV buffer slot
             pltpu.SemaphoreType.DMA((3,)),  # q read, out read, out write
         ],
@@ -324,12 +381,12 @@ def ragged_paged_attention_tpu(
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), jnp.float32),
         # Operand indices count the scalar-prefetch operands: 4 prefetch + q, kv_pages, [kv_scales,] out_init.
         input_output_aliases={7 if quantized else 6: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu_q_lens.astype(jnp.int32),
-      num_seqs.astype(jnp.int32), q, kv_pages, *scales_in, out_init)
-    return out[:num_tokens]
+      num_seqs.astype(jnp.int32), q32, kv_pages, *scales_in, out_init)
+    return out[:num_tokens].astype(q.dtype)

@@ -2,12 +2,11 @@
 
 Under GSPMD (`jax.jit` with sharded inputs) XLA cannot partition a Pallas custom call: it would gather the whole
 KV cache onto every device. Attention is embarrassingly parallel over KV heads, so this wrapper states the split
-explicitly: the KV-head axis of `kv_pages` (axis 2, the `2 * Hkv` interleaved slots) and the query-head axis of q
-are split over one mesh axis, the page tables and lengths are replicated, and each device runs the unmodified
-kernel on its `Hkv / n` KV heads and their `Hq / n` query heads, with no collective. Splitting the interleaved axis
-into n contiguous chunks keeps each (K, V) pair on one device, and because the query heads of a KV head are
-contiguous, device i's query heads are exactly those of its KV heads. `kv_scales` (int8 cache) is split the same
-way on its axis 2. The model's heads must divide by the axis size; `sharding/` pads heads to make that so.
+explicitly: the KV-head axis of `kv_pages` (axis 0, kv_layout.py) and the query-head axis of q are split over
+one mesh axis, the page tables and lengths are replicated, and each device runs the unmodified kernel on its
+`Hkv / n` KV heads and their `Hq / n` query heads, with no collective. Because the query heads of a KV head are
+contiguous, device i's query heads are exactly those of its KV heads. `kv_scales` (int8 cache) is head-major too
+and split the same way. The model's heads must divide by the axis size; `sharding/` pads heads to make that so.
 MLA (`sharded_ragged_paged_mla_attention`) has one latent cache shared by all heads: query heads are split and
 the latent pages replicated.
 
@@ -41,11 +40,11 @@ def sharded_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens
 
     Returns `[T, Hq, D]` sharded over query heads on `axis_name`.
     """
-    _axis_size(mesh, axis_name, KV_heads=kv_pages.shape[2] // 2, query_heads=q.shape[1])
+    _axis_size(mesh, axis_name, KV_heads=kv_pages.shape[0], query_heads=q.shape[1])
     heads = P(None, axis_name, None)
-    kv_spec = P(None, None, axis_name, None)
+    kv_spec = P(axis_name)
     rep = P()
-    in_specs = (heads, kv_spec, rep, rep, rep, rep) + ((P(None, None, axis_name),) if kv_scales is not None else ())
+    in_specs = (heads, kv_spec, rep, rep, rep, rep) + ((kv_spec,) if kv_scales is not None else ())
 
     def per_device(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *scales):
         return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,

@@ -28,9 +28,9 @@ def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: floa
 
 @struct.dataclass
 class QuantizedKV:
-    """One layer's int8 KV cache: int8 `pages` [P, page_size, 2·Hkv, D] and float32 per-token-per-head `scales`
-    [P, page_size, 2·Hkv] (kernels_pallas/kv_cache.py says why per token and head). A pytree, so the steps donate
-    and shard it like a plain cache array."""
+    """One layer's int8 KV cache: int8 `pages` and their float32 per-token-per-head `scales`, both in
+    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache.py says why per token and head). A pytree, so
+    the steps donate and shard it like a plain cache array."""
 
     pages: jax.Array
     scales: jax.Array
@@ -38,10 +38,6 @@ class QuantizedKV:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.pages.shape
-
-    @classmethod
-    def zeros(cls, shape: tuple[int, ...]) -> "QuantizedKV":
-        return cls(pages=jnp.zeros(shape, jnp.int8), scales=jnp.zeros(shape[:3], jnp.float32))
 
 
 @struct.dataclass

@@ -228,12 +228,35 @@ class ModelConfig:
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_kv_heads * self.head_dim
 
-    def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        """One caching layer's paged cache: [pages, page_size, 2·K, H] (K even, V odd), or [pages, page_size,
-        kv_lora_rank + qk_rope_head_dim] for MLA."""
+    def kv_cache_spec(self, num_pages: int, page_size: int, dtype="float32"):
+        """One caching layer's paged cache as `jax.ShapeDtypeStruct`s: `kernels_pallas.kv_cache_spec`'s layout
+        (a `(pages, scales)` pair for an int8 cache), or MLA's latent pages `[pages, page_size, kv_lora_rank +
+        qk_rope_head_dim]`, which have no head axis."""
+        import jax
+        import jax.numpy as jnp
+
+        from kernels_pallas.kv_layout import kv_cache_spec
+
+        dtype = jnp.dtype(dtype)
         if self.is_mla:
-            return (num_pages, page_size, self.kv_width)
-        return (num_pages, page_size, 2 * self.num_kv_heads, self.head_dim)
+            if dtype == jnp.int8:
+                raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache")
+            return jax.ShapeDtypeStruct((num_pages, page_size, self.kv_width), dtype)
+        return kv_cache_spec(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype)
+
+    def kv_cache_page_size(self, cache) -> int:
+        """The page size of a cache built from `kv_cache_spec` (an array, or an int8 cache's pages + scales)."""
+        shape = cache.shape
+        return shape[1] if self.is_mla else shape[2]
+
+    def kv_cache_bytes(self, num_pages: int, page_size: int, dtype="float32") -> int:
+        """Bytes of the whole paged cache (every caching layer) as `kv_cache_spec` lays it out, padding included."""
+        import math
+
+        import jax
+
+        leaves = jax.tree.leaves(self.kv_cache_spec(num_pages, page_size, dtype))
+        return self.num_kv_layers * sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
     def kv_bytes_per_token(self, bytes_per_element: float, scale_bytes: int = 0) -> float:
         """KV cache bytes one token occupies across all layers: 2·L·K·H·b, with L the caching layers (fewer under

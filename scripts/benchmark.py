@@ -33,6 +33,7 @@ import numpy as np
 from absl import app, flags
 
 from inference import LLM, SamplingParams
+from inference.llm import resolve_dtype
 from inference.metrics import summarize_requests
 
 FLAGS = flags.FLAGS
@@ -46,7 +47,8 @@ flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
 flags.DEFINE_string("prompts_file", None, "Offline: prompts from this JSONL (the launcher's input format) instead of "
                     "random ids of --input_len tokens.")
 flags.DEFINE_integer("output_len", 128, "Generated tokens per request.")
-flags.DEFINE_string("dtype", "float32", "Weight and KV dtype.")
+flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on TPU/GPU, float32 on CPU), float32, "
+                    "bfloat16, float16.")
 flags.DEFINE_string("attn_impl", "auto", "pagejax's attention (LLM(attn_impl=)): auto, reference, cpu, tpu, gpu.")
 flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
 flags.DEFINE_string("kv_cache_dtype", None, "pagejax's KV cache: None (the model dtype), float32, bfloat16, int8.")
@@ -191,7 +193,7 @@ def main(argv: list[str]) -> None:
               quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype, attn_impl=FLAGS.attn_impl)
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
-                               "dtype": FLAGS.dtype, "quantization": FLAGS.quantization,
+                               "dtype": resolve_dtype(FLAGS.dtype), "quantization": FLAGS.quantization,
                                "kv_cache_dtype": FLAGS.kv_cache_dtype, "attn_impl": FLAGS.attn_impl,
                                "prompts_file": FLAGS.prompts_file}}
     if FLAGS.mode == "serving":

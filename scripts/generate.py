@@ -57,7 +57,8 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded
 _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
 _KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion (default: the model's).")
-_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype: float32, bfloat16 or float16.")
+_DTYPE = flags.DEFINE_string("dtype", "auto", "Compute dtype: auto (bfloat16 on TPU/GPU, float32 on CPU), float32, "
+                              "bfloat16 or float16.")
 _TP = flags.DEFINE_integer("tensor_parallel_size", 1, "Devices each model replica is sharded over.", lower_bound=1)
 _DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (each on its own devices).",
                            lower_bound=1)

@@ -33,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from kernels_pallas.kv_cache import quantize_int8  # noqa: E402
+from kernels_pallas.kv_cache import quantize_cache  # noqa: E402
+from kernels_pallas.kv_layout import kv_cache_spec  # noqa: E402
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu  # noqa: E402
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference  # noqa: E402
 
@@ -51,7 +52,8 @@ def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pag
     num_pages = pages_per_seq * len(q_lens)
     kq, kkv = jax.random.split(key)
     q = jax.random.normal(kq, (sum(q_lens), num_q_heads, head_dim), jnp.float32).astype(dtype)
-    kv = jax.random.normal(kkv, (num_pages, page_size, 2 * num_kv_heads, head_dim), jnp.float32).astype(dtype)
+    kv = jax.random.normal(kkv, kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape,
+                           jnp.float32).astype(dtype)
     perm = np.random.default_rng(0).permutation(num_pages).reshape(len(q_lens), pages_per_seq).astype(np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = tuple(map(jnp.asarray, (np.array(kv_lens, np.int32), perm, cu, np.array([len(q_lens)], np.int32))))
@@ -61,9 +63,10 @@ def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pag
 def bytes_read(q, kv_lens, kv_pages, kv_scales=None) -> int:
     """Bytes the batch must read: every cached token's K and V (and their scales) plus q."""
     tokens = int(np.sum(kv_lens))
-    per_token = kv_pages.shape[2] * kv_pages.shape[3] * kv_pages.dtype.itemsize
-    if kv_scales is not None:
-        per_token += kv_scales.shape[2] * kv_scales.dtype.itemsize
+    num_kv_heads, _, _, width = kv_pages.shape  # kv_layout.py: [Hkv, pages, page_size, 2D]
+    per_token = num_kv_heads * width * kv_pages.dtype.itemsize
+    if kv_scales is not None:  # one K and one V scale per token and KV head
+        per_token += num_kv_heads * 2 * kv_scales.dtype.itemsize
     return tokens * per_token + q.size * q.dtype.itemsize
 
 
@@ -154,7 +157,7 @@ def main(argv):
     cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
         f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits},
         kv_scales=None, max_q_len=1, **common)
-    kv_int8, scales = quantize_int8(decode[1])
+    kv_int8, scales = quantize_cache(decode[1])
     cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
         "xla_reference": reference, f"pallas_splits{splits[-1]}": functools.partial(gpu, num_kv_splits=splits[-1])},
         kv_scales=scales, max_q_len=1, **common)

@@ -9,7 +9,7 @@ axes (`LOGICAL_TO_MESH`):
     embed          [vocab, hidden] vocab parallel:  vocab on "model"      -> masked gather + all-reduce
     lm_head        [hidden, vocab] vocab parallel:  vocab on "model"      -> logits all-gathered for sampling
     norms, biases of o/down, anything unknown (e.g. quantization scales): replicated
-    KV cache       [pages, page_size, 2*Hkv, D]: the KV-head axis on "model"
+    KV cache       [Hkv, pages, page_size, 2*D]: the KV-head axis on "model"
 
 XLA inserts the collectives from these shardings (no shard_map). A dimension the mesh axis does not divide is
 replicated rather than sharded, so any weight still loads; `pad_for_tensor_parallel` pads the model at load time so
@@ -84,13 +84,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV cache `[pages, page_size, 2*Hkv, D]` (K even, V odd): contiguous blocks of whole KV heads per device,
-    aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis; else replicated."""
+    """KV cache (and an int8 cache's scales) `[Hkv, ...]` (kernels_pallas/kv_layout.py): contiguous blocks of whole
+    KV heads per device, aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis;
+    else replicated."""
     if num_kv_heads % mesh.shape[MODEL_AXIS]:
         return replicated(mesh)
     # No trailing None: the spec XLA gives the step's output caches, so warm-up and serving see one sharding and
     # one compiled step per bucket.
-    return NamedSharding(mesh, P(None, None, MODEL_AXIS))
+    return NamedSharding(mesh, P(MODEL_AXIS))
 
 
 def _path_name(path) -> str:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# The suite runs on CPU (Pallas kernels interpreted, real TPU/GPU compilers deviceless). Where jax-cuda13-plugin is
+# installed for those compiles, jax would otherwise try to load cuDNN at start-up and fail without a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from inference.compile_cache import enable_compilation_cache
+import pytest  # noqa: E402
+
+from inference.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_mla_attention  # noqa: E402
-from kernels_pallas.kv_cache import quantize_int8  # noqa: E402
+from kernels_pallas.kv_cache import quantize_cache  # noqa: E402
 from kernels_pallas.sharded import sharded_ragged_paged_attention, sharded_ragged_paged_mla_attention  # noqa: E402
 from sharding import make_mesh  # noqa: E402
 from tests.test_ragged_paged_attention import make_case  # noqa: E402
@@ -37,7 +37,7 @@ def main() -> None:
     for name, mesh, impl, extra, cache in checks:
         call_args, scales = list(args), None
         if cache == "int8":
-            call_args[1], scales = quantize_int8(args[1])
+            call_args[1], scales = quantize_cache(args[1])
         want = ragged_paged_attention(*call_args, kv_scales=scales, impl="reference", **kw)
         fn = jax.jit(lambda *a, s=None, mesh=mesh, impl=impl, extra=extra: sharded_ragged_paged_attention(
             *a, mesh=mesh, kv_scales=s, impl=impl, **extra, **kw))
@@ -47,7 +47,7 @@ def main() -> None:
                          "num_shards": len({tuple(str(i) for i in s.index) for s in got.addressable_shards})}
     # MLA: 8 query heads split over 4 devices, the latent cache replicated.
     ql, qr = args[0][:, :8, :48], args[0][:, :8, 48:]
-    latent = args[1][:, :, 0, :]  # [num_pages, page_size, 64] = Dl 48 + Dr 16
+    latent = args[1][0, :, :, :64]  # [num_pages, page_size, 64] = Dl 48 + Dr 16
     mla_args = (ql, qr, latent, *args[2:])
     mla_kw = dict(sm_scale=0.2, sliding_window=12)
     want = ragged_paged_mla_attention(*mla_args, **mla_kw)

@@ -104,7 +104,7 @@ def run(model: str, tp: int, dp: int = 1) -> dict:
         kv_spec=str(runner.kv_caches[0].sharding.spec) if tp > 1 else None,
         specs={} if runner.param_shardings is None else {
             name: str(s.spec) for name, s in zip(_leaf_names(runner), runner.param_shardings)},
-        kv_heads=runner.kv_caches[0].shape[2] // 2,
+        kv_heads=runner.kv_caches[0].shape[0],  # head-major caches (kernels_pallas/kv_layout.py)
         num_pages=runner.num_pages,
         build_s=built - start, generate_s=time.perf_counter() - built,
         compiles=runner.num_compilations(),

@@ -29,9 +29,9 @@ def _forward(model, tokens: np.ndarray) -> np.ndarray:
 
 def test_mla_caches_the_latent_and_rope_key_only():
     lite = get_model_config("deepseek-v2-lite")
-    assert lite.kv_cache_shape(10, 16) == (10, 16, 576)
+    assert lite.kv_cache_spec(10, 16).shape == (10, 16, 576)
     assert lite.kv_bytes_per_token(2) == 576 * 27 * 2  # bf16: 31,104 B/token against 2·16·(128+64)·2·27 for MHA
-    assert DSV2.kv_cache_shape(3, 4) == (3, 4, 32 + 8)
+    assert DSV2.kv_cache_spec(3, 4).shape == (3, 4, 32 + 8)
 
 
 def test_absorbed_paged_attention_equals_materialized_keys_and_values():

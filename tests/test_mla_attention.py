@@ -12,6 +12,7 @@ from kernels_pallas.mla_attention_gpu import ragged_paged_mla_attention_gpu
 from kernels_pallas.mla_attention_ref import ragged_paged_mla_attention, write_latent
 from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
 from tests.test_ragged_paged_attention import make_case
+from tests.test_ragged_paged_attention_gpu import export_for_cuda
 from tests.test_ragged_paged_attention_tpu import assert_close
 
 
@@ -55,8 +56,9 @@ def test_reference_matches_numpy_loop_and_gqa_reference():
     assert_close(got, naive_mla(*args, **kw))
     # MLA == MQA with K = [c | k_rope], V = [c | 0] (first Dl output columns).
     ql, qr, latent, *rest = args
-    kv = np.zeros((*latent.shape[:2], 2, latent.shape[-1]), np.float32)
-    kv[:, :, 0], kv[:, :, 1, :32] = latent, latent[..., :32]
+    width = latent.shape[-1]  # one KV head: K lanes [c | k_rope], then V lanes [c | 0] (kv_layout.py)
+    kv = np.zeros((1, *latent.shape[:2], 2 * width), np.float32)
+    kv[0, :, :, :width], kv[0, :, :, width:width + 32] = latent, latent[..., :32]
     gqa = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(
         jnp.asarray(np.concatenate([ql, qr], -1)), *map(jnp.asarray, (kv, *rest)))
     assert_close(got, np.asarray(gqa)[..., :32])
@@ -106,6 +108,4 @@ def test_dispatch_and_lowering():
         np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
     args[:3] = [a.astype(jnp.bfloat16) for a in args[:3]]
     fn = jax.jit(lambda *a: ragged_paged_mla_attention_gpu(*a, sm_scale=0.1, num_kv_splits=2))
-    exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    assert "xla.gpu.triton" in exported.mlir_module()
+    assert "xla.gpu.triton" in export_for_cuda(fn, *args).mlir_module()

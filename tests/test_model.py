@@ -32,7 +32,8 @@ CONFIGS = {
 def run_paged(model, tokens: np.ndarray, chunks: list[int], pages: list[int]) -> np.ndarray:
     """Feed `tokens` through the paged path in the given chunk sizes; return logits at every position."""
     cfg = model.config
-    caches = [jnp.zeros(cfg.kv_cache_shape(max(pages) + 1, PAGE)) for _ in range(cfg.num_kv_layers)]
+    spec = cfg.kv_cache_spec(max(pages) + 1, PAGE)
+    caches = [jnp.zeros(spec.shape, spec.dtype) for _ in range(cfg.num_kv_layers)]
     page_indices = np.array([pages], np.int32)
     logits, start = [], 0
     for n in chunks:

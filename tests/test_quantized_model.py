@@ -124,7 +124,10 @@ def quantized(request):
 # mean 0.035 / max 0.066, int4 0.007 / 0.020, gguf 0.0008 / 0.002; thresholds ~3x above.
 KL_MAX = {"int8": 0.2, "int4": 0.06, "gguf": 0.01}
 # Relative perplexity change vs f32 on 512 tokens of the shipped text (measured: see the test's docstring).
-PPL_REL = {"int8": 0.06}
+# W8A8's perplexity moves with how XLA:CPU fuses the float ops before each row's int8 quantization, which differs
+# between CPUs and between the kernel and the pure-JAX path: measured +3.2% (EPYC) and +2.8% (jit, no kernel),
+# +4.8% (eager) and +6.1% (jit with the kernel) on a Xeon, so the bound leaves that spread room.
+PPL_REL = {"int8": 0.08}
 # int4-awq at group 64: KL at the fixture positions, measured mean 0.162 / max 0.473 with the test's light search
 # (0.119 / 0.325 with LLM's default search; plain int4 g64: 0.41 / 0.72).
 AWQ_KL_MAX = 0.65
@@ -243,8 +246,8 @@ def f32_perplexity(smollm2):
 @pytest.mark.parametrize("quantized", ["int8"], indirect=True)  # the other modes: KL above and BENCHMARKS.md
 def test_perplexity_close_to_float32(quantized, f32_perplexity):
     """Perplexity on the first 512 tokens of the shipped text (window 256, stride 128). Measured: f32 23.45; int8
-    (W8A8) 24.21 (+3.2%); int4 24.02 (+2.4%) and gguf 23.48 (+0.1%) when they ran here too. BENCHMARKS.md has the
-    whole text."""
+    (W8A8) 24.21 (+3.2%) on an EPYC host, 24.89 (+6.1%) on a Xeon (PPL_REL says why they differ); int4 24.02
+    (+2.4%) and gguf 23.48 (+0.1%) when they ran here too. BENCHMARKS.md has the whole text."""
     mode, llm = quantized
     ids, ref = f32_perplexity
     got = perplexity(_model(llm), ids, window=256, stride=128)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference, write_kv
+from kernels_pallas.kv_layout import kv_cache_spec, scales_by_page
 
 
 def make_case(rng, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, pages_per_seq, num_pages,
@@ -15,7 +16,7 @@ def make_case(rng, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page
     """Random packed queries and paged KV with each sequence on distinct random pages."""
     max_seqs = max_seqs or len(q_lens)
     q = rng.standard_normal((sum(q_lens), num_q_heads, head_dim)).astype(np.float32)
-    kv_pages = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(np.float32)
+    kv_pages = rng.standard_normal(kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape).astype(np.float32)
     perm = rng.permutation(num_pages)
     page_indices = np.zeros((max_seqs, pages_per_seq), np.int32)
     for i in range(len(q_lens)):
@@ -30,17 +31,17 @@ def make_case(rng, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page
 
 def naive(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window=None, soft_cap=None):
     out = np.zeros_like(q)
-    num_kv_heads = kv_pages.shape[2] // 2
+    num_kv_heads, head_dim = kv_pages.shape[0], kv_pages.shape[3] // 2
     group = q.shape[1] // num_kv_heads
     for s in range(int(num_seqs[0])):
         q_start, q_end = cu_q_lens[s], cu_q_lens[s + 1]
         kv_len = kv_lens[s]
-        kv = kv_pages[page_indices[s]].reshape(-1, kv_pages.shape[2], kv_pages.shape[3])[:kv_len]
-        k, v = kv[:, 0::2], kv[:, 1::2]
+        kv = kv_pages[:, page_indices[s]].reshape(num_kv_heads, -1, 2 * head_dim)[:, :kv_len]
+        k, v = kv[..., :head_dim], kv[..., head_dim:]  # [Hkv, kv_len, D]
         for i, t in enumerate(range(q_start, q_end)):
             pos = kv_len - (q_end - q_start) + i
             for h in range(q.shape[1]):
-                scores = k[:, h // group] @ q[t, h] * sm_scale
+                scores = k[h // group] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
                 keys = np.arange(kv_len)
@@ -49,7 +50,7 @@ def naive(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, 
                     visible &= keys > pos - sliding_window
                 scores = np.where(visible, scores, -np.inf)
                 p = np.exp(scores - scores.max())
-                out[t, h] = (p / p.sum()) @ v[:, h // group]
+                out[t, h] = (p / p.sum()) @ v[h // group]
     return out
 
 
@@ -106,8 +107,12 @@ def test_matches_jax_in_tree_reference():
     args = make_case(rng, [1, 6, 3], [17, 6, 25], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=8,
                      pages_per_seq=4, num_pages=14)
     ours = ragged_paged_attention(*map(jnp.asarray, args), sm_scale=0.125, sliding_window=9, soft_cap=20.0)
-    theirs = in_tree.ref_ragged_paged_attention(*map(jnp.asarray, args), sm_scale=0.125, sliding_window=9,
-                                                soft_cap=20.0)
+    q, kv, *rest = args  # theirs reads [pages, page_size, 2 * Hkv, D], K at even and V at odd head slots
+    hkv, num_pages, page_size, width = kv.shape
+    interleaved = kv.reshape(hkv, num_pages, page_size, 2, width // 2).transpose(1, 2, 0, 3, 4).reshape(
+        num_pages, page_size, 2 * hkv, width // 2)
+    theirs = in_tree.ref_ragged_paged_attention(*map(jnp.asarray, (q, interleaved, *rest)), sm_scale=0.125,
+                                                sliding_window=9, soft_cap=20.0)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=2e-5, rtol=1e-5)
 
 
@@ -124,72 +129,123 @@ def test_is_jittable_and_dispatch_rejects_unknown_impl():
 
 def test_write_kv_places_tokens_and_skips_padding():
     num_pages, page_size, num_kv_heads, head_dim = 4, 4, 2, 3
-    pages = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim))
+    pages = jnp.zeros(kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape)
     k = jnp.arange(3 * num_kv_heads * head_dim, dtype=jnp.float32).reshape(3, num_kv_heads, head_dim) + 1
     v = -k
     slots = jnp.array([13, -1, 2], jnp.int32)  # page 3 offset 1; padding; page 0 offset 2
     out = np.asarray(jax.jit(write_kv)(pages, k, v, slots))
-    np.testing.assert_array_equal(out[3, 1, 0::2], k[0])
-    np.testing.assert_array_equal(out[3, 1, 1::2], v[0])
-    np.testing.assert_array_equal(out[0, 2, 0::2], k[2])
-    np.testing.assert_array_equal(out[0, 2, 1::2], v[2])
-    written = np.zeros(out.shape[:2], bool)
+    np.testing.assert_array_equal(out[:, 3, 1, :head_dim], k[0])
+    np.testing.assert_array_equal(out[:, 3, 1, head_dim:], v[0])
+    np.testing.assert_array_equal(out[:, 0, 2, :head_dim], k[2])
+    np.testing.assert_array_equal(out[:, 0, 2, head_dim:], v[2])
+    written = np.zeros(out.shape[1:3], bool)
     written[3, 1] = written[0, 2] = True
-    assert np.all(out[~written] == 0), "padding token or untouched slot was written"
+    assert np.all(out[:, ~written] == 0), "padding token or untouched slot was written"
 
 
-def test_int8_write_kv_quantizes_per_token_per_head_and_reference_dequantizes():
+@pytest.mark.parametrize("page_size", [4, 40, 128])  # scale runs inside one 128-lane row, across rows, 2 rows
+def test_int8_write_kv_quantizes_per_token_per_head_and_reference_dequantizes(page_size):
     """write_kv with kv_scales stores round(x / scale) with scale = max|x| / 127 per (token, KV head), zero rows stay
     exact; the reference on the int8 cache equals the reference on the dequantized f32 cache."""
-    from kernels_pallas.kv_cache import quantize_int8
+    from kernels_pallas.kv_cache import quantize_cache
 
     rng = np.random.default_rng(5)
-    num_pages, page_size, hkv, d = 6, 4, 2, 16
+    num_pages, hkv, d = 6, 2, 16
     k = rng.standard_normal((5, hkv, d)).astype(np.float32)
     v = rng.standard_normal((5, hkv, d)).astype(np.float32) * 3
     k[1, 0] = 0.0  # an all-zero row: scale 0, no division by zero
-    slots = jnp.array([0, 5, -1, 9, 23], jnp.int32)
-    pages = jnp.zeros((num_pages, page_size, 2 * hkv, d), jnp.int8)
-    scales = jnp.zeros((num_pages, page_size, 2 * hkv), jnp.float32)
+    slot_list = [0, page_size + 1, -1, 2 * page_size + 1, 5 * page_size + page_size - 1]
+    slots = jnp.array(slot_list, jnp.int32)
+    pages_spec, scales_spec = kv_cache_spec(num_pages, page_size, hkv, d, jnp.int8)
+    pages, scales = jnp.zeros(pages_spec.shape, jnp.int8), jnp.zeros(scales_spec.shape, jnp.float32)
     pages, scales = jax.jit(write_kv)(pages, k, v, slots, scales)
     assert pages.dtype == jnp.int8 and scales.dtype == jnp.float32
-    flat_p = np.asarray(pages).reshape(-1, 2 * hkv, d)
-    flat_s = np.asarray(scales).reshape(-1, 2 * hkv)
-    for i, slot in enumerate([0, 5, -1, 9, 23]):
+    flat_p = np.asarray(pages).reshape(hkv, -1, 2 * d)  # [Hkv, slot, 2D]
+    by_page = np.asarray(scales_by_page(scales, num_pages, page_size))  # [Hkv, page, 2, page_size]
+    flat_s = by_page.transpose(0, 1, 3, 2).reshape(hkv, -1, 2)  # [Hkv, slot, (K, V)]
+    for i, slot in enumerate(slot_list):
         if slot < 0:
             continue
         for x, off in ((k[i], 0), (v[i], 1)):
-            np.testing.assert_allclose(flat_s[slot, off::2], np.abs(x).max(-1) / 127, rtol=1e-6)
-            deq = flat_p[slot, off::2].astype(np.float32) * flat_s[slot, off::2, None]
+            np.testing.assert_allclose(flat_s[:, slot, off], np.abs(x).max(-1) / 127, rtol=1e-6)
+            deq = flat_p[:, slot, off * d:(off + 1) * d].astype(np.float32) * flat_s[:, slot, off, None]
             np.testing.assert_allclose(deq, x, atol=np.abs(x).max() / 254 + 1e-7)
-    assert np.all(flat_p[5, 0] == 0) and flat_s[5, 0] == 0
-    untouched = np.ones(len(flat_p), bool)
-    untouched[[0, 5, 9, 23]] = False
-    assert np.all(flat_p[untouched] == 0) and np.all(flat_s[untouched] == 0)
+    assert np.all(flat_p[0, page_size + 1, :d] == 0) and flat_s[0, page_size + 1, 0] == 0
+    untouched = np.ones(flat_p.shape[1], bool)
+    untouched[[s for s in slot_list if s >= 0]] = False
+    assert np.all(flat_p[:, untouched] == 0) and np.all(flat_s[:, untouched] == 0)
+    assert np.all(np.asarray(scales).reshape(hkv, -1)[:, num_pages * 2 * page_size:] == 0), "padding lanes written"
 
     q, kv_f32, *rest = make_case(rng, [2, 1], [7, 12], num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
                                  pages_per_seq=3, num_pages=8)
-    kv_q, kv_s = quantize_int8(jnp.asarray(kv_f32))
-    deq = kv_q.astype(jnp.float32) * kv_s[..., None]
+    kv_q, kv_s = quantize_cache(jnp.asarray(kv_f32))
+    k_q, v_q = np.split(np.asarray(kv_q).astype(np.float32), 2, axis=-1)
+    s_by_page = np.asarray(scales_by_page(kv_s, 8, 4))  # [Hkv, P, 2, ps]
+    deq = np.concatenate([k_q * s_by_page[:, :, 0, :, None] * 0.5, v_q * s_by_page[:, :, 1, :, None] * 2.0], -1)
     got = ragged_paged_attention(jnp.asarray(q), kv_q, *map(jnp.asarray, rest), sm_scale=0.3, kv_scales=kv_s,
                                  k_scale=0.5, v_scale=2.0)
-    want = naive(q, np.asarray(deq) * np.array([0.5, 2.0] * 2)[None, None, :, None], *rest, sm_scale=0.3)
+    want = naive(q, deq, *rest, sm_scale=0.3)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="kv_scales shape"):
-        ragged_paged_attention(jnp.asarray(q), kv_q, *map(jnp.asarray, rest), kv_scales=kv_s[:, :, :2])
+        ragged_paged_attention(jnp.asarray(q), kv_q, *map(jnp.asarray, rest), kv_scales=kv_s[:, :, :64])
     with pytest.raises(ValueError, match="int8"):
-        write_kv(jnp.zeros((2, 4, 4, 16)), jnp.asarray(k[:1]), jnp.asarray(v[:1]), slots[:1], scales[:2])
+        write_kv(jnp.zeros(pages_spec.shape), jnp.asarray(k[:1]), jnp.asarray(v[:1]), slots[:1], scales)
 
 
-def test_copy_pages_copies_scales_with_pages():
+@pytest.mark.parametrize("page_size", [2, 40, 128])
+def test_copy_pages_copies_scales_with_pages(page_size):
     from kernels_pallas import copy_pages
 
-    pages = jnp.arange(4 * 2 * 2 * 3, dtype=jnp.int32).astype(jnp.int8).reshape(4, 2, 2, 3)
-    scales = jnp.arange(4 * 2 * 2, dtype=jnp.float32).reshape(4, 2, 2)
+    pages_spec, scales_spec = kv_cache_spec(4, page_size, 2, 3, jnp.int8)
+    pages = (jnp.arange(np.prod(pages_spec.shape)) % 127).astype(jnp.int8).reshape(pages_spec.shape)
+    scales = jnp.arange(np.prod(scales_spec.shape), dtype=jnp.float32).reshape(scales_spec.shape)
     src, dst = jnp.array([1, 3], jnp.int32), jnp.array([2, 0], jnp.int32)
     new_pages, new_scales = jax.jit(copy_pages)(pages, src, dst, scales)
-    np.testing.assert_array_equal(new_pages[2], pages[1])
-    np.testing.assert_array_equal(new_scales[2], scales[1])
-    np.testing.assert_array_equal(new_scales[0], scales[3])
-    np.testing.assert_array_equal(np.asarray(new_scales)[[1, 3]], np.asarray(scales)[[1, 3]])
+    np.testing.assert_array_equal(new_pages[:, 2], pages[:, 1])
+    old_s, new_s = (np.asarray(scales_by_page(x, 4, page_size)) for x in (scales, new_scales))
+    np.testing.assert_array_equal(new_s[:, 2], old_s[:, 1])
+    np.testing.assert_array_equal(new_s[:, 0], old_s[:, 3])
+    np.testing.assert_array_equal(new_s[:, [1, 3]], old_s[:, [1, 3]])
     np.testing.assert_array_equal(np.asarray(copy_pages(pages, src, dst)), np.asarray(new_pages))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_stale_pages_change_no_output(kv_dtype, window):
+    """A freed page keeps whatever its last owner wrote (NaN included) and uninitialized memory holds anything: the
+    reference must not care what slots no query may see hold (past kv_len, before the window, pages the padding
+    entries of the page table point at, unused pages, the scales' padding lanes)."""
+    from kernels_pallas.kv_cache import quantize_cache
+
+    rng = np.random.default_rng(6)
+    page_size, pps, num_pages = 4, 4, 14
+    q, kv, lens, pages, cu, ns = make_case(rng, [1, 3, 2], [9, 11, 2], num_q_heads=4, num_kv_heads=2, head_dim=8,
+                                           page_size=page_size, pages_per_seq=pps, num_pages=num_pages, max_seqs=4)
+    pages[2, 1:] = pages[3] = 12  # padding entries of the table (and a padding sequence) point at page 12
+    kv_ok = jnp.asarray(kv)
+    poisoned = np.array(kv)
+    seen = np.zeros((num_pages, page_size), bool)
+    for s in range(3):
+        first = 0 if window is None else max(0, lens[s] - (cu[s + 1] - cu[s]) - window + 1)
+        for j in range(first, lens[s]):
+            seen[pages[s, j // page_size], j % page_size] = True
+    poisoned[:, ~seen] = np.where(rng.random(poisoned[:, ~seen].shape) < 0.5, np.nan, np.inf)
+    kw = dict(sm_scale=0.4, sliding_window=window, max_q_len=3)
+    rest = tuple(map(jnp.asarray, (lens, pages, cu, ns)))
+    if kv_dtype == "int8":
+        (kv_ok, s_ok) = quantize_cache(kv_ok)
+        kv_bad = np.array(kv_ok)
+        kv_bad[:, ~seen] = 127
+        s_bad = np.array(s_ok).reshape(2, -1)
+        flat_seen = np.stack([seen, seen], axis=1).reshape(-1)  # [page, (K, V), offset] flattened
+        s_bad[:, np.flatnonzero(~flat_seen)] = np.nan
+        s_bad[:, flat_seen.size:] = np.inf  # the padding lanes past the last page
+        want = ragged_paged_attention_reference(jnp.asarray(q), kv_ok, *rest, kv_scales=s_ok, **kw)
+        got = ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(kv_bad), *rest,
+                                               kv_scales=jnp.asarray(s_bad).reshape(s_ok.shape), **kw)
+    else:
+        dtype = jnp.dtype(kv_dtype)
+        want = ragged_paged_attention_reference(jnp.asarray(q), kv_ok.astype(dtype), *rest, **kw)
+        got = ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(poisoned).astype(dtype), *rest, **kw)
+    assert np.all(np.isfinite(np.asarray(want)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -89,7 +89,7 @@ def test_num_seqs_below_array_size_padding_rows_zero_and_page_table_tails_unread
     q, kv_pages, kv_lens, page_indices, cu, num_seqs = make_case(
         rng, [3, 1, 2], [10, 7, 16], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8, pages_per_seq=3,
         num_pages=12, max_seqs=5)
-    bad = kv_pages.shape[0] + 1000
+    bad = kv_pages.shape[1] + 1000
     for s in range(5):
         used = -(-kv_lens[s] // 8) if s < 3 else 0
         page_indices[s, used:] = bad
@@ -166,10 +166,10 @@ def test_lowers_to_mosaic_for_tpu(dtype, monkeypatch, request):
                                            page_size=16, pages_per_seq=2, num_pages=8)))
     kw = {}
     if dtype == "int8":  # bf16 queries over an int8 cache with per-token scales
-        from kernels_pallas.kv_cache import quantize_int8
+        from kernels_pallas.kv_cache import quantize_cache
 
         args[0] = args[0].astype(jnp.bfloat16)
-        args[1], kw["kv_scales"] = quantize_int8(args[1])
+        args[1], kw["kv_scales"] = quantize_cache(args[1])
     else:
         args[0], args[1] = args[0].astype(dtype), args[1].astype(dtype)
     fn = jax.jit(lambda *a, **k: ragged_paged_attention_tpu(*a, sm_scale=0.125, sliding_window=5, soft_cap=3.0, **k))
@@ -178,15 +178,55 @@ def test_lowers_to_mosaic_for_tpu(dtype, monkeypatch, request):
 
 
 def test_int8_kv_cache_with_per_token_scales():
-    """int8 pages + f32 per-token-per-head scales: the scale columns are DMA'd beside each page (a read before the
-    wait would show up as NaN) and K/V dequantized in VMEM; equals the reference on the same int8 cache."""
-    from kernels_pallas.kv_cache import quantize_int8
+    """int8 pages + f32 per-token-per-head scales: the scale rows are DMA'd beside each page (a read before the
+    wait would show up as NaN), rotated into place and applied to score and probability columns; equals the
+    reference on the same int8 cache. page_size 8: 8 pages share a 128-lane scale row."""
+    from kernels_pallas.kv_cache import quantize_cache
 
     rng = np.random.default_rng(12)
     q, kv, *rest = make_case(rng, [1, 6, 2], [13, 6, 24], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
                              pages_per_seq=3, num_pages=11)
-    kv_q, scales = quantize_int8(jnp.asarray(kv))
+    kv_q, scales = quantize_cache(jnp.asarray(kv))
     args = (q, kv_q, *rest)
     kw = dict(sm_scale=0.125, sliding_window=9, v_scale=0.5)
     got = run_kernel(args, kv_scales=scales, pages_per_block=2, **kw)
     assert_close(got, run_reference(args, kv_scales=scales, **kw))
+
+
+@pytest.mark.parametrize("kv_dtype,page_size", [("float32", 8), ("bfloat16", 16), ("int8", 8), ("int8", 64)])
+def test_stale_pages_change_no_output(kv_dtype, page_size):
+    """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, pages the padding
+    entries of the page table point at, the scales' padding) changes no output of the kernel."""
+    from kernels_pallas.kv_cache import quantize_cache
+
+    rng = np.random.default_rng(13)
+    pps, num_pages = 3, 12
+    q, kv, lens, pages, cu, ns = make_case(rng, [1, 3, 2], [page_size + 3, 2 * page_size + 1, 2], num_q_heads=4,
+                                           num_kv_heads=2, head_dim=64, page_size=page_size, pages_per_seq=pps,
+                                           num_pages=num_pages, max_seqs=4)
+    pages[2, 1:] = pages[3] = 11  # padding entries point at page 11 (used by no sequence)
+    window = page_size  # the second sequence's first page falls out of its window
+    seen = np.zeros((num_pages, page_size), bool)
+    for s in range(3):
+        q_len = cu[s + 1] - cu[s]
+        for j in range(max(0, lens[s] - q_len - window + 1), lens[s]):
+            seen[pages[s, j // page_size], j % page_size] = True
+    kw = dict(sm_scale=0.3, sliding_window=window, pages_per_block=2, max_q_len=3)
+    if kv_dtype == "int8":
+        kv_ok, s_ok = quantize_cache(jnp.asarray(kv))
+        kv_bad = np.array(kv_ok)
+        kv_bad[:, ~seen] = 127
+        s_bad = np.array(s_ok).reshape(2, -1)
+        flat_seen = np.stack([seen, seen], axis=1).reshape(-1)
+        s_bad[:, np.flatnonzero(~flat_seen)] = np.nan
+        s_bad[:, flat_seen.size:] = np.inf
+        want = run_kernel((q, kv_ok, lens, pages, cu, ns), kv_scales=s_ok, **kw)
+        got = run_kernel((q, kv_bad, lens, pages, cu, ns), kv_scales=s_bad.reshape(s_ok.shape), **kw)
+    else:
+        bad = np.array(kv)
+        bad[:, ~seen] = np.where(rng.random(bad[:, ~seen].shape) < 0.5, np.nan, np.inf)
+        dtype = jnp.dtype(kv_dtype)
+        want = run_kernel((q, jnp.asarray(kv, dtype), lens, pages, cu, ns), **kw)
+        got = run_kernel((q, jnp.asarray(bad, dtype), lens, pages, cu, ns), **kw)
+    assert np.all(np.isfinite(want))
+    np.testing.assert_array_equal(got, want)

@@ -58,7 +58,7 @@ def test_partition_rules(name, shape, spec):
 
 
 def test_kv_cache_is_split_over_whole_kv_heads_only():
-    assert kv_cache_sharding(MESH8, 8).spec == P(None, None, "model")
+    assert kv_cache_sharding(MESH8, 8).spec == P("model")  # head-major caches (kernels_pallas/kv_layout.py)
     assert kv_cache_sharding(MESH8, 3).spec == P()  # unpadded 3 KV heads on 8 devices: replicated, never split
 
 
@@ -246,7 +246,7 @@ def test_specs_and_collectives(worker):
     assert specs["layers.0.attn.o_proj.kernel.value"] == str(P("model", None))
     assert specs["layers.0.mlp.down_proj.kernel.value"] == str(P("model", None))
     assert specs["layers.0.attn_norm.weight.value"] == str(P())
-    assert run["kv_spec"] == str(P(None, None, "model"))
+    assert run["kv_spec"] == str(P("model"))  # whole KV heads per device: the caches' leading axis
     # A decode step of 4 tokens: one all-reduce for the embedding gather and two per layer (o_proj, down_proj),
     # then one all-gather of the [4, vocab] logits (never of the [hidden, vocab] LM-head weight).
     assert run["collectives"] == {"all-reduce f32[4,64]": 5, "all-gather f32[4,512]": 1}

@@ -1,5 +1,8 @@
 // Ragged paged attention on CPU: an XLA FFI custom call with the contract of
-// kernels_pallas/ragged_paged_attention_ref.py (see that file for the layout).
+// kernels_pallas/ragged_paged_attention_ref.py. Cache layout (kernels_pallas/kv_layout.py): kv_pages is
+// [Hkv, num_pages, page_size, 2 * D], head-major, each token row holding K in elements [0, D) and V in [D, 2D);
+// an int8 cache's scales are [Hkv, scale_rows, 128] f32, head h's flattened as, page after page, the page's
+// page_size K scales then its page_size V scales (K of (page, t) at p * 2 * page_size + t, V at + page_size).
 //
 // Why a C++ kernel: the pure-JAX reference gathers every sequence's padded pages, transposes K and V and runs
 // tiny batched dots; on XLA:CPU that was 97-107 ms of a 175-190 ms SmolLM2 decode step at batch 32 (BENCHMARKS.md,
@@ -16,6 +19,13 @@
 // (`sum16x16`); written as plain loops, g++ converted the row again for every query row and reduced every dot on
 // its own (7.8 GB/s of int8 cache at batch 32, BENCHMARKS.md).
 // Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
+//
+// Stale slots: a block reads only keys in [lo, hi), the union of its query rows' visible ranges (causal, inside
+// kv_len and the sliding window), i.e. keys some query of the sequence sees; keys past kv_len, before the window,
+// the pages that padding entries of page_indices name and the scales' padding tail are never read. A key in
+// [lo, hi) that one row does not see has its score dropped before the max/exp (only [first, last] enter the
+// softmax) and an exact 0 weight; its V row is live data (another row sees it), so 0 * v stays 0. Non-finite values
+// in slots no query sees therefore change no output, as in the reference.
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +65,7 @@ inline float to_float(uint16_t x) {  // bfloat16 bits
 
 struct Shapes {
   int64_t num_tokens, num_q_heads, head_dim, num_pages, page_size, num_kv_heads, group, max_seqs, pages_per_seq;
+  int64_t scale_stride;  // scales per KV head (scale_rows * 128); 0 without scales
 };
 
 struct Options {
@@ -125,19 +136,28 @@ struct Attention {
 
   int64_t dim() const { return kD > 0 ? kD : s.head_dim; }
 
-  // Calls fn(j, row, scale) for cache positions j in [lo, hi) of `seq`, KV slot `slot` (2h: K, 2h+1: V), walking
-  // page by page (no division per key). `row` points into the cache; callers convert its elements inline, which
-  // the compiler fuses into the vectorized dot / accumulation.
+  // Calls fn(j, row, scale) for cache positions j in [lo, hi) of `seq`, KV head `kv_head`, its K (`half` 0) or V
+  // (`half` 1) rows, walking page by page (no division per key): one (head, page) is a contiguous
+  // [page_size, 2 * D] block, K at row offset 0 and V at D; its scales are page_size K then page_size V floats.
+  // `row` points into the cache; callers convert its elements inline, which the compiler fuses into the vectorized
+  // dot / accumulation.
   template <typename Fn>
-  void for_each_row(int64_t seq, int64_t lo, int64_t hi, int64_t slot, float static_scale, Fn&& fn) const {
-    const int64_t D = dim(), ps = s.page_size, stride = 2 * s.num_kv_heads;
+  void for_each_row(int64_t seq, int64_t kv_head, int64_t lo, int64_t hi, int half, float static_scale,
+                    Fn&& fn) const {
+    const int64_t D = dim(), ps = s.page_size, row = 2 * D;
+    const KV* head_rows = pages + kv_head * s.num_pages * ps * row + half * D;
+    const float* head_scales = scales == nullptr ? nullptr : scales + kv_head * s.scale_stride + half * ps;
     for (int64_t j0 = lo - lo % ps; j0 < hi; j0 += ps) {
       int64_t page = page_indices[seq * s.pages_per_seq + j0 / ps];
       page = std::min(std::max<int64_t>(page, 0), s.num_pages - 1);
-      const int64_t first = (page * ps) * stride + slot;
-      for (int64_t j = std::max(lo, j0); j < std::min(hi, j0 + ps); ++j) {
-        const int64_t off = first + (j - j0) * stride;
-        fn(j, pages + off * D, scales == nullptr ? static_scale : scales[off] * static_scale);
+      const KV* page_rows = head_rows + page * ps * row;
+      const int64_t end = std::min(hi, j0 + ps);
+      if (head_scales == nullptr) {
+        for (int64_t j = std::max(lo, j0); j < end; ++j) fn(j, page_rows + (j - j0) * row, static_scale);
+      } else {
+        const float* page_scales = head_scales + page * 2 * ps;
+        for (int64_t j = std::max(lo, j0); j < end; ++j)
+          fn(j, page_rows + (j - j0) * row, page_scales[j - j0] * static_scale);
       }
     }
   }
@@ -163,7 +183,7 @@ struct Attention {
         _mm512_mask_storeu_ps(p + (r0 + r) * L + (j0 - lo), lanes, _mm512_mul_ps(sum16x16(part[r]), scale));
       }
     };
-    for_each_row(it.seq, lo, hi, 2 * it.kv_head, o.k_scale, [&](int64_t j, const KV* k, float ks) {
+    for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
       __m512 kf[kChunks];
       for (int c = 0; c < kChunks; ++c) kf[c] = load16(k + 16 * c);
       for (int r = 0; r < R; ++r) {
@@ -188,7 +208,7 @@ struct Attention {
     __m512 a[R][kChunks];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChunks; ++c) a[r][c] = _mm512_setzero_ps();
-    for_each_row(it.seq, lo, hi, 2 * it.kv_head + 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
+    for_each_row(it.seq, it.kv_head, lo, hi, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
       __m512 vf[kChunks];
       for (int c = 0; c < kChunks; ++c) vf[c] = load16(v + 16 * c);
       for (int r = 0; r < R; ++r) {
@@ -235,7 +255,7 @@ struct Attention {
       for_row_chunks<kRows>(rows, [&](auto r, int64_t r0) { scores<decltype(r)::value>(it, lo, hi, L, qbuf, r0, p); });
     } else
 #endif
-    for_each_row(it.seq, lo, hi, 2 * it.kv_head, o.k_scale, [&](int64_t j, const KV* k, float ks) {
+    for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = qbuf + r * D;
         float dot = 0.f;
@@ -273,7 +293,7 @@ struct Attention {
 #endif
     {
       std::fill(acc, acc + rows * D, 0.f);
-      for_each_row(it.seq, lo, hi, 2 * it.kv_head + 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
+      for_each_row(it.seq, it.kv_head, lo, hi, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
         for (int64_t r = 0; r < rows; ++r) {
           const float w = p[r * L + (j - lo)] * vs;
           float* ar = acc + r * D;
@@ -308,10 +328,20 @@ ffi::Error dispatch(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> kv_scales,
                     bool has_scales, const Options& o, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
-  Shapes s{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2] / 2, qd[1] / (kd[2] / 2), pd[0], pd[1]};
-  if (kd[3] != s.head_dim || kd[2] % 2 || s.num_q_heads % s.num_kv_heads || kv_lens.element_count() != s.max_seqs ||
-      cu_q_lens.element_count() != s.max_seqs + 1 || s.num_pages < 1)
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || kd[0] < 1)
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q [T, Hq, D], kv_pages [Hkv, P, page_size, 2D]");
+  // kv_pages [Hkv, num_pages, page_size, 2 * D] (kv_layout.py)
+  Shapes s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[0], qd[1] / kd[0], pd[0], pd[1], 0};
+  if (kd[3] != 2 * s.head_dim || s.num_q_heads % s.num_kv_heads || kv_lens.element_count() != s.max_seqs ||
+      cu_q_lens.element_count() != s.max_seqs + 1 || s.num_pages < 1 || s.page_size < 1)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: inconsistent shapes");
+  if (has_scales) {  // [Hkv, scale_rows, 128], each head's rows holding its 2 * page_size scales per page
+    const auto sd = kv_scales.dimensions();
+    if (sd.size() != 3 || sd[0] != s.num_kv_heads || sd[1] * sd[2] < 2 * s.num_pages * s.page_size)
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: kv_scales must be [Hkv, scale_rows, 128] (kv_layout.kv_cache_spec)");
+    s.scale_stride = sd[1] * sd[2];
+  }
   float* out_data = out->typed_data();
   std::fill(out_data, out_data + out->element_count(), 0.f);
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.max_seqs);
@@ -337,9 +367,7 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pa
                                    ffi::Buffer<ffi::F32> kv_scales, float sm_scale, float soft_cap, float k_scale,
                                    float v_scale, int64_t sliding_window, ffi::ResultBuffer<ffi::F32> out) {
   const Options o{sm_scale, soft_cap, k_scale, v_scale, sliding_window};
-  const bool has_scales = kv_pages.element_type() == ffi::S8;
-  if (has_scales && kv_scales.element_count() * kv_pages.dimensions()[3] != kv_pages.element_count())
-    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_scales must be kv_pages.shape[:3]");
+  const bool has_scales = kv_pages.element_type() == ffi::S8;  // shapes checked in dispatch
   switch (kv_pages.element_type()) {
     case ffi::F32:
       return dispatch<float>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o, out);
@@ -358,12 +386,12 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pa
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxRaggedPagedAttentionCpu, RaggedPagedAttentionCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()         // kv_pages [P, page_size, 2 Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // kv_pages [Hkv, P, page_size, 2 D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [S, pages_per_seq]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scales [P, page_size, 2 Hkv] or [1, 1, 1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scales [Hkv, scale_rows, 128] or [1, 1, 1]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<float>("k_scale")

@@ -1,10 +1,13 @@
-// Write token rows into their page slots in place: the CPU kernel behind kernels_pallas/kv_cache.py's write_rows.
+// Write token rows into their cache slots in place: the CPU kernel behind kernels_pallas/kv_cache.py's write_rows.
 //
 // Why: the portable write is a while loop of dynamic_update_slice (a scatter made XLA copy the whole cache, see
 // kv_cache.py); on XLA:CPU each loop costs ~0.1 ms of fixed overhead per layer, 3-4 ms of a ~15 ms batch-1 int8
-// decode step for SmolLM2's 30 layers. Here it is one memcpy per token. The output aliases the cache operand
-// (input_output_aliases), so XLA hands over the cache's own buffer; if it ever does not, the cache is copied first.
-// Slots outside [0, num_pages * page_size) are padding and are skipped, so no write leaves the buffer.
+// decode step for SmolLM2's 30 layers. Here it is one memcpy per token and head. The output aliases the array
+// operand (input_output_aliases), so XLA hands over the cache's own buffer; if it ever does not, it is copied first.
+//
+// The array is read as [H, N] (H = rows' second axis: KV heads of a head-major cache, 1 for MLA's latent pages);
+// rows are [T, H, W]; row t of head h goes to elements [offsets[t], offsets[t] + W) of head h. Offsets outside
+// [0, N - W] are padding and are skipped, so no write leaves the buffer.
 
 #include <cstdint>
 #include <cstring>
@@ -15,22 +18,26 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error WriteRowsCpu(ffi::AnyBuffer array, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> slots,
+ffi::Error WriteRowsCpu(ffi::AnyBuffer array, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> offsets,
                         ffi::Result<ffi::AnyBuffer> out) {
-  const auto dims = array.dimensions();
-  if (dims.size() < 2 || rows.element_type() != array.element_type() || out->size_bytes() != array.size_bytes())
-    return ffi::Error::InvalidArgument("write_rows_cpu: array [P, page_size, ...] and rows of its dtype expected");
-  const int64_t num_slots = dims[0] * dims[1], count = slots.element_count();
-  if (num_slots == 0) return ffi::Error::Success();
-  const size_t row_bytes = array.size_bytes() / num_slots;
-  if (rows.size_bytes() != static_cast<size_t>(count) * row_bytes)
-    return ffi::Error::InvalidArgument("write_rows_cpu: rows must be [T, *array.shape[2:]] for T slots");
+  const auto rdims = rows.dimensions();
+  if (rdims.size() != 3 || rows.element_type() != array.element_type() || out->size_bytes() != array.size_bytes())
+    return ffi::Error::InvalidArgument("write_rows_cpu: rows [T, H, W] of the array's dtype expected");
+  const int64_t count = rdims[0], heads = rdims[1], width = rdims[2];
+  if (offsets.element_count() != count || heads < 1 || array.element_count() % heads)
+    return ffi::Error::InvalidArgument("write_rows_cpu: offsets [T] and an array of H * N elements expected");
+  const int64_t per_head = array.element_count() / heads;
+  const size_t elem = array.element_count() ? array.size_bytes() / array.element_count() : 1;
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   if (dst != array.untyped_data()) std::memcpy(dst, array.untyped_data(), array.size_bytes());
   const auto* src = static_cast<const uint8_t*>(rows.untyped_data());
-  const int32_t* slot = slots.typed_data();
-  for (int64_t i = 0; i < count; ++i)
-    if (slot[i] >= 0 && slot[i] < num_slots) std::memcpy(dst + slot[i] * row_bytes, src + i * row_bytes, row_bytes);
+  const int32_t* offset = offsets.typed_data();
+  const size_t row_bytes = width * elem;
+  for (int64_t t = 0; t < count; ++t) {
+    if (offset[t] < 0 || offset[t] > per_head - width) continue;
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + (h * per_head + offset[t]) * elem, src + (t * heads + h) * row_bytes, row_bytes);
+  }
   return ffi::Error::Success();
 }
 
@@ -38,7 +45,7 @@ ffi::Error WriteRowsCpu(ffi::AnyBuffer array, ffi::AnyBuffer rows, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxWriteRowsCpu, WriteRowsCpu,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // array [P, page_size, ...] (aliased by the result)
-                                  .Arg<ffi::AnyBuffer>()         // rows [T, ...]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [T]
+                                  .Arg<ffi::AnyBuffer>()         // array [H, ...] (aliased by the result)
+                                  .Arg<ffi::AnyBuffer>()         // rows [T, H, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets [T], elements into each head's slab
                                   .Ret<ffi::AnyBuffer>());       // the updated array
