@@ -109,18 +109,23 @@ def write_rows(arrays: Sequence[jax.Array], writes: Sequence[Sequence[Write]], *
 
 def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
     """`write_rows` for one array as scatters (TPU, GPU): each write's runs fill the last axis whole (W = its
-    size) or are single elements (W = 1). Offsets outside the slab index past axis 1 and are dropped."""
-    slab = math.prod(array.shape[1:])
+    size) or are single elements (W = 1). Offsets outside the slab index past axis 1 and are dropped.
+
+    One index per (head, token), so a scatter's window is at most the last axis: with a `[heads, W]` window
+    XLA:TPU laid a prefill's cache out heads-minor and copied it whole before and after the scatter."""
+    heads, slab = array.shape[0], math.prod(array.shape[1:])
     for rows, offsets in writes:
-        width = rows.shape[2]
+        count, width = rows.shape[0], rows.shape[2]
         inside = (offsets >= 0) & (offsets <= slab - width)
         idx = list(_block_start(jnp.where(inside, offsets, 0), array.shape[1:])[1:])
         idx[0] = jnp.where(inside, idx[0], array.shape[1])  # out of bounds: dropped
-        values = rows.astype(array.dtype).swapaxes(0, 1)  # [H, T, W]
+        head = jnp.repeat(jnp.arange(heads, dtype=jnp.int32), count)  # head-major, as `values`
+        idx = [jnp.tile(i, heads) for i in idx]
+        values = rows.astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
         if width == array.shape[-1]:
-            array = array.at[(slice(None), *idx[:-1])].set(values, mode="drop")
+            array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:
-            array = array.at[(slice(None), *idx)].set(values[..., 0], mode="drop")
+            array = array.at[(head, *idx)].set(values[:, 0], mode="drop")
         else:
             raise ValueError(f"rows of width {width} neither fill the last axis ({array.shape[-1]}) nor are single "
                              "elements")
