@@ -1,0 +1,409 @@
+"""Deviceless ahead-of-time compiles with the real TPU and GPU compilers, on a CPU host.
+
+Interpret mode runs a kernel's semantics, not the compilers' rules (Mosaic tiling, VMEM, shared memory,
+registers). This script builds devices of chips that are not there (`jax.experimental.topologies`), gives every
+input as a `ShapeDtypeStruct` (so real-size models cost no memory) and compiles:
+  (a) each attention kernel over a sweep of shapes and dtypes (`kernel_cases`), and
+  (b) the engine's jitted prefill and decode steps of real-size presets at TP 1 and 8 (`step_cases`).
+Per case it records the compiler's verdict (or its message), `memory_analysis()` bytes (beside the cost model's
+weight + KV bytes for steps), the custom calls and whole-cache copies in the optimized HLO, and on GPU ptxas's
+registers / spills and Triton's shared memory. JSON out; `docs/accelerators.md` holds the table.
+
+Needs libtpu (TPU) and jax-cuda13-plugin + jax-cuda13-pjrt (GPU) of the installed jax's version; chips whose
+compiler is missing are reported as such. GPU register counts need `TF_CPP_MIN_LOG_LEVEL=0` and
+`TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start; this script
+re-executes itself with them.
+
+    JAX_PLATFORMS=cpu python scripts/aot_compile.py --chips=v5e,h100 --what=kernels,steps --out=aot.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas.backend import compiling_for  # noqa: E402
+from kernels_pallas.kv_layout import kv_cache_spec  # noqa: E402
+
+GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
+# chip -> (backend, topology of 1 chip, topology of 8 chips)
+CHIPS = {"v5e": ("tpu", "v5e:1x1", "v5e:2x4"), "v6e": ("tpu", "v6e:1x1", "v6e:2x4"),
+         "h100": ("gpu", "1x1x1", "1x1x8"), "h200": ("gpu", "1x1x1", "1x1x8")}
+CPU_ONLY_CALLS = ("pagejax_",)  # the C++ CPU kernels' FFI targets (kernels_pallas/csrc)
+
+
+@functools.cache
+def devices(chip: str, num_chips: int = 1) -> tuple:
+    """Devices of `num_chips` (1 or 8) `chip`s (v5e, v6e, h100, h200) for a deviceless compile."""
+    from jax.experimental import topologies
+
+    backend, one, eight = CHIPS[chip]
+    name = one if num_chips == 1 else eight
+    if backend == "tpu":
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                            chips_per_host_bounds=(1, 1, 1) if num_chips == 1 else (2, 2, 1),
+                                            num_slices=1, wrap=(False,) * 3)
+    else:
+        with open(os.path.join(GPU_TARGETS, f"{chip}.txtpb")) as f:
+            topo = topologies.get_topology_desc(platform="cuda", target_config=f.read(), topology=name)
+    return tuple(topo.devices)
+
+
+def compiler_available(chip: str) -> str | None:
+    """None when `chip`'s compiler can be reached here, else why not."""
+    try:
+        devices(chip)
+    except Exception as e:  # noqa: BLE001 - any failure means the plugin is absent or broken
+        pkg = "libtpu" if CHIPS[chip][0] == "tpu" else "jax-cuda13-plugin and jax-cuda13-pjrt"
+        return f"no {chip} compiler ({pkg} of jax {jax.__version__}): {str(e).splitlines()[0][:200]}"
+    return None
+
+
+def _mesh(chip: str, num_chips: int):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices(chip, num_chips)).reshape(1, num_chips), ("data", "model"))
+
+
+def abstract(tree, sharding):
+    """Every array leaf of `tree` as a ShapeDtypeStruct with `sharding` (a sharding or a matching tree of them)."""
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), tree)
+
+
+def hlo_report(compiled, cache_shapes: tuple[tuple[int, ...], ...] = ()) -> dict:
+    """Custom calls, CPU-only calls and copies of a KV cache (an array of a cache's shape) in the optimized HLO."""
+    text = compiled.as_text()
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+    wanted = {",".join(map(str, s)) for s in cache_shapes}
+    copies = [f"{m.group(1)}[{m.group(2)}]" for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", text)
+              if m.group(2) in wanted]
+    return {"custom_calls": targets, "cpu_only_calls": [t for t in targets if t.startswith(CPU_ONLY_CALLS)],
+            "cache_copies": copies}
+
+
+def memory_report(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
+                                                               "generated_code")}
+
+
+def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
+                 cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = ()) -> dict:
+    """Lower and compile `fn(*args)` for `chip` (args already abstract); the verdict and what the compiler said.
+    `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates."""
+    from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
+
+    backend = CHIPS[chip][0]
+    start = time.time()
+    row: dict[str, Any] = {"chip": chip, "num_chips": num_chips}
+    try:
+        # The abstract mesh names the chip: kernels read their block sizes by it, Pallas-Triton lowers for it.
+        with compiling_for(backend), jax.sharding.use_abstract_mesh(_mesh(chip, num_chips).abstract_mesh), \
+                capture_native_stderr() as log:
+            lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*args)
+        with capture_native_stderr() as log2:
+            compiled = lowered.compile()
+        log = log + log2
+    except Exception as e:  # noqa: BLE001 - the compiler's message is the result
+        msg = str(e)
+        k = max(msg.find("Mosaic failed"), 0)
+        oom = "HbmOom" in msg or "Ran out of memory" in msg
+        row.update(status="does_not_fit" if oom else "failed", error=" ".join(msg[k:k + 600].split()))
+        return row | {"seconds": round(time.time() - start, 1)}
+    row.update(status="compiled", memory=memory_report(compiled), **hlo_report(compiled, cache_shapes))
+    if backend == "gpu":
+        row["ptxas"] = parse_compile_log("".join(log))
+    if row["cpu_only_calls"]:
+        row.update(status="failed", error=f"CPU-only FFI calls in a {backend} program: {row['cpu_only_calls']}")
+    elif row["cache_copies"]:
+        row.update(status="failed", error=f"whole-cache copies: {row['cache_copies']}")
+    return row | {"seconds": round(time.time() - start, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ (a) kernels
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    kind: str  # "decode" (64 x 1 query), "prefill" (4 x 512) or "mixed" (32 decodes + 2 x 256 prefill chunks)
+    dtype: str  # cache dtype: float32, bfloat16, int8 (queries bf16 for int8)
+    head_dim: int
+    num_kv_heads: int
+    group: int = 4  # query heads per KV head
+    page_size: int = 16
+    context: int = 2048  # tokens per sequence
+    window: bool = False  # a 1024-token sliding window and a soft cap of 50 (Gemma 2/3)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.kind}_{self.dtype}_d{self.head_dim}_kv{self.num_kv_heads}_g{self.group}"
+                f"_p{self.page_size}" + ("_window_softcap" if self.window else ""))
+
+    @property
+    def batch(self) -> tuple[int, int]:
+        """(sequences, tokens): the static shape of the step."""
+        return {"decode": (64, 64), "prefill": (4, 2048), "mixed": (34, 544)}[self.kind]
+
+    def inputs(self, sharding) -> tuple:
+        """Abstract (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs[, kv_scales]) and max_q_len."""
+        num_seqs, num_tokens = self.batch
+        q_len = {"decode": 1, "prefill": 512, "mixed": 256}[self.kind]
+        pages_per_seq = -(-self.context // self.page_size)
+        spec = kv_cache_spec(num_seqs * pages_per_seq + 1, self.page_size, self.num_kv_heads, self.head_dim,
+                             self.dtype)
+        cache, scales = spec if isinstance(spec, tuple) else (spec, None)
+        q_dtype = jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+        s32 = jnp.int32
+        shapes = [((num_tokens, self.num_kv_heads * self.group, self.head_dim), q_dtype),
+                  (cache.shape, cache.dtype), ((num_seqs,), s32), ((num_seqs, pages_per_seq), s32),
+                  ((num_seqs + 1,), s32), ((1,), s32)] + ([(scales.shape, scales.dtype)] if scales else [])
+        return tuple(jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes), q_len
+
+
+def kernel_cases(quick: bool = False) -> list[KernelCase]:
+    """quick: the CI grid (dtypes x head_dim {64, 128} x KV heads {3, 8} x decode/prefill). Full: head_dim up to
+    256, KV heads 1-16, and for bf16 / int8 page sizes 32 and 64, GQA ratios 1, 2 and 8, mixed batches and a
+    sliding window with a soft cap."""
+    head_dims, kv_heads = ((64, 128), (3, 8)) if quick else ((64, 128, 256), (1, 3, 5, 8, 16))
+    cases = [KernelCase(kind, dtype, d, h) for kind, dtype, d, h in
+             itertools.product(("decode", "prefill"), ("bfloat16", "float32", "int8"), head_dims, kv_heads)]
+    if not quick:
+        for kind, dtype in itertools.product(("decode", "prefill", "mixed"), ("bfloat16", "int8")):
+            cases += [KernelCase(kind, dtype, 128, 8, page_size=p) for p in (32, 64)]
+            cases += [KernelCase(kind, dtype, 128, 8, group=g) for g in (1, 2, 8)]
+            cases += [KernelCase(kind, dtype, 128, 8, window=True)]
+    return cases
+
+
+def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels_pallas.dispatch import ragged_paged_attention
+
+    backend = CHIPS[chip][0]
+    args, q_len = case.inputs(NamedSharding(_mesh(chip, 1), P()))
+    if backend == "tpu":
+        from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+        kernel = functools.partial(ragged_paged_attention_tpu, **kernel_kw)
+    else:
+        kernel = functools.partial(ragged_paged_attention, impl="gpu", **kernel_kw)
+
+    extra = dict(sliding_window=1024, soft_cap=50.0) if case.window else {}
+
+    def fn(q, kv, lens, pages, cu, ns, *scales):
+        return kernel(q, kv, lens, pages, cu, ns, sm_scale=case.head_dim ** -0.5, max_q_len=q_len,
+                      kv_scales=scales[0] if scales else None, **extra)
+
+    row = compile_case(chip, 1, fn, args, cache_shapes=(args[1].shape,))
+    return {"case": case.name, "what": "kernel"} | row
+
+
+def compile_mla(chip: str, kind: str) -> dict:
+    """MLA over DeepSeek-V2-Lite's latent cache (16 heads, latent 512 + RoPE key 64, bf16): the Pallas Triton
+    kernel on GPU; on TPU the pure-JAX reference (there is no TPU MLA kernel yet)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kernels_pallas.mla_attention_ref import ragged_paged_mla_attention
+
+    num_seqs, q_len = (64, 1) if kind == "decode" else (4, 512)
+    page_size, context, heads = 16, 2048, 16
+    pages_per_seq = context // page_size
+    sharding = NamedSharding(_mesh(chip, 1), P())
+    bf16, s32 = jnp.bfloat16, jnp.int32
+    latent = (num_seqs * pages_per_seq + 1, page_size, 576)
+    shapes = [((num_seqs * q_len, heads, 512), bf16), ((num_seqs * q_len, heads, 64), bf16), (latent, bf16),
+              ((num_seqs,), s32), ((num_seqs, pages_per_seq), s32), ((num_seqs + 1,), s32), ((1,), s32)]
+    args = tuple(jax.ShapeDtypeStruct(sh, d, sharding=sharding) for sh, d in shapes)
+    fn = functools.partial(ragged_paged_mla_attention, sm_scale=0.07, max_q_len=q_len)
+    return {"case": f"mla_{kind}_bfloat16_deepseek-v2-lite", "what": "kernel"} | compile_case(
+        chip, 1, fn, args, cache_shapes=(latent,))
+
+
+# -------------------------------------------------------------------------------------------------- (b) steps
+
+STEP_PRESETS = ("llama-3-8b", "qwen3-8b", "gemma-3-12b", "deepseek-v2-lite")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    preset: str
+    kind: str  # "prefill" (4 x 512 tokens) or "decode" (64 sequences)
+    num_chips: int  # tensor-parallel size
+    context: int = 4096  # tokens of cache per sequence
+    page_size: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset}_{self.kind}_tp{self.num_chips}"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(tokens, sequences, longest query) of the step's bucket."""
+        return (2048, 4, 512) if self.kind == "prefill" else (64, 64, 1)
+
+
+def step_cases(presets=STEP_PRESETS) -> list[StepCase]:
+    return [StepCase(p, kind, tp) for p, kind, tp in itertools.product(presets, ("prefill", "decode"), (1, 8))]
+
+
+def cost_model_bytes(config, case: StepCase, num_pages: int) -> dict:
+    """What the cost model says the step holds: bf16 weights and the KV cache (per device under TP)."""
+    from inference import cost_model
+
+    weights = cost_model.weight_bytes(config, 2)
+    kv = config.kv_cache_bytes(num_pages, case.page_size, jnp.bfloat16)
+    per = case.num_chips
+    kv_per_device = kv if config.is_mla else kv / per  # MLA's latent cache is replicated
+    return {"weights": int(weights / per), "kv": int(kv_per_device), "total": int(weights / per + kv_per_device)}
+
+
+def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
+    """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
+    weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
+    from configs.chips import CHIP_PRESETS
+    from inference import cost_model
+
+    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(config, 2)
+    per_page = config.kv_cache_bytes(1, case.page_size, jnp.bfloat16)
+    return int(max(case.shape[1], min(wanted, free // per_page)))
+
+
+def compile_step(chip: str, case: StepCase) -> dict:
+    """Lower and compile the engine's jitted step (inference/runner.py) for `case` from abstract inputs."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from configs import get_model_config
+    from inference.batch import ModelInput
+    from inference.runner import StepLayout, jit_step
+    from inference.sampler import SamplingTensors
+    from inference.sampling_params import SamplingParams
+    from models.decoder import Decoder
+    from sharding.partition import kv_cache_sharding, needs_padding, param_shardings, replicated
+
+    config = get_model_config(case.preset)
+    if case.num_chips > 1 and needs_padding(config, case.num_chips):
+        return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
+                "error": f"{case.preset} needs head padding for TP {case.num_chips}"}
+    mesh = _mesh(chip, case.num_chips)
+    rep = replicated(mesh)
+    backend = CHIPS[chip][0]
+    with compiling_for(backend):
+        model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.bfloat16, attn_impl="auto", rngs=nnx.Rngs(0)))
+    if case.num_chips > 1:
+        for layer in model.layers:
+            layer.attn.mesh = mesh
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    if case.num_chips > 1:
+        leaves = abstract(leaves, param_shardings(state, mesh))
+    else:
+        leaves = abstract(leaves, rep)
+    tokens, seqs, max_q = case.shape
+    pages_per_seq = -(-case.context // case.page_size)
+    num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1)
+    spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
+    kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
+    caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
+              for _ in range(config.num_kv_layers)]
+    groups = len(config.kv_group_windows)
+    inp = abstract(ModelInput.empty(tokens, seqs, pages_per_seq, max_q, num_groups=groups), rep)
+    sampling = abstract(SamplingTensors.from_params([SamplingParams()] * seqs, [0] * seqs, [0] * seqs, seqs), rep)
+    layout = StepLayout(kv_sharding=None if case.num_chips == 1 else kv_sharding,
+                        logits_sharding=None if case.num_chips == 1 else rep,
+                        vocab_axis="model" if case.num_chips > 1 and config.vocab_size % case.num_chips == 0
+                        else None)
+    step = jit_step(graphdef, treedef, layout)
+    fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
+    local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
+    row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local,),
+                       donate_argnums=(1,))
+    row["cost_model"] = cost_model_bytes(config, case, num_pages)
+    if row.get("memory"):
+        m = row["memory"]
+        row["argument_vs_cost_model"] = round(m["argument"] / row["cost_model"]["total"], 3)
+    return {"case": case.name, "what": "step"} | row
+
+
+# ----------------------------------------------------------------------------------------------------- output
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| what | case | chip | chips | status | argument MiB | temp MiB | vs cost model | registers / spills "
+             "/ shared mem | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.get("memory") or {}
+        gpu = ""
+        if r.get("ptxas"):
+            kernels = {k: v for k, v in r["ptxas"]["kernels"].items() if "ragged" in k or "paged" in k} \
+                or r["ptxas"]["kernels"]
+            regs = max((v.get("registers", 0) for v in kernels.values()), default=0)
+            spills = sum(v.get("spill_stores", 0) for v in kernels.values())
+            smem = max(r["ptxas"]["shared_memory"] or [0])
+            gpu = f"{regs} / {spills} B / {smem} B"
+        mib = lambda b: f"{b / 2**20:.1f}" if b is not None else ""  # noqa: E731
+        lines.append(f"| {r['what']} | {r['case']} | {r['chip']} | {r['num_chips']} | {r['status']} | "
+                     f"{mib(m.get('argument'))} | {mib(m.get('temp'))} | {r.get('argument_vs_cost_model', '')} | "
+                     f"{gpu} | {(r.get('error') or '')[:160]} |")
+    return "\n".join(lines)
+
+
+def main(argv) -> None:
+    del argv
+    flags = FLAGS
+    rows: list[dict] = []
+    for chip in flags.chips:
+        reason = compiler_available(chip)
+        if reason is not None:
+            rows.append({"what": "setup", "case": "-", "chip": chip, "num_chips": 0, "status": "unavailable",
+                         "error": reason})
+            continue
+        if "kernels" in flags.what:
+            for case in kernel_cases(quick=flags.quick):
+                rows.append(compile_kernel(chip, case))
+                print(json.dumps(rows[-1])[:300], flush=True)
+            for kind in ("decode", "prefill"):
+                rows.append(compile_mla(chip, kind))
+                print(json.dumps(rows[-1])[:300], flush=True)
+        if "steps" in flags.what:
+            for case in step_cases(flags.presets):
+                if str(case.num_chips) not in flags.tp:
+                    continue
+                rows.append(compile_step(chip, case))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "ptxas"})[:400], flush=True)
+    with open(flags.out, "w") as f:
+        json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2",
+                JAX_PLATFORMS="cpu")
+    if any(os.environ.get(k) != v for k, v in want.items()):  # XLA reads its log settings once, at start-up
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
+    from absl import app, flags as absl_flags
+
+    absl_flags.DEFINE_list("chips", ["v5e", "v6e", "h100", "h200"], "Chips to compile for.")
+    absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels and/or steps.")
+    absl_flags.DEFINE_list("presets", list(STEP_PRESETS), "Real-size presets for the steps.")
+    absl_flags.DEFINE_list("tp", ["1", "8"], "Tensor-parallel sizes for the steps.")
+    absl_flags.DEFINE_bool("quick", False, "The small kernel grid CI compiles.")
+    absl_flags.DEFINE_string("out", "aot_compile.json", "JSON output path.")
+    FLAGS = absl_flags.FLAGS
+    app.run(main)
