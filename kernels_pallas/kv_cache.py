@@ -4,12 +4,15 @@ write, and copying pages (copy-on-write).
 A token's slot is `page * page_size + offset`; padding tokens carry a negative slot and leave the cache untouched,
 so a padded batch never writes outside its own pages.
 
-Why a loop of `dynamic_update_slice` and not one scatter: on XLA CPU a scatter whose result is read again in the
-same computation (attention reads the pages right after the write) made XLA copy the whole cache, every layer,
-every step (0.2 s per decode step for a 200 MB cache). A while loop with a traced trip count keeps the update in
-place, at a few microseconds per token. `write_rows` is that loop for any cache array `[H, ...]`; the KV write,
-the int8 scales and the MLA latent write (`mla_attention_ref.write_latent`) all go through it. Each update is one
-`[H, 1, ..., W]` block in the array's own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
+`write_rows` writes any cache array `[H, ...]`; the KV write, the int8 scales and the MLA latent write
+(`mla_attention_ref.write_latent`) all go through it, in the form each backend keeps in place:
+  * CPU: a loop of `dynamic_update_slice`, not one scatter: on XLA CPU a scatter whose result is read again in the
+    same computation (attention reads the pages right after the write) made XLA copy the whole cache, every
+    layer, every step (0.2 s per decode step for a 200 MB cache); a while loop with a traced trip count updates in
+    place, at a few microseconds per token (and the C++ kernel below does it with one memcpy per token and head).
+  * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
+    copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/aot_compile.py`).
+Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
 
 int8 KV cache: per-token-per-head symmetric scales. With `kv_scales` the cache is int8 and each token's K and V
 of each KV head get `scale = max|x| over D / 127` (float32, stored as `kv_layout.py` says); the stored value is
@@ -70,10 +73,9 @@ def write_rows(arrays: Sequence[jax.Array], writes: Sequence[Sequence[Write]], *
 
     Each write is `(rows [T, H, W], offsets i32[T])`: token t's W elements of head h land at elements
     `[offsets[t], offsets[t] + W)` of head h's slab (the array past its head axis, row-major; a W-wide run never
-    crosses the last axis). Offsets outside the slab (negative: padding) write nothing. One in-place fori_loop does every
-    write (see the module docstring for why not a scatter); on CPU the C++ kernel `csrc/write_rows_cpu.cc` does
-    one memcpy per token and head, in place, unless `sharded` (arrays partitioned by GSPMD over a mesh: XLA
-    cannot partition a custom call).
+    crosses the last axis). Offsets outside the slab (negative: padding) write nothing. On CPU one in-place
+    fori_loop does every write, or the C++ kernel `csrc/write_rows_cpu.cc` unless `sharded` (arrays partitioned
+    by GSPMD over a mesh: XLA cannot partition a custom call); on TPU and GPU, scatters (module docstring).
     """
     if not sharded and _write_kernel_available():
         out = []
