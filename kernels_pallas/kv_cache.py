@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import cpu_build
 from kernels_pallas.backend import target_backend
-from kernels_pallas.kv_layout import SCALE_LANES, cache_dims, check_kv_scales, pack_kv
+from kernels_pallas.kv_layout import SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages, split_kv
 
 INT8_MAX = 127.0
 WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, C symbol (csrc/write_rows_cpu.cc)
@@ -193,7 +193,5 @@ def copy_pages(kv_pages: jax.Array, src: jax.Array, dst: jax.Array, kv_scales: j
 def quantize_cache(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A float cache quantized whole, as `write_kv` would have stored its tokens: `(int8 pages, scales)` (tests,
     benchmarks and tools that build an int8 cache from random data)."""
-    from kernels_pallas.kv_layout import scales_from_pages, split_kv
-
     (kq, ks), (vq, vs) = (quantize_int8(x) for x in split_kv(kv_pages))
     return pack_kv(kq, vq), scales_from_pages(jnp.stack([ks, vs], axis=2))
