@@ -1,13 +1,13 @@
 """Offline generation API (vLLM-shaped), engine, scheduler, sampling."""
 
-from inference.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inference.sampling_params import SamplingParams
+from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):
     # LLM pulls in JAX and the model; import it lazily so `from inference import SamplingParams` stays light.
     if name == "LLM":
-        from inference.llm import LLM
+        from inference.entrypoints.llm import LLM
         return LLM
     raise AttributeError(name)
 

@@ -2,10 +2,11 @@
 dispatcher by backend), its MLA variant over a latent cache, the paged KV-cache writes (int8 with per-token scales
 optional) and a shard_map wrapper."""
 
-from kernels_pallas.kv_cache import copy_pages, quantize_int8, write_kv
-from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference
-from kernels_pallas.dispatch import ragged_paged_attention
-from kernels_pallas.mla_attention_ref import ragged_paged_mla_attention, write_latent
+from kernels_pallas.kv_cache.writes import copy_pages, quantize_int8, write_kv
+from kernels_pallas.attention.reference import ragged_paged_attention_reference
+from kernels_pallas.attention.dispatch import ragged_paged_attention
+from kernels_pallas.kv_cache.writes import write_latent
+from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
 from kernels_pallas.sharded import sharded_ragged_paged_attention, sharded_ragged_paged_mla_attention
 
 __all__ = ["copy_pages", "quantize_int8", "ragged_paged_attention", "ragged_paged_attention_reference",

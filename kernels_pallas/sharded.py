@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kernels_pallas.dispatch import ragged_paged_attention
-from kernels_pallas.mla_attention_ref import ragged_paged_mla_attention
+from kernels_pallas.attention.dispatch import ragged_paged_attention
+from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
 
 
 def _axis_size(mesh: Mesh, axis_name: str, **heads: int) -> int:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels_pallas import ragged_paged_attention, sharded_ragged_paged_attention, write_kv
-from kernels_pallas.ragged_paged_attention_ref import masked_softmax
+from kernels_pallas.attention.reference import masked_softmax
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 
@@ -29,7 +29,7 @@ def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: floa
 @struct.dataclass
 class QuantizedKV:
     """One layer's int8 KV cache: int8 `pages` and their float32 per-token-per-head `scales`, both in
-    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache.py says why per token and head). A pytree, so
+    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache/writes.py says why per token and head). A pytree, so
     the steps donate and shard it like a plain cache array."""
 
     pages: jax.Array

@@ -235,7 +235,7 @@ class ModelConfig:
         import jax
         import jax.numpy as jnp
 
-        from kernels_pallas.kv_layout import kv_cache_spec
+        from kernels_pallas.kv_cache.layout import kv_cache_spec
 
         dtype = jnp.dtype(dtype)
         if self.is_mla:
@@ -265,16 +265,10 @@ class ModelConfig:
         scales = 0 if self.is_mla else 2 * self.num_kv_heads * scale_bytes
         return self.num_kv_layers * (self.kv_width * bytes_per_element + scales)
 
-    def num_params(self) -> int:
-        """Every parameter the layout of `models.weights` holds for this config (all experts counted)."""
-        from models.weights import expected_shapes  # weights.py imports this module
-
-        return sum(math.prod(shape) for shape in expected_shapes(self).values())
-
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
         """The KV cache groups, one per distinct window of the caches (None, full attention, first): the caches
-        of a group share a page pool and one page table per sequence (inference/kv_cache_manager.py). A cache
+        of a group share a page pool and one page table per sequence (inference/engine/pages/kv_cache_manager.py). A cache
         read by several layers (CLA) belongs to the widest window among them."""
         windows = {self._cache_window(self.kv_layer(i)) for i in range(self.num_layers)}
         return tuple(sorted(windows, key=lambda w: -1 if w is None else w))

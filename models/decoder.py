@@ -20,8 +20,9 @@ from models.config import ModelConfig
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.mla import MLAttention
 from models.moe import MoE
-from models.quantized import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
-                              quantize_linear)
+from models.quantization.awq import AWQConfig, apply_awq
+from models.quantization.modes import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
+                                       quantize_linear)
 from models.weights import check_weights, expected_shapes
 
 
@@ -153,15 +154,14 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     mode "int8": per-channel int8 everywhere (W8A8 matmuls); "int4": the layer projections grouped asymmetric int4
     (`group_size`, default 32 if it divides every input dimension, else 64) with the LM head and embedding per-channel
     int8; "int4-awq": AWQ scales searched on `calibration_tokens` and folded into the float weights
-    (`inference.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
-    (`models.quantized.load_gguf_quantized`), float elsewhere. See models/quantized.py. Norms and biases stay float.
+    (`models.quantization.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
+    (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and biases stay float.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
     if mode == "int4-awq":
         if calibration_tokens is None:
-            raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.awq.calibration_token_ids)")
-        from inference.awq import AWQConfig, apply_awq  # lazy: inference.awq imports this module's layers
+            raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.loading.shipped_text.calibration_token_ids)")
         apply_awq(model, calibration_tokens, AWQConfig(group_size=group_size))
         mode = "int4"
     targets = weight_targets(model)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
-from models.quantized import embedding_lookup, is_quantized, quantized_matmul
+from models.quantization.modes import embedding_lookup, is_quantized, quantized_matmul
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -23,8 +23,8 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantized.py); its matmul is
-    then `matmul_method`, or the one `models.quantized.pick_method` chooses when that is None."""
+    """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantization/modes.py); its matmul is
+    then `matmul_method`, or the one `models.quantization.modes.pick_method` chooses when that is None."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
@@ -151,7 +151,7 @@ ROPE_KERNEL = ("pagejax_rope_tables_cpu", "PagejaxRopeTablesCpu")  # FFI target,
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """cos and sin of positions[T] x inv_freq[D/2], float32 [T, D/2]. On CPU a C++ kernel computes them
     (`csrc/rope_tables_cpu.cc`): fused into the rotation, XLA:CPU re-evaluated them per head and output element."""
-    from kernels_pallas import cpu_build
+    from kernels_pallas.native import build as cpu_build
 
     if cpu_build.runs_here(*ROPE_KERNEL):
         table = jax.ShapeDtypeStruct((positions.shape[0], len(inv_freq)), jnp.float32)

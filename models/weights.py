@@ -44,6 +44,8 @@ and k_norm).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from models.config import ModelConfig
@@ -120,3 +122,8 @@ def check_weights(config: ModelConfig, weights: dict[str, np.ndarray], source: s
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(weights[name].shape)}, expected {shape} "
                              "from the model config; the checkpoint and its config disagree")
+
+
+def num_params(config: ModelConfig) -> int:
+    """Every parameter the layout above holds for `config` (all experts counted)."""
+    return sum(math.prod(shape) for shape in expected_shapes(config).values())

@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas.backend import compiling_for  # noqa: E402
-from kernels_pallas.kv_layout import kv_cache_spec  # noqa: E402
+from kernels_pallas.kv_cache.layout import kv_cache_spec  # noqa: E402
 
 GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
 # chip -> (backend, topology of 1 chip, topology of 8 chips)
@@ -194,12 +194,12 @@ def kernel_cases(quick: bool = False) -> list[KernelCase]:
 def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from kernels_pallas.dispatch import ragged_paged_attention
+    from kernels_pallas.attention.dispatch import ragged_paged_attention
 
     backend = CHIPS[chip][0]
     args, q_len = case.inputs(NamedSharding(_mesh(chip, 1), P()))
     if backend == "tpu":
-        from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+        from kernels_pallas.attention.tpu import ragged_paged_attention_tpu
 
         kernel = functools.partial(ragged_paged_attention_tpu, **kernel_kw)
     else:
@@ -220,7 +220,7 @@ def compile_mla(chip: str, kind: str) -> dict:
     kernel on GPU; on TPU the pure-JAX reference (there is no TPU MLA kernel yet)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from kernels_pallas.mla_attention_ref import ragged_paged_mla_attention
+    from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
 
     num_seqs, q_len = (64, 1) if kind == "decode" else (4, 512)
     page_size, context, heads = 16, 2048, 16
@@ -265,7 +265,7 @@ def step_cases(presets=STEP_PRESETS) -> list[StepCase]:
 
 def cost_model_bytes(config, case: StepCase, num_pages: int) -> dict:
     """What the cost model says the step holds: bf16 weights and the KV cache (per device under TP)."""
-    from inference import cost_model
+    from inference.tools import cost_model
 
     weights = cost_model.weight_bytes(config, 2)
     kv = config.kv_cache_bytes(num_pages, case.page_size, jnp.bfloat16)
@@ -278,7 +278,7 @@ def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
     from configs.chips import CHIP_PRESETS
-    from inference import cost_model
+    from inference.tools import cost_model
 
     free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(config, 2)
     per_page = config.kv_cache_bytes(1, case.page_size, jnp.bfloat16)
@@ -286,15 +286,15 @@ def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
 
 
 def compile_step(chip: str, case: StepCase) -> dict:
-    """Lower and compile the engine's jitted step (inference/runner.py) for `case` from abstract inputs."""
+    """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs."""
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from configs import get_model_config
-    from inference.batch import ModelInput
-    from inference.runner import StepLayout, jit_step
-    from inference.sampler import SamplingTensors
-    from inference.sampling_params import SamplingParams
+    from inference.runtime.batch import ModelInput
+    from inference.runtime.runner import StepLayout, jit_step
+    from inference.sampling.sampler import SamplingTensors
+    from inference.sampling.params import SamplingParams
     from models.decoder import Decoder
     from sharding.partition import kv_cache_sharding, needs_padding, param_shardings, replicated
 

@@ -33,8 +33,8 @@ import numpy as np
 from absl import app, flags
 
 from inference import LLM, SamplingParams
-from inference.llm import resolve_dtype
-from inference.metrics import summarize_requests
+from inference.entrypoints.llm import resolve_dtype
+from inference.engine.metrics import summarize_requests
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
@@ -80,7 +80,7 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int, repetitive: boo
 
 def file_prompts(path: str, batch: int, llm: LLM) -> list[list[int]]:
     """The first `batch` prompts of a launcher-format JSONL, tokenized (cycling when the file has fewer rows)."""
-    from inference.jsonl_io import prompt_text, read_input
+    from inference.tools.jsonl_io import prompt_text, read_input
 
     rows = read_input(path)
     if not rows:
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> None:
                 f"tok/s, end to end {ours['output_tok_s']:.1f} tok/s, warm-up {ours['warmup_s']:.1f} s")
         print(line, file=sys.stderr)
         if FLAGS.compare in ("hf", "llamacpp"):
-            from inference.model_loader import packaged_file
+            from inference.loading.model_loader import packaged_file
             from configs.presets import PRESET_WEIGHTS
 
             path = packaged_file(*PRESET_WEIGHTS[FLAGS.model]) if FLAGS.model in PRESET_WEIGHTS else FLAGS.model

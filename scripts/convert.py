@@ -4,7 +4,7 @@
     python scripts/convert.py --model=path/to/hf_folder --output=/ckpt/model --dtype=bfloat16
     python -c "from inference import LLM; LLM('/ckpt/smollm2', tensor_parallel_size=4)"
 
-The folder holds the canonical (unpadded) weights, the model config and the tokenizer (models/orbax_io.py), so
+The folder holds the canonical (unpadded) weights, the model config and the tokenizer (models/loaders/orbax_checkpoint.py), so
 one conversion serves every tensor-parallel size, and a restore reads each device's slice straight into place.
 GGUF quantized blocks are dequantized (the checkpoint holds plain float arrays).
 """
@@ -31,9 +31,9 @@ def main(argv: Sequence[str]) -> None:
     start = time.perf_counter()
     import jax.numpy as jnp
 
-    from inference.model_loader import load_model
+    from inference.loading.model_loader import load_model
     from models.decoder import build_decoder
-    from models.orbax_io import save_checkpoint
+    from models.loaders.orbax_checkpoint import save_checkpoint
     from sharding.partition import export_weights
 
     try:

@@ -4,7 +4,7 @@
     python scripts/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
     python scripts/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
 
-The logic lives in `inference.cost_model`; this file only reads flags and prints.
+The logic lives in `inference.tools.cost_model`; this file only reads flags and prints.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from inference import cost_model
+from inference.tools import cost_model
 
 _MODEL = flags.DEFINE_string("model", "llama-2-13b", "Model preset name, or a HF config.json (or folder holding one).")
 _BATCH = flags.DEFINE_list("batch", ["1"], "Comma-separated batch sizes (concurrent sequences).")

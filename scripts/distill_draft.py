@@ -4,7 +4,7 @@
     python -c 'from inference import LLM; LLM(speculative_method="draft", \
         speculative_model="/tmp/pagejax-draft.safetensors")'
 
-Why distil: a draft made by dropping layers (`inference.draft_model.prune_layers`) keeps the target's embeddings and
+Why distil: a draft made by dropping layers (`inference.spec_decode.draft.prune_layers`) keeps the target's embeddings and
 head but its residual stream now skips most of the computation, so it agrees with the target less often than it
 could. A few hundred optax steps of cross-entropy against the *target's* next-token distributions (its top-k
 probabilities, renormalised: KL to the target up to a constant) on text the target itself generated teach the
@@ -33,9 +33,9 @@ from absl import app, flags
 from flax import nnx
 
 from inference import LLM, SamplingParams
-from inference.draft_model import PagedDraftProposer, decoder_weights, parse_layers, prune_layers, save_draft
-from inference.engine import Engine
-from inference.scheduler import SchedulerConfig
+from inference.spec_decode.draft import PagedDraftProposer, decoder_weights, parse_layers, prune_layers, save_draft
+from inference.engine.llm_engine import Engine
+from inference.engine.scheduler import SchedulerConfig
 from models.decoder import build_decoder
 
 FLAGS = flags.FLAGS

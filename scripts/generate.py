@@ -18,7 +18,7 @@ The output path must be on a filesystem every process sees.
 Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}.
 Each batch of results is fsynced before the next starts, and a rerun with the same --output skips ids already
 there, so an interrupted job loses nothing and duplicates nothing. Without --output, --input results go to stdout
-as JSONL, and --prompt / built-in results are printed as Q/A text. The logic lives in `inference.jsonl_io`.
+as JSONL, and --prompt / built-in results are printed as Q/A text. The logic lives in `inference.tools.jsonl_io`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import grain
 from absl import app, flags
 from tqdm.auto import tqdm
 
-from inference import SamplingParams, jsonl_io
+from inference import SamplingParams
+from inference.tools import jsonl_io
 
 BUILTIN_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
                      "Name a primary color."]
@@ -99,7 +100,7 @@ def input_rows() -> list[dict[str, Any]]:
 
 def build_llm() -> Any:
     """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
-    from inference.llm import LLM
+    from inference.entrypoints.llm import LLM
 
     return LLM(_MODEL.value, dtype=_DTYPE.value, kv_cache_memory_bytes=_KV_BYTES.value,
                max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,

@@ -33,10 +33,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from kernels_pallas.kv_cache import quantize_cache  # noqa: E402
-from kernels_pallas.kv_layout import kv_cache_spec  # noqa: E402
-from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu  # noqa: E402
-from kernels_pallas.ragged_paged_attention_ref import ragged_paged_attention_reference  # noqa: E402
+from kernels_pallas.kv_cache.writes import quantize_cache  # noqa: E402
+from kernels_pallas.kv_cache.layout import kv_cache_spec  # noqa: E402
+from kernels_pallas.attention.gpu import ragged_paged_attention_gpu  # noqa: E402
+from kernels_pallas.attention.reference import ragged_paged_attention_reference  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "kernel_bench.json", "Where to write the JSON results.")

@@ -1,4 +1,4 @@
-"""Write the per-family reference fixtures that tests/test_families.py checks without transformers.
+"""Write the per-family reference fixtures that tests/models/test_families.py checks without transformers.
 
 For each family (mistral, qwen2, qwen3, gemma2, gemma3_text, deepseek_v2) this builds a tiny random transformers model whose
 config exercises the family's details (sliding windows shorter than the test sequence, QKV bias, QK-norm, Gemma

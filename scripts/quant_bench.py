@@ -3,7 +3,7 @@
     python scripts/quant_bench.py                      # SmolLM2 shapes 1x576x1536, 32x576x1536, 1x576x49152
     python scripts/quant_bench.py --shapes=32x576x1536 --rounds=50
 
-For each shape (M x K x N: activation [M, K] @ weight [K, N]) and each weight format / `inference.quantization.matmul`
+For each shape (M x K x N: activation [M, K] @ weight [K, N]) and each weight format / `models.quantization.formats.matmul`
 method it prints the median time, the ratio to the f32 matmul, the compiled temp memory, whether the compiled HLO holds
 a float32 (or int32) array of the full weight (shape [K, N], [K/g, g, N] or [K/g, g/2, N]; s8[K/g, g/2, N] are the
 unpacked int4 nibbles, 1 byte per weight), and the max error
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from inference import quantization as qz
+from models.quantization import formats as qz
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x576x1536", "32x576x1536", "1x576x49152"], "M x K x N matmul shapes.")

@@ -11,7 +11,7 @@ Columns (every row against the f32 row, which always runs first):
     tok/s b=1, b=32  decode throughput of the continuous-batching engine, greedy, ignore_eos: (N-token run - 1-token
                      run) / generated tokens, after a warm-up run of each shape (so no compile is timed)
     ppl              perplexity on the shipped text (inference/data/eval_text.txt, ~3.2k tokens), window 512, stride
-                     256, cache-free forward (inference/evaluate.py); for f32 and rows with a KV-cache dtype also
+                     256, cache-free forward (inference/tools/evaluate.py); for f32 and rows with a KV-cache dtype also
                      through the engine's prompt logprobs (ppl_engine), since the forward has no KV cache
     KL mean / max    per-position KL(p_f32 || p_row) of next-token distributions, cache-free forward, over every
                      position of the reference fixture prompts
@@ -39,10 +39,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.evaluate import llm_perplexity, target_logprobs  # noqa: E402
-from inference.llm import LLM  # noqa: E402
-from inference.sampling_params import SamplingParams  # noqa: E402
-from models.quantized import param_bytes  # noqa: E402
+from inference.tools.evaluate import llm_perplexity, target_logprobs  # noqa: E402
+from inference.entrypoints.llm import LLM  # noqa: E402
+from inference.sampling.params import SamplingParams  # noqa: E402
+from models.quantization.modes import param_bytes  # noqa: E402
 from tests.reference_fixtures import load_reference  # noqa: E402
 
 FLAGS = flags.FLAGS

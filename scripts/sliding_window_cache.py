@@ -48,7 +48,7 @@ def _row(name: str, config, mgr, peak: list[int], tokens: int, itemsize: int) ->
 
 def engine_rows(windows: int) -> list[dict]:
     from inference import LLM, SamplingParams
-    from models.hf_loader import load_hf_folder
+    from models.loaders.hf_checkpoint import load_hf_folder
 
     rows = []
     for family in ("mistral", "gemma2"):
@@ -70,9 +70,9 @@ def engine_rows(windows: int) -> list[dict]:
 
 def bookkeeping_rows(windows: int, itemsize: int) -> list[dict]:
     from configs import get_model_config
-    from inference.kv_cache_manager import KVCacheManager
-    from inference.sampling_params import SamplingParams
-    from inference.sequence import Sequence as Seq
+    from inference.engine.pages.kv_cache_manager import KVCacheManager
+    from inference.sampling.params import SamplingParams
+    from inference.engine.sequence import Sequence as Seq
 
     rows = []
     for name in ("mistral-7b", "gemma-2-9b", "gemma-3-12b"):

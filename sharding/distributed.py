@@ -3,7 +3,7 @@
 Each process (one per host on a TPU pod or a multi-GPU cluster; several on one machine for tests) calls
 `initialize(DistributedConfig...)` before any other JAX call. Afterwards `jax.devices()` lists every process's
 devices and `jax.local_devices()` this process's own. pagejax runs *process-level data parallelism*: every process
-builds its own `LLM` (its replicas and tensor-parallel meshes over its local devices only, inference/llm.py),
+builds its own `LLM` (its replicas and tensor-parallel meshes over its local devices only, inference/entrypoints/llm.py),
 takes its share of the input (`shard_for_process`, grain's per-process sharding) and writes its own output
 shard; `barrier` then lets process 0 merge the shards (scripts/generate.py). No array spans processes, so there
 is no cross-host traffic while generating; a model too large for one host's devices would need a mesh that spans

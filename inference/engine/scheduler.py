@@ -1,0 +1,210 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Requests join and leave at every step (Orca). Each step has a token budget (`max_num_batched_tokens`) and a cap on
+running sequences (`max_num_seqs`); prompts are prefilled in chunks that fit the budget. How prefill competes with
+decode is a policy:
+
+- "mixed" (vLLM v1): every running sequence decodes one token, and prompt chunks fill the rest of the budget in
+  the same step. Decode is never starved; the step's longest query is the longest chunk.
+- "prefill_first": a step is either prefill or decode; prefill goes first, but after `max_prefill_streak`
+  prefill steps in a row with sequences waiting to decode, a decode step runs. Where attention is the
+  pure-JAX reference, which pays for the longest query in every sequence of the step, separate steps are cheaper.
+
+Waiting sequences are served by (priority, arrival): FCFS unless a request sets a lower `priority`. New sequences
+first look up the prefix cache. When pages run out, the lowest-priority newest sequence is preempted: its pages
+are freed and it goes back to the queue to be recomputed (its cached full pages usually make that cheap).
+The `n` samples of a request wait until the first sample has computed the prompt, then fork its pages.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Callable
+
+from inference.engine.pages.kv_cache_manager import KVCacheManager
+from inference.engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("mixed", "prefill_first")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    policy: str = "prefill_first"
+    max_prefill_streak: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_prefill_streak < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_prefill_streak must be positive")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; expected one of {POLICIES}")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.policy == "mixed":
+            raise ValueError("with the mixed policy max_num_batched_tokens must be at least max_num_seqs, so every "
+                             "running sequence can decode in each step")
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens of each sequence computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly one token (the decode-shaped compiled step)."""
+        return all(n == 1 for n in self.num_new_tokens)
+
+    @property
+    def is_decode_phase(self) -> bool:
+        """Every sequence is decoding (one token, plus any drafts it verifies): for step statistics."""
+        return all(n == 1 + len(s.spec_tokens) for s, n in zip(self.seqs, self.num_new_tokens))
+
+    @property
+    def speculative(self) -> bool:
+        return any(s.spec_tokens for s in self.seqs)
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival_order
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager,
+                 proposer: Callable[[Sequence], list[int]] | None = None,
+                 on_preempt: Callable[[Sequence], None] | None = None):
+        """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
+        `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too)."""
+        self.config = config
+        self.proposer = proposer
+        self.on_preempt = on_preempt
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.awaiting_fork: list[Sequence] = []  # samples 1..n-1 of a request, until sample 0 has the prompt
+        self.num_preemptions = 0
+        self._prefill_streak = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.index > 0 and seq.num_output_tokens == 0 and not seq.pages:
+            self.awaiting_fork.append(seq)
+        else:
+            bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.awaiting_fork)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted) and free its pages. Siblings still waiting to
+        fork from it are queued to compute the prompt themselves."""
+        for queue in (self.running, self.waiting, self.awaiting_fork):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.release(seq)
+        for sibling in [s for s in self.awaiting_fork if s.request_id == seq.request_id]:
+            self.awaiting_fork.remove(sibling)
+            bisect.insort(self.waiting, sibling, key=_queue_key)
+
+    def fork_samples(self, parent: Sequence) -> list[Sequence]:
+        """After `parent` (sample 0) computed its prompt: its siblings share its pages and start decoding."""
+        children = [s for s in self.awaiting_fork if s.request_id == parent.request_id]
+        for child in children:
+            self.awaiting_fork.remove(child)
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return children
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        if self.config.policy == "mixed":
+            return self._schedule_mixed()
+        prefill_due = self._prefill_streak < self.config.max_prefill_streak or not decodes
+        batch = self._schedule_prefill(self.config.max_num_batched_tokens, []) if prefill_due else None
+        if batch is not None:
+            self._prefill_streak += 1
+            return batch
+        self._prefill_streak = 0
+        return self._schedule_decode() if decodes else None
+
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        decode = self._schedule_decode()
+        budget = self.config.max_num_batched_tokens - (decode.num_tokens if decode else 0)
+        seqs, counts = (decode.seqs, decode.num_new_tokens) if decode else ([], [])
+        return self._schedule_prefill(budget, seqs, counts)
+
+    def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None
+                          ) -> ScheduledBatch | None:
+        counts = [] if counts is None else counts
+        partial = [s for s in self.running if s.num_uncomputed_tokens > 1 and s not in seqs]
+        for seq in partial + list(self.waiting):
+            if budget <= 0 or len(seqs) == self.config.max_num_seqs:
+                break
+            is_new = seq.status is SequenceStatus.WAITING
+            if is_new and len(self.running) >= self.config.max_num_seqs:
+                break
+            if is_new and not seq.pages and seq.params.prompt_logprobs is None:  # those need every position
+                self.block_manager.match_prefix(seq)
+                seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_grow(seq, seq.num_computed_tokens + chunk):
+                if is_new:  # give back the prefix pages it just took; it stays queued
+                    self.block_manager.release(seq)
+                    seq.num_computed_tokens = 0
+                break
+            self.block_manager.grow(seq, seq.num_computed_tokens + chunk)
+            if is_new:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+        if seqs:
+            return ScheduledBatch(seqs, counts)
+        if self.waiting and not self.running:
+            head = self.waiting[0]
+            raise RuntimeError(f"request {head.request_id} cannot be scheduled with an empty engine; it should have "
+                               "been rejected when it was added")
+        return None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        for seq in sorted(self.running, key=_queue_key):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue  # preempted below while making room for an older sequence, or still prefilling
+            seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
+            if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
+                seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone
+            while not self.block_manager.can_grow(seq, seq.num_tokens):
+                victim = max(self.running, key=_queue_key)
+                if victim is seq and len(self.running) == 1:
+                    raise RuntimeError(f"sequence {seq.request_id} alone needs more pages than the cache holds")
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.block_manager.grow(seq, seq.num_tokens + len(seq.spec_tokens))
+            scheduled.append(seq)
+            if len(scheduled) == self.config.max_num_seqs:
+                break
+        counts = [1 + len(s.spec_tokens) for s in scheduled]
+        return ScheduledBatch(scheduled, counts) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence's pages and queue it for recomputation."""
+        self.running.remove(seq)
+        self.block_manager.release(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_tokens = []
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_queue_key)
+        self.num_preemptions += 1

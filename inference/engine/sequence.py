@@ -1,0 +1,74 @@
+"""One sequence being generated: its tokens, its pages, and how far its KV cache is computed.
+
+A request with `n` samples owns `n` sequences. All mutable per-sequence state lives here so the scheduler, the
+block manager and the engine share one record instead of parallel dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from inference.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # sample index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_order: int
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # One page table per KV cache group (inference/engine/pages/kv_cache_manager.py); a model without windows has one.
+    block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+    output_text: str = ""
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
+    detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
+
+    @property
+    def pages(self) -> list[int]:
+        """The page table of KV cache group 0 (the only one of a model without sliding windows)."""
+        return self.block_tables[0]
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        self.block_tables[0] = pages
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model; 1 for a sequence in steady decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,54 @@
+"""When a sequence stops, and what text it shows: EOS, stop token ids, stop strings, length limits.
+
+Order and semantics follow vLLM: EOS (unless `ignore_eos`) and `stop_token_ids` stop with the token kept in
+`token_ids`; a stop string truncates the text before it (or after it with `include_stop_str_in_output`);
+`max_tokens` and the model context stop with reason "length". Text grows incrementally, one token at a time,
+through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token.
+"""
+
+from __future__ import annotations
+
+from inference.engine.sequence import Sequence
+
+
+def _append_text(seq: Sequence, tokenizer) -> None:
+    if seq.detokenizer is None:
+        seq.detokenizer = tokenizer.detokenizer(skip_special_tokens=seq.params.skip_special_tokens,
+                                                prompt_ids=seq.token_ids[:seq.num_prompt_tokens])
+        seq.output_text = seq.detokenizer.add(seq.output_token_ids)  # all of them (several after a preemption)
+    else:
+        seq.output_text += seq.detokenizer.add(seq.token_ids[-1])
+
+
+def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
+               max_model_len: int) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason) after `seq` got a new token, or (None, None) to go on."""
+    params = seq.params
+    token = seq.token_ids[-1]
+    if tokenizer is not None:
+        before = len(seq.output_text)
+        _append_text(seq, tokenizer)
+        if params.stop:
+            # A new match can only end in the new text: look back by the longest stop string.
+            start = max(0, before - max(len(s) for s in params.stop) + 1)
+            for stop in params.stop:
+                at = seq.output_text.find(stop, start)
+                if at >= 0:
+                    end = at + len(stop) if params.include_stop_str_in_output else at
+                    seq.output_text = seq.output_text[:end]
+                    return "stop", stop
+    if not params.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in params.stop_token_ids:
+        return "stop", token
+    if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        return "length", None
+    if seq.num_tokens >= max_model_len:
+        return "length", None
+    return None, None
+
+
+def flush_text(seq: Sequence) -> None:
+    """At the end of a sequence (not cut by a stop string): emit what the detokenizer held back."""
+    if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+        seq.output_text += seq.detokenizer.finish()

@@ -1,0 +1,382 @@
+"""The offline API, shaped like vLLM's `LLM` so evaluation and RL code ports over unchanged.
+
+    llm = LLM(model="smollm2-135m")
+    outs = llm.generate(["What is the capital of France?"], SamplingParams(max_tokens=32))
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0.7, seed=1))
+
+All prompts of a call go into the engine at once and run under continuous batching; a prompt that is invalid on
+its own (empty, too long, bad token id) comes back with `error` set and `finish_reason="error"` while the other
+prompts of the call complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inference.runtime.compile_cache import enable_compilation_cache
+from inference.engine.data_parallel import DataParallelEngine
+from inference.engine.llm_engine import Engine
+from inference.loading.model_loader import load_model
+from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.runtime.runner import ModelRunner
+from inference.sampling.params import SamplingParams
+from inference.engine.scheduler import SchedulerConfig
+from inference.spec_decode.ngram import NgramProposer
+from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
+from kernels_pallas.backend import target_backend
+from models.decoder import build_decoder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
+DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a fraction of it instead
+
+
+def resolve_dtype(dtype: str) -> str:
+    """A dtype name, with "auto" made bfloat16 on TPU and GPU (what they compute in) and float32 on CPU (which
+    has no fast bf16 path, and where results are exact)."""
+    if dtype == "auto":
+        return "float32" if target_backend() == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+    return dtype
+
+
+def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -> int:
+    """Bytes for the KV cache: the explicit budget, else a fraction of free device memory, else 1 GiB."""
+    if kv_cache_memory_bytes is not None:
+        return int(kv_cache_memory_bytes)
+    stats = jax.local_devices()[0].memory_stats() or {}  # local: under jax.distributed devices()[0] is remote
+    if "bytes_limit" in stats:
+        return int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
+    return DEFAULT_CPU_KV_BUDGET
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", kv_cache_dtype: str | None = None,
+                 page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
+                 max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
+                 speculative_method: str | None = None, num_speculative_tokens: int = 4,
+                 speculative_model: str | None = None, speculative_adaptive: bool = False, attn_impl: str = "auto",
+                 seed: int = 0, compilation_cache_dir: str | None = "default",
+                 quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 quantization_group_size: int | None = None):
+        """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
+        TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
+
+        `compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
+        ~/.cache/pagejax/xla; None leaves JAX's cache settings alone).
+
+        `quantization`: None (weights in `dtype`), "int8" (per-channel int8 weights, W8A8 matmuls), "int4" (grouped
+        int4 layer linears, int8 LM head) or "gguf" (a .gguf model keeps its Q8_0/Q4_0/Q4_1 blocks); see
+        models/quantization/modes.py. "int4-awq": AWQ scales searched at load time on the shipped calibration text
+        (models/quantization/awq.py; 256 tokens), then "int4". `quantization_group_size`: the int4 group (32, 64 or
+        128; default 32 when it divides every input dimension, else 64).
+
+        `tensor_parallel_size`: shard the model over that many devices (GSPMD tensor parallelism; heads, vocab and
+        MLP width zero-padded to multiples of it; see docs/sharding.md). 1: one device, as before.
+
+        `data_parallel_size`: that many independent replicas (each its own weights, KV pages and scheduler on its own
+        `tensor_parallel_size` devices of this process), requests balanced across them
+        (inference/engine/data_parallel.py). Needs data_parallel_size * tensor_parallel_size local devices.
+
+        Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
+        `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
+        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per step;
+        `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
+        if compilation_cache_dir is not None:
+            enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
+        dtype = resolve_dtype(dtype)
+        loaded = load_model(model)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_source = loaded.source
+        self.quantization = quantization
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
+                             f"{sorted(KV_CACHE_DTYPES)} or None (the model dtype)")
+        if kv_cache_dtype == "int8" and loaded.config.is_mla:
+            raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use the model dtype")
+        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype or dtype]
+        check_speculative(speculative_method, num_speculative_tokens, speculative_model,
+                          tensor_parallel_size * data_parallel_size)
+        draft = None
+        if speculative_method == "draft":
+            from inference.spec_decode.draft import load_draft
+            draft = load_draft(speculative_model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
+                               seed=seed)
+        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py). A draft model's
+        # cache has a slot for every target page (it runs on the target's page tables), so it shares the budget.
+        kv_bytes = lambda config: config.kv_bytes_per_token(  # noqa: E731
+            jnp.dtype(kv_dtype).itemsize, scale_bytes=4 if kv_cache_dtype == "int8" else 0)
+        bytes_per_token = kv_bytes(loaded.config) + (kv_bytes(draft.config) if draft is not None else 0)
+        budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
+        num_pages = int(budget // (bytes_per_token * page_size))
+        configs = [loaded.config] + ([draft.config] if draft is not None else [])
+        while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
+            num_pages -= 1  # the layout's padding (an int8 cache's scale rows) costs a few pages at most
+        if num_pages < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
+                             f"({bytes_per_token} bytes per token{' with the draft model' if draft else ''}); raise "
+                             "kv_cache_memory_bytes")
+        context = max_model_len or loaded.config.max_position_embeddings
+        if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
+            context = min(context, num_pages * page_size)
+        engines = []
+        for mesh in _replica_meshes(tensor_parallel_size, data_parallel_size, quantization):
+            decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=attn_impl, seed=seed,
+                                             quantization=quantization, group_size=quantization_group_size)
+            runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
+                                 config=loaded.config)
+            engines.append(Engine(runner, self.tokenizer,
+                                  SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens,
+                                                  policy=scheduling_policy),
+                                  max_model_len=context, enable_prefix_caching=enable_prefix_caching,
+                                  proposer=_proposer(speculative_method, num_speculative_tokens, draft,
+                                                     num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
+                                                     kv_dtype=kv_dtype, attn_impl=attn_impl),
+                                  num_speculative_tokens=num_speculative_tokens,
+                                  speculative_adaptive=speculative_adaptive))
+        self.runners = [e.runner for e in engines]  # one per data-parallel replica
+        self.runner = self.runners[0]
+        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
+        self._ids = itertools.count()
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        submitted = self._submit(prompts, sampling_params, prompt_token_ids)
+        finished = self._run(sum(1 for s in submitted if s.error is None), use_tqdm)
+        outputs = []
+        for s in submitted:
+            if s.error is not None:
+                outputs.append(s.error)
+            else:
+                outputs.append(finished[s.request_id])
+                self.engine.pop_finished(s.request_id)
+        return outputs
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render a chat; use generate(prompt_token_ids=...)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts: str | Sequence[str] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
+        """Like `generate`, but yield token/text deltas of every request as the engine produces them (in this
+        thread). Prompts that fail validation yield one finished delta with the error on its output."""
+        trackers: dict[str, DeltaTracker] = {}
+        for s in self._submit(prompts, sampling_params, prompt_token_ids):
+            if s.error is not None:
+                yield StreamDelta(s.request_id, 0, [], "", True, "error", s.error)
+            else:
+                trackers[s.request_id] = DeltaTracker(s.params)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id not in trackers:
+                    continue  # submitted through a background loop
+                yield from trackers[out.request_id].deltas(out)
+                if out.finished:
+                    self.engine.pop_finished(out.request_id)
+
+    def background(self) -> EngineLoop:
+        """A background engine loop for this model: `submit` from any thread while it generates."""
+        return EngineLoop(self.engine)
+
+    def _submit(self, prompts, sampling_params, prompt_token_ids) -> list[_Submitted]:
+        """Encode and queue every prompt; a prompt the engine rejects gets its error output instead."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
+        params = self._per_prompt(sampling_params, len(texts))
+        submitted = []
+        for i, (text, p) in enumerate(zip(texts, params)):
+            request_id, ids = str(next(self._ids)), None
+            try:
+                ids = self._encode(text) if prompt_token_ids is None else [int(t) for t in prompt_token_ids[i]]
+                self.engine.add_request(request_id, ids, p, prompt=text)
+                submitted.append(_Submitted(request_id, p))
+            except ValueError as exc:
+                log.warning("prompt %d rejected: %s", i, exc)
+                submitted.append(_Submitted(request_id, p, _error_output(request_id, text, ids or [], p, str(exc))))
+        return submitted
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_source} has no tokenizer; pass prompt_token_ids instead of text")
+        return self.tokenizer.encode(text)
+
+    @staticmethod
+    def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
+        return list(sampling_params)
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=num_requests, desc="generating", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id not in finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        for request_id, request in list(self.engine.requests.items()):  # aborted meanwhile: no step reported them
+            if request.finished and request_id not in finished:
+                finished[request_id] = self.engine.output_of(request_id)
+        return finished
+
+    def warmup(self) -> int:
+        """Compile every decode bucket up front; returns the number of variants compiled."""
+        return self.engine.warmup()
+
+    # ---- RL hooks ---------------------------------------------------------------------------------------------
+    def get_params(self) -> nnx.State:
+        return self.runner.params
+
+    def update_weights(self, params: nnx.State) -> None:
+        """Swap in new parameters (same shapes and dtypes); nothing recompiles. The prefix cache is dropped, since
+        its pages hold keys and values of the old weights."""
+        for runner in self.runners:  # every data-parallel replica, each into its own devices' shardings
+            runner.update_weights(params)
+        self.engine.reset_prefix_cache()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+def _gguf_weights(quantization: str | None, loaded) -> dict | None:
+    """The GGUF file's quantized tensors for quantization="gguf" (the model must come from a .gguf file)."""
+    if quantization != "gguf":
+        return None
+    if not str(loaded.source).endswith(".gguf"):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but the model comes from {loaded.source}; "
+                         "use 'int8' or 'int4' to quantize it")
+    from models.loaders.gguf_file import load_gguf_quantized
+    return load_gguf_quantized(loaded.source, loaded.config)
+
+
+def _calibration_tokens(quantization: str | None, loaded):
+    """AWQ's calibration token ids for quantization="int4-awq" (models/quantization/awq.py), else None."""
+    if quantization != "int4-awq":
+        return None
+    from inference.loading.shipped_text import calibration_token_ids
+    from models.quantization.awq import AWQConfig
+    return calibration_token_ids(loaded.tokenizer, loaded.config.vocab_size, AWQConfig().num_tokens)
+
+
+def _replica_meshes(tensor_parallel: int, data_parallel: int, quantization: str | None) -> list:
+    """One mesh per data-parallel replica, each `1 x tensor_parallel` over this process's own devices; [None] for a
+    single replica on one device (the plain path, no mesh)."""
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel}")
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel}")
+    if tensor_parallel == 1 and data_parallel == 1:
+        return [None]
+    if quantization is not None:
+        raise ValueError("tensor_parallel_size or data_parallel_size > 1 with quantization is not supported yet")
+    from sharding.mesh import make_mesh, replica_meshes
+    # Local devices: under jax.distributed every process runs its own replicas (scripts/generate.py splits the
+    # input across processes), so a replica never spans hosts.
+    return replica_meshes(make_mesh(data=data_parallel, model=tensor_parallel, devices=jax.local_devices()))
+
+
+def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, quantization: str | None,
+                           group_size: int | None = None):
+    """The decoder of one replica: on one device (mesh None) or padded for `mesh` and placed shard by shard."""
+    weights = loaded.weights
+    if loaded.checkpoint is not None:  # an orbax folder: restored straight into the mesh layout where it can be
+        from models.loaders.orbax_checkpoint import restore_weights
+        from sharding.partition import checkpoint_shardings
+        shardings = None if mesh is None else checkpoint_shardings(loaded.config, mesh)
+        weights = restore_weights(loaded.checkpoint, loaded.config, shardings)
+    if mesh is None:
+        return build_decoder(loaded.config, weights, dtype=dtype, attn_impl=attn_impl, seed=seed,
+                             source=loaded.source, quantization=quantization,
+                             gguf_weights=_gguf_weights(quantization, loaded), quantization_group_size=group_size,
+                             calibration_tokens=_calibration_tokens(quantization, loaded))
+    from sharding.partition import shard_decoder
+    return shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
+                         source=loaded.source)
+
+
+def check_speculative(method: str | None, k: int, speculative_model: str | None, num_devices: int) -> None:
+    """Reject an inconsistent speculative-decoding setup before anything is loaded (`num_devices`: tensor times
+    data parallel size)."""
+    if method is None:
+        if speculative_model is not None:
+            raise ValueError("speculative_model is set but speculative_method is not; pass speculative_method='draft'")
+        return
+    if method not in ("ngram", "draft"):
+        raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup), 'draft' (a "
+                         "draft model, with speculative_model=...)")
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
+    if method == "ngram" and speculative_model is not None:
+        raise ValueError("speculative_model is only used with speculative_method='draft'")
+    if method == "draft" and speculative_model is None:
+        raise ValueError("speculative_method='draft' needs speculative_model, e.g. 'smollm2-135m:layers=0:30:3,29'")
+    if method == "draft" and num_devices > 1:
+        raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "
+                         "use speculative_method='ngram' or one device")
+
+
+def _proposer(method: str | None, k: int, draft=None, **draft_kwargs):
+    """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages
+    (arguments already checked by `check_speculative`)."""
+    if method is None:
+        return None
+    if method == "ngram":
+        return NgramProposer(k=k)
+    from inference.spec_decode.draft import make_draft_proposer
+    return make_draft_proposer(draft, k=k, **draft_kwargs)
+
+
+@dataclasses.dataclass
+class _Submitted:
+    request_id: str
+    params: SamplingParams
+    error: RequestOutput | None = None  # the error output of a rejected prompt
+
+
+def _error_output(request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+                  error: str) -> RequestOutput:
+    outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
+    metrics = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
+    return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=ids, prompt_logprobs=None,
+                         outputs=outputs, finished=True, metrics=metrics, error=error)
+
+
+__all__ = ["LLM"]

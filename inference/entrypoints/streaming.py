@@ -1,0 +1,174 @@
+"""Streaming: token and text deltas as requests advance, and a background engine loop that any thread may feed.
+
+RL and serving code add requests while generation runs: `EngineLoop` owns a thread that steps the engine whenever
+work exists, and `submit` (thread-safe) returns a `RequestStream` to iterate deltas from, or to wait on for the
+final `RequestOutput`. `LLM.stream` offers the same deltas without a thread.
+
+Text deltas are cut from the engine's detokenized text, holding back a trailing incomplete character (U+FFFD)
+and, when the request has stop strings, the last characters that could still begin a stop string, so streamed
+text never shows what the final output truncates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+from typing import Iterator
+
+from inference.engine.llm_engine import Engine
+from inference.engine.outputs import RequestOutput
+from inference.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    request_id: str
+    index: int  # sample index
+    token_ids: list[int]  # tokens new since the last delta
+    text: str  # text new since the last delta
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # the whole request's output, on the delta that finishes it
+
+
+class DeltaTracker:
+    """Turns successive cumulative RequestOutputs of one request into deltas."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.sent_tokens: dict[int, int] = {}
+        self.sent_text: dict[int, int] = {}
+
+    def deltas(self, out: RequestOutput) -> list[StreamDelta]:
+        result = []
+        for completion in out.outputs:
+            i = completion.index
+            n_tok, n_txt = self.sent_tokens.get(i, 0), self.sent_text.get(i, 0)
+            done = completion.finish_reason is not None
+            text = completion.text
+            end = len(text)
+            if not done:
+                end -= self.holdback
+                while end > n_txt and text[end - 1] == "\ufffd":
+                    end -= 1
+            end = max(end, n_txt)
+            new_tokens = completion.token_ids[n_tok:]
+            if not new_tokens and end == n_txt and not done:
+                continue
+            if done and i in self.sent_tokens and self.sent_tokens[i] < 0:
+                continue  # already reported finished
+            self.sent_tokens[i] = -1 if done else len(completion.token_ids)
+            self.sent_text[i] = end
+            result.append(StreamDelta(out.request_id, i, list(new_tokens), text[n_txt:end], done,
+                                      completion.finish_reason))
+        if out.finished:  # the last delta of a request carries its whole output
+            if not result:
+                last = out.outputs[-1]
+                result.append(StreamDelta(out.request_id, last.index, [], "", True, last.finish_reason))
+            result[-1].output = out
+        return result
+
+
+class RequestStream:
+    """Deltas of one request, filled by the engine loop's thread."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: queue.Queue[StreamDelta | BaseException] = queue.Queue()
+        self._final: RequestOutput | None = None
+
+    def _put(self, item: StreamDelta | BaseException) -> None:
+        self._queue.put(item)
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while self._final is None:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.output is not None:
+                self._final = item.output
+            yield item
+
+    def result(self) -> RequestOutput:
+        """Block until the request finishes; its final output."""
+        for _ in self:
+            pass
+        return self._final
+
+
+class EngineLoop:
+    """Steps `engine` on a background thread whenever it has work."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: dict[str, tuple[RequestStream, DeltaTracker]] = {}
+        self._ids = itertools.count()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="pagejax-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+               priority: int = 0, request_id: str | None = None) -> RequestStream:
+        """Queue a request from any thread. Raises ValueError at once if it can never run."""
+        request_id = request_id or f"loop-{next(self._ids)}"
+        stream = RequestStream(request_id)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            self._streams[request_id] = (stream, DeltaTracker(params))
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority)
+            except ValueError:
+                del self._streams[request_id]
+                raise
+            self._wake.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self.engine.has_unfinished_requests() and not self._pending_aborts():
+                    self._wake.wait()
+                if self._closed:
+                    return
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # noqa: BLE001 - surface the failure to every waiting caller
+                for stream, _ in list(self._streams.values()):
+                    stream._put(exc)
+                self._streams.clear()
+                continue
+            self._publish(outputs)
+            self._publish(self._pending_aborts())
+
+    def _pending_aborts(self) -> list[RequestOutput]:
+        """Finished requests that no step reported (aborted ones): their final outputs."""
+        return [self.engine.output_of(rid) for rid, _ in list(self._streams.items())
+                if rid in self.engine.requests and self.engine.requests[rid].finished]
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            stream, tracker = entry
+            for delta in tracker.deltas(out):
+                stream._put(delta)
+            if out.finished:
+                del self._streams[out.request_id]
+                self.engine.pop_finished(out.request_id)

@@ -1,0 +1,161 @@
+"""Turn a scheduled batch into flat ragged arrays padded to static buckets.
+
+Shapes are rounded up to powers of two (tokens, sequences, pages per sequence, longest query), so the number of
+distinct compiled step functions stays small and decode stops compiling once its buckets are warm. With
+`BucketLimits.fine_pages` pages per sequence use a finer ladder (powers of two and 1.5x powers of two: 4, 6, 8, 12,
+16, 24, ...): the pure-JAX reference attention reads every padded page, so a context of 129-192 tokens then
+reads 192 positions instead of 256 (about 6% of a batch-32 step expected from attention's share; BENCHMARKS.md's
+A/B pairs stayed within noise), for one more compiled shape per doubling; the C++ CPU kernel and the Pallas
+kernels stop at each sequence's length, where finer buckets would only add compiles (`engine.reads_padded_pages`). All of this is numpy on the host; one `device_put`
+per step moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import struct
+
+from inference.engine.scheduler import ScheduledBatch
+from models.attention import AttentionMetadata
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None, fine: bool = False) -> int:
+    """Smallest power of two >= max(n, minimum), capped at `maximum` (which must then hold n). With `fine`, 1.5x
+    powers of two (6, 12, 24, ...) are buckets too."""
+    target = max(int(n), minimum, 1)
+    size = 1 << (target - 1).bit_length()
+    if fine and size >= 4 and size * 3 // 4 >= target:
+        size = size * 3 // 4
+    if maximum is not None:
+        size = min(size, maximum)
+        if size < n:
+            raise ValueError(f"{n} exceeds the largest bucket {maximum}")
+    return size
+
+
+def bucket_ladder(minimum: int, maximum: int, fine: bool = False) -> list[int]:
+    """Every bucket size `bucket` can return between the two bounds."""
+    sizes = [bucket(minimum, fine=fine)]
+    while sizes[-1] < maximum:
+        sizes.append(min(bucket(sizes[-1] + 1, fine=fine), maximum))
+    return sizes
+
+
+@struct.dataclass
+class SpecInput:
+    """Speculative verification: every sequence's last token and its k drafts run as one chunk; the target's
+    distributions at those k+1 positions decide what is accepted (inference/sampling/rejection.py)."""
+
+    logits_indices: jax.Array  # i32[S, k+1]: token rows of the last token and each draft (clipped to the chunk)
+    draft_tokens: jax.Array  # i32[S, k]
+    num_draft: jax.Array  # i32[S]: real drafts per sequence (0 = a plain decode)
+    draft_probs: jax.Array | None = None  # f32[S, k, V]: the distributions a draft model sampled from; None: one-hot
+
+
+@struct.dataclass
+class ModelInput:
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # i32[S]: the last token of each sequence's chunk
+    target_ids: jax.Array  # i32[T]: the next prompt token of each token (for prompt logprobs); -1 where none
+    spec: SpecInput | None = None  # draft tokens to verify (speculative steps only)
+
+    @classmethod
+    def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int,
+              num_groups: int = 1) -> "ModelInput":
+        """An input of the given bucket shape that reads and writes nothing (num_seqs = 0): for warm-up.
+        `num_groups` > 1: stacked per-group slots and page tables, as `build_model_input` makes them."""
+        lead = () if num_groups == 1 else (num_groups,)
+        attn = AttentionMetadata(slot_mapping=np.full((*lead, num_tokens), -1, np.int32),
+                                 kv_lens=np.zeros(num_seqs, np.int32),
+                                 page_indices=np.zeros((*lead, num_seqs, pages_per_seq), np.int32),
+                                 cu_q_lens=np.zeros(num_seqs + 1, np.int32), num_seqs=np.zeros(1, np.int32),
+                                 max_q_len=max_q_len)
+        return cls(tokens=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32), attn=attn,
+                   logits_indices=np.zeros(num_seqs, np.int32), target_ids=np.full(num_tokens, -1, np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLimits:
+    max_tokens: int
+    max_seqs: int
+    max_pages_per_seq: int
+    min_tokens: int = 8
+    min_pages_per_seq: int = 4
+    fine_pages: bool = False  # pages per sequence on the 1.5x ladder (see the module docstring)
+
+
+def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
+                      num_spec: int = 0) -> tuple[ModelInput, int]:
+    """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
+    `num_spec` (the static draft length) draft slots per sequence. With several KV cache groups
+    (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P]."""
+    num_groups = len(batch.seqs[0].block_tables)
+    num_seqs = len(batch.seqs)
+    num_tokens = batch.num_tokens
+    padded_seqs = bucket(num_seqs, maximum=limits.max_seqs)
+    if batch.is_decode:
+        padded_tokens, max_q = padded_seqs, 1
+    else:
+        padded_tokens = bucket(num_tokens, limits.min_tokens, limits.max_tokens)
+        longest = max(batch.num_new_tokens)
+        if batch.speculative:  # one shape for every verification step, however many drafts each sequence got
+            longest = max(longest, num_spec + 1)
+        padded_tokens = max(padded_tokens, bucket(longest))
+        max_q = bucket(longest, maximum=padded_tokens)
+    max_pages = max(len(seq.pages) for seq in batch.seqs)
+    padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq,
+                          fine=limits.fine_pages)
+
+    tokens = np.zeros(padded_tokens, np.int32)
+    positions = np.zeros(padded_tokens, np.int32)
+    slot_mapping = np.full((num_groups, padded_tokens), -1, np.int32)
+    target_ids = np.full(padded_tokens, -1, np.int32)
+    kv_lens = np.zeros(padded_seqs, np.int32)
+    page_indices = np.zeros((num_groups, padded_seqs, padded_pages), np.int32)
+    cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
+    logits_indices = np.zeros(padded_seqs, np.int32)
+
+    offset = 0
+    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed_tokens
+        pos = np.arange(start, start + count, dtype=np.int32)
+        source = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+        tokens[offset:offset + count] = source[start:start + count]
+        positions[offset:offset + count] = pos
+        for g, table in enumerate(seq.block_tables):
+            pages = np.asarray(table, np.int32)
+            slot_mapping[g, offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
+            page_indices[g, i, :len(pages)] = pages
+        nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
+        target_ids[offset:offset + len(nxt)] = nxt
+        kv_lens[i] = start + count
+        offset += count
+        cu_q_lens[i + 1] = offset
+        logits_indices[i] = offset - 1
+    cu_q_lens[num_seqs + 1:] = offset
+    if num_groups == 1:  # one group: the plain [T] and [S, P] layout every kernel and test knows
+        slot_mapping, page_indices = slot_mapping[0], page_indices[0]
+
+    attn = AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
+                             cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)
+    spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if batch.speculative else None
+    return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
+                      target_ids=target_ids, spec=spec), num_tokens
+
+
+def _spec_input(batch: ScheduledBatch, cu_q_lens: np.ndarray, padded_seqs: int, num_spec: int) -> SpecInput:
+    logits_indices = np.zeros((padded_seqs, num_spec + 1), np.int32)
+    draft_tokens = np.zeros((padded_seqs, num_spec), np.int32)
+    num_draft = np.zeros(padded_seqs, np.int32)
+    for i, seq in enumerate(batch.seqs):
+        n = len(seq.spec_tokens)
+        first = cu_q_lens[i + 1] - 1 - n  # the row of the sequence's last verified token
+        logits_indices[i] = first + np.minimum(np.arange(num_spec + 1), n)
+        draft_tokens[i, :n] = seq.spec_tokens
+        num_draft[i] = n
+    return SpecInput(logits_indices=logits_indices, draft_tokens=draft_tokens, num_draft=num_draft)

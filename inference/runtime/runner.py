@@ -1,0 +1,257 @@
+"""The jitted model steps and the device state they own (parameters, paged KV cache).
+
+`prefill_step` and `decode_step` are two `jax.jit` entry points over one pure step function
+`(params, kv_caches, model_input, sampling) -> (sampled tokens + logprobs, new kv_caches)`. They compile once per
+static bucket (tokens, sequences, pages per sequence, longest query, sampler flags); the KV cache is donated so it is
+updated in place. Only the sampled tokens (and logprobs when asked) come back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
+from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
+                                        sample_with_logprobs)
+from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
+from inference.sampling.rejection import probs_from_logits, rejection_sample
+from kernels_pallas.kv_cache.writes import copy_pages
+from models.attention import QuantizedKV
+from models.decoder import Decoder
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: np.ndarray  # i32[S]
+    logprob: np.ndarray | None = None  # f32[S]
+    top_ids: np.ndarray | None = None  # i32[S, k]
+    top_logprobs: np.ndarray | None = None
+    prompt_logprob: np.ndarray | None = None  # f32[T]: logprob of target_ids[t] after token t
+    prompt_top_ids: np.ndarray | None = None  # i32[T, k]
+    prompt_top_logprobs: np.ndarray | None = None
+    emitted: np.ndarray | None = None  # i32[S, k+1]: speculative steps: accepted drafts, then one more token
+    num_accepted: np.ndarray | None = None  # i32[S]
+
+
+def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
+          *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
+    hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
+    if layout.kv_sharding is not None:  # the donated caches keep their sharding, so they are updated in place
+        kv_caches = [jax.lax.with_sharding_constraint(c, layout.kv_sharding) for c in kv_caches]
+    logits_of = functools.partial(_logits, model, layout)
+    if inp.spec is not None:
+        sampled = _verify(logits_of, hidden, inp.spec, sampling, use_filters=use_filters, logprobs=logprobs)
+    else:
+        logits = logits_of(hidden[inp.logits_indices])
+        # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
+        sampled = sample_with_logprobs(logits, sampling, use_filters=use_filters,
+                                       num_top=MAX_LOGPROBS if logprobs else 0)
+    prompt = None
+    if prompt_logprobs:
+        prompt = compute_logprobs(logits_of(hidden), jnp.maximum(inp.target_ids, 0), MAX_LOGPROBS)
+    return sampled, prompt, kv_caches
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Static facts of a tensor-parallel model for the step: the real vocabulary (logits past it are padding) and
+    the shardings of the KV cache and of the logits sampling reads (replicated). All None: one device."""
+
+    vocab_size: int | None = None
+    kv_sharding: jax.sharding.NamedSharding | None = None
+    logits_sharding: jax.sharding.NamedSharding | None = None
+    vocab_axis: str | None = None  # the mesh axis the LM head's vocab dimension is split over
+
+
+def jit_step(graphdef, treedef, layout: StepLayout):
+    """The jitted step `(param_leaves, kv_caches, inp, sampling, *, use_filters, logprobs, prompt_logprobs)`, KV
+    cache donated: what the runner calls, and what `scripts/aot_compile.py` compiles from abstract inputs."""
+    return jax.jit(functools.partial(_step, graphdef, treedef, layout),
+                   static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))
+
+
+def _logits(model, layout: StepLayout, hidden):
+    logits = model.logits(hidden)
+    if layout.vocab_axis is not None:
+        # Pin the LM-head output vocab-parallel first, so XLA gathers the [T, V] logits and not the [D, V] weight.
+        spec = jax.sharding.PartitionSpec(*(None,) * (logits.ndim - 1), layout.vocab_axis)
+        logits = jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(layout.logits_sharding.mesh, spec))
+    if layout.vocab_size is not None and logits.shape[-1] != layout.vocab_size:
+        logits = logits[..., :layout.vocab_size]
+    if layout.logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, layout.logits_sharding)
+    return logits
+
+
+def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, use_filters: bool, logprobs: bool):
+    """Speculative verification: (SamplerOutput for position 0, emitted i32[S, k+1], num_accepted i32[S]).
+
+    Drafts are deterministic proposals (n-gram, greedy draft model: the draft distribution is one-hot) unless
+    `spec.draft_probs` carries the distributions a draft model sampled from. Rows with no drafts emit one
+    token sampled exactly like a plain decode. A row that verifies drafts samples from the same distributions but
+    spends its random key differently, so a seeded request gives other (equally distributed) tokens when it
+    speculates than when it does not. Logprobs (only requested by rows that
+    do not speculate) come from position 0.
+    """
+    logits = logits_of(hidden[spec.logits_indices])  # [S, k+1, V]
+    probs = probs_from_logits(logits, sampling, use_filters)
+    emitted, accepted = rejection_sample(probs, spec.draft_probs, spec.draft_tokens, sampling.keys(),
+                                         greedy=sampling.temperature < SAMPLING_EPS, num_draft=spec.num_draft)
+    # Rows without drafts sample exactly as a plain decode step would (same key use), so a seeded request's tokens
+    # do not depend on whether its batch-mates speculate.
+    plain = sample(logits[:, 0], sampling, use_filters=use_filters)
+    first = jnp.where(spec.num_draft > 0, emitted[:, 0], plain)
+    emitted = emitted.at[:, 0].set(first)
+    if logprobs:
+        raw = logits[:, 0]
+        src = jnp.where(sampling.processed_logprobs[:, None], process_logits(raw, sampling, use_filters=use_filters),
+                        raw)
+        lp, top_ids, top_lp = compute_logprobs(src, first, MAX_LOGPROBS)
+    else:
+        lp, top_ids, top_lp = compute_logprobs(logits[:, 0], first, 0)
+    return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp), emitted, accepted
+
+
+def _new_cache(spec):
+    """One caching layer's zeroed cache from its `ModelConfig.kv_cache_spec`: an array, or pages + scales for an
+    int8 cache."""
+    if isinstance(spec, tuple):
+        return QuantizedKV(pages=jnp.zeros(spec[0].shape, spec[0].dtype), scales=jnp.zeros(spec[1].shape, spec[1].dtype))
+    return jnp.zeros(spec.shape, spec.dtype)
+
+
+def _copy_cache_pages(cache, src, dst):
+    if isinstance(cache, QuantizedKV):
+        return QuantizedKV(*copy_pages(cache.pages, src, dst, cache.scales))
+    return copy_pages(cache, src, dst)
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
+                 mesh: jax.sharding.Mesh | None = None, config=None):
+        """`mesh`: tensor parallelism over its "model" axis (sharding/): parameters and KV caches get NamedShardings
+        and XLA inserts the collectives. `config`: the model's real config when `model` was padded for the mesh
+        (sharding.shard_decoder); `self.config` is that one, the KV cache follows the padded `model.config`."""
+        padded = model.config
+        self.config = config = config or padded
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.mesh = mesh
+        if mesh is not None:  # attention runs per head shard under shard_map (models/attention.py)
+            for layer in model.layers:
+                layer.attn.mesh = mesh
+        self.graphdef, params = nnx.split(model)
+        # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
+        # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
+        self.param_leaves, self.param_treedef = jax.tree.flatten(params)
+        spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
+        layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
+        self.param_shardings = None
+        if mesh is None:
+            self.kv_caches = [_new_cache(spec) for _ in range(padded.num_kv_layers)]
+        else:
+            from sharding.partition import kv_cache_sharding, param_shardings, replicated
+            self.param_shardings = param_shardings(params, mesh)
+            self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
+            # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
+            kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
+            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
+                kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
+            zeros = jax.jit(lambda: _new_cache(spec), out_shardings=kv_sharding)  # created in shards
+            self.kv_caches = [zeros() for _ in range(padded.num_kv_layers)]
+            vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
+            layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
+                                         vocab_axis=vocab_axis)
+        # Two jitted functions, so each entry point keeps its own compilation cache (and count).
+        self.prefill_step = jit_step(self.graphdef, self.param_treedef, layout)
+        self.decode_step = jit_step(self.graphdef, self.param_treedef, layout)
+        # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
+        group_of = {padded.kv_layer(i): padded.kv_group(i) for i in range(padded.num_layers)}
+        self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]
+                             for g in range(len(padded.kv_group_windows))]
+        kv_sharding = layout.kv_sharding
+        self._copy_pages = jax.jit(
+            lambda caches, src, dst: [_copy_cache_pages(c, src, dst) if kv_sharding is None else
+                                      jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
+                                      for c in caches], donate_argnums=(0,))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the whole KV cache, summed over devices."""
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
+
+    def num_compilations(self) -> dict[str, int]:
+        """Compiled variants of each step so far (one per static bucket seen)."""
+        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size()}
+
+    def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
+                logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
+        """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host."""
+        fn = self.decode_step if is_decode else self.prefill_step
+        sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, use_filters=use_filters,
+                                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        spec = None
+        if inp.spec is not None:
+            sampled, *spec = sampled
+        if not (logprobs or prompt_logprobs or spec):
+            return StepOutput(tokens=np.asarray(sampled.tokens))
+        host = jax.device_get((sampled, prompt, spec))
+        out = StepOutput(tokens=host[0].tokens, logprob=host[0].logprob, top_ids=host[0].top_ids,
+                         top_logprobs=host[0].top_logprobs)
+        if spec:
+            out.emitted, out.num_accepted = host[2]
+        if host[1] is not None:
+            out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs = host[1]
+        return out
+
+    def copy_pages(self, copies: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy whole pages src -> dst in every cache of KV cache group `group` (copy-on-write), padded to a
+        power-of-two count."""
+        size = bucket(len(copies))
+        padded = copies + [copies[-1]] * (size - len(copies))  # repeating a pair rewrites the same value
+        src, dst = (np.asarray(x, np.int32) for x in zip(*padded))
+        index = self.group_caches[group]
+        if len(index) == len(self.kv_caches):
+            self.kv_caches = self._copy_pages(self.kv_caches, src, dst)
+            return
+        for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
+            self.kv_caches[c] = cache
+
+    def warmup_decode(self, limits: BucketLimits) -> int:
+        """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
+        filters, so serving never compiles a decode step. Returns how many variants were compiled."""
+        before = self.decode_step._cache_size()
+        for seqs in bucket_ladder(1, limits.max_seqs):
+            for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages):
+                inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1,
+                                       num_groups=len(self.group_caches))
+                sampling = SamplingTensors.from_params([], [], [], pad_to=seqs)
+                for use_filters in (False, True):
+                    self.execute(inp, sampling, is_decode=True, use_filters=use_filters)
+        return self.decode_step._cache_size() - before
+
+    @property
+    def params(self) -> nnx.State:
+        """The model's parameters as an nnx.State (a fresh view of the arrays the steps use)."""
+        return jax.tree.unflatten(self.param_treedef, self.param_leaves)
+
+    def update_weights(self, params: nnx.State) -> None:
+        """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are."""
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self.param_treedef:
+            raise ValueError("update_weights: the new parameters do not have the model's structure")
+        for new_leaf, old_leaf in zip(leaves, self.param_leaves):
+            if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
+                raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
+                                 f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
+        if self.param_shardings is None:
+            self.param_leaves = [jnp.asarray(x) for x in leaves]
+        else:
+            self.param_leaves = [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]

@@ -1,0 +1,181 @@
+"""JSONL in and out for batch generation: input rows, resumable output files, and result rows.
+
+Kept out of `scripts/generate.py` so the launcher stays glue and the pieces that decide what a resumed job skips
+(and what a crash may leave behind) are testable on their own.
+
+Input rows are JSON objects with an `id` (string or integer) and either `prompt` (text) or `messages` (a chat list
+of {role, content}). Output rows echo the id and the prompt or messages, then the completions; see `result_row`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO, Any, Iterable
+
+from inference.engine.outputs import RequestOutput
+
+RowId = str | int
+
+
+def _check_id(row: Any, where: str) -> RowId:
+    """The row's id; resumption is keyed on it, so a row without a usable one stops the job rather than becoming
+    an error row that a rerun could never match."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    row_id = row.get("id")
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        raise ValueError(f"{where}: 'id' must be a string or an integer, got {row_id!r}")
+    return row_id
+
+
+def check_unique_ids(rows: Iterable[dict[str, Any]]) -> None:
+    """Duplicate ids would make resumption ambiguous (which of the two is done?), so they are an input error."""
+    seen: set[RowId] = set()
+    for row in rows:
+        if row["id"] in seen:
+            raise ValueError(f"duplicate id {row['id']!r} in the input; ids must be unique")
+        seen.add(row["id"])
+
+
+def read_input(path: str) -> list[dict[str, Any]]:
+    """All rows of an input JSONL file (blank lines ignored), each with a valid, unique id."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e})") from None
+            _check_id(row, f"{path}:{number}")
+            rows.append(row)
+    check_unique_ids(rows)
+    return rows
+
+
+def load_done_ids(path: str) -> set[RowId]:
+    """Ids already in an output file, repairing a crash's leftovers first.
+
+    A crash mid-write can leave the last line cut short; that line is dropped (its row is simply redone) and the
+    file rewritten without it, so appending next cannot glue a new row onto garbage. A bad line anywhere else is
+    not something this script writes, so it stops the job instead of silently discarding results.
+    """
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb") as f:
+        raw = f.read()
+    lines = [line for line in raw.split(b"\n") if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line.decode("utf-8"))
+            _check_id(row, f"{path}:{number}")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a result row; fix or move the file before resuming") from None
+        rows.append(line)
+    repaired = b"".join(line + b"\n" for line in rows)
+    if repaired != raw:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(repaired)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return {json.loads(line)["id"] for line in rows}
+
+
+def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:
+    """The text to generate from: `prompt` as is, or `messages` rendered with the model's chat template.
+
+    Raises ValueError describing what is wrong with the row, which becomes that row's `error`.
+    """
+    has_prompt, has_messages = "prompt" in row, "messages" in row
+    if has_prompt == has_messages:
+        raise ValueError("row needs exactly one of 'prompt' or 'messages'" + (", not both" if has_prompt else ""))
+    if has_prompt:
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f"'prompt' must be a string, got {type(row['prompt']).__name__}")
+        return row["prompt"]
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError("'messages' must be a non-empty list of {role: str, content: str} objects")
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot render 'messages'")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001  Jinja raises its own types; any template failure is this row's problem
+        raise ValueError(f"chat template failed: {e}") from None
+
+
+def _echo(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: row[k] for k in ("id", "prompt", "messages") if k in row}
+
+
+def error_row(row: dict[str, Any], error: str) -> dict[str, Any]:
+    """The output row of an input row that never reached the engine."""
+    return {**_echo(row), "outputs": [], "num_prompt_tokens": 0, "ttft_s": None, "error": error}
+
+
+def result_row(row: dict[str, Any], out: RequestOutput, with_logprobs: bool) -> dict[str, Any]:
+    """The output row for one finished request; `error` appears only when the engine rejected the prompt."""
+    outputs = []
+    for c in out.outputs:
+        entry: dict[str, Any] = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                                 "finish_reason": c.finish_reason}
+        if with_logprobs:
+            # JSON object keys are strings, so token ids become "123"; a list of pairs would survive exactly but
+            # nobody reads logprobs that way in vLLM-shaped tooling.
+            entry["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in (c.logprobs or [])]
+        outputs.append(entry)
+    result = {**_echo(row), "outputs": outputs, "num_prompt_tokens": len(out.prompt_token_ids),
+              "ttft_s": out.metrics.ttft if out.metrics is not None else None}
+    if out.error is not None:
+        result["error"] = out.error
+    return result
+
+
+def write_rows(f: IO[str], rows: Iterable[dict[str, Any]], durable: bool = True) -> None:
+    """One line per row, then flush (and fsync, for files) so a crash after this call loses none of them."""
+    for row in rows:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    f.flush()
+    if durable:
+        os.fsync(f.fileno())
+
+
+__all__ = ["check_unique_ids", "read_input", "load_done_ids", "prompt_text", "error_row", "result_row",
+           "write_rows", "shard_path", "merge_shards"]
+
+
+# ---- multi-process jobs: one output shard per process, merged by process 0 --------------------------------------
+def shard_path(output: str, process_index: int, process_count: int) -> str:
+    """Where process `process_index` of `process_count` writes its rows of a job whose output is `output`."""
+    return f"{output}.process-{process_index:05d}-of-{process_count:05d}"
+
+
+def merge_shards(output: str, shard_paths: Iterable[str], input_ids: Iterable[RowId]) -> int:
+    """Append the shards' rows to `output` in input order (ids already in `output` are skipped), then delete the
+    shards; returns the number of rows appended. A crash between the append and the deletes is harmless: the rerun
+    finds those ids done and skips them."""
+    done = load_done_ids(output)
+    shard_paths = [p for p in shard_paths if os.path.exists(p)]
+    by_id: dict[RowId, dict[str, Any]] = {}
+    for path in shard_paths:
+        load_done_ids(path)  # drops a cut-short last line (a crashed writer's leftover)
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    by_id[row["id"]] = row
+    rows = [by_id[i] for i in input_ids if i in by_id and i not in done]
+    with open(output, "a", encoding="utf-8") as f:
+        write_rows(f, rows)
+    for path in shard_paths:
+        os.remove(path)
+    return len(rows)

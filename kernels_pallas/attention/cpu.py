@@ -1,0 +1,80 @@
+"""Ragged paged attention on CPU: a C++ kernel (`csrc/ragged_paged_attention_cpu.cc`) called through XLA's FFI.
+
+XLA:CPU has no Pallas backend, and the pure-JAX reference pays for a gather of every padded page, K/V transposes and
+tiny batched dots (97-107 ms of a 175-190 ms SmolLM2 step at batch 32, BENCHMARKS.md). The kernel reads each live
+key and value row once, in place, so it is the CPU counterpart of the TPU/GPU kernels, with the reference's
+signature and semantics (one difference: `mask_value` is accepted and unused, because masked keys get exactly zero
+weight; the two agree whenever a query row sees at least one key, which the contract guarantees). The cache is in
+`kv_layout.py`'s layout (`[Hkv, num_pages, page_size, 2 * D]`, int8 scales `[Hkv, scale_rows, 128]`); the kernel
+reads only keys some query sees, so stale or non-finite data in any other slot (past kv_len, before the sliding
+window, pages behind padding entries of page_indices, the scales' padding) changes no output, as in the reference.
+
+The library is compiled on first use by `cpu_build` (g++, cached under ~/.cache/pagejax/kernels). Without a working
+compiler `available()` is False and `impl="auto"` falls back to the reference (dispatch.py logs why once);
+`impl="cpu"` raises `KernelBuildError` with the compiler's message.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.native import build as cpu_build
+from kernels_pallas.native.build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
+from kernels_pallas.attention.reference import check_attention_inputs
+
+KERNEL = ("pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")  # FFI target, C symbol
+TARGET = KERNEL[0]
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built and registered, else why not (a compiler or loader message)."""
+    return cpu_build.unavailable_reason(*KERNEL)
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py); float32, bfloat16 or int8
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    max_q_len: int | None = None,
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
+) -> jax.Array:
+    """The reference's contract (`ragged_paged_attention_reference`), computed by the C++ kernel. `max_q_len` and
+    `mask_value` are accepted for signature parity; the kernel needs neither."""
+    del mask_value, max_q_len
+    check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
+    if kv_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+        raise ValueError(f"the CPU kernel reads float32, bfloat16 or int8 KV pages, not {kv_pages.dtype}; "
+                         "use impl='reference'")
+    if kv_pages.dtype == jnp.int8 and kv_scales is None:
+        raise ValueError("an int8 KV cache needs kv_scales (see kv_layout.kv_cache_spec and kv_cache.py)")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    cpu_build.register(*KERNEL)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    scales = kv_scales if kv_scales is not None else jnp.zeros((1, 1, 1), jnp.float32)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    out = call(q.astype(jnp.float32), kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs),
+               scales.astype(jnp.float32), sm_scale=np.float32(sm_scale),
+               soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+               k_scale=np.float32(1.0 if k_scale is None else k_scale),
+               v_scale=np.float32(1.0 if v_scale is None else v_scale),
+               sliding_window=np.int64(0 if sliding_window is None else sliding_window))
+    return out.astype(q.dtype)

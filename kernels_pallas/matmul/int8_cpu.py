@@ -1,0 +1,37 @@
+"""The W8A8 matmul on CPU: a C++ kernel (`csrc/int8_matmul_cpu.cc`) through XLA's FFI.
+
+The W8A8 path (`models.quantization.formats.matmul(method="int8")`) quantizes activations per row, multiplies int8 by
+int8 into int32 and rescales; XLA:CPU runs that dot through YNNPACK at 8-12 GB/s of weights for one or two rows,
+which makes batch-1 int8 decode slower than the float32 GEMVs it should beat, and runs the quantizing and rescaling
+as separate fusions around each dot. This kernel does all three with the JAX path's float operations in the same
+order (the result is bit-identical), reading each weight byte once for all rows. Built on first use by `cpu_build`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.native import build as cpu_build
+
+KERNEL = ("pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")  # FFI target, C symbol
+MAX_K = 65535  # input features at most: the kernel's int32 sums stay exact
+
+
+def available() -> bool:
+    return cpu_build.unavailable_reason(*KERNEL) is None
+
+
+def int8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, portable: bool = False) -> jax.Array:
+    """float32 x [M, K] @ (int8 w [K, N] * w_scale [N]) -> float32 [M, N], as W8A8: each row of x quantized to int8
+    with scale max|x| / 127 (round half to even), the exact int32 dot, then (dot * x_scale) * w_scale. CPU only.
+    `portable` builds the path without AVX-512 VNNI (what a CPU without it runs; tests compare both)."""
+    if (x.dtype != jnp.float32 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]
+            or w_scale.shape != (w.shape[1],) or x.shape[1] > MAX_K):
+        raise ValueError(f"expected float32 x [M, K], int8 w [K, N] and w_scale [N] with K <= {MAX_K}, got "
+                         f"{x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)} and {list(w_scale.shape)}")
+    target, symbol = KERNEL
+    target += "_portable" if portable else ""
+    cpu_build.register(target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, w_scale.astype(jnp.float32))

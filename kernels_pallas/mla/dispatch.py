@@ -1,0 +1,32 @@
+"""Which MLA implementation runs: the Pallas GPU kernel on the gpu backend where its tiles fit, else the reference
+(there is no TPU MLA kernel yet). Kept apart from the reference so that the reference imports no kernel."""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.attention.gpu import tiles_ok
+from kernels_pallas.backend import target_backend
+from kernels_pallas.mla.gpu import ragged_paged_mla_attention_gpu
+from kernels_pallas.mla.reference import ragged_paged_mla_attention_reference
+
+MLA_IMPLEMENTATIONS = ("auto", "reference", "gpu")
+
+
+def ragged_paged_mla_attention(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                               impl: str = "auto", interpret=False, max_q_len: int | None = None) -> jax.Array:
+    """MLA over a paged latent cache (see the module docstring). `impl`: "reference", "gpu" (Pallas Triton; off
+    GPU only with interpret=True) or "auto" (the GPU kernel on the gpu backend when the sizes are powers of two,
+    else the reference: there is no TPU MLA kernel yet)."""
+    if impl not in MLA_IMPLEMENTATIONS:
+        raise ValueError(f"unknown MLA attention impl {impl!r}; expected one of {MLA_IMPLEMENTATIONS}")
+    if impl == "auto":
+        dims = (latent_pages.shape[1], q_latent.shape[-1], q_rope.shape[-1])
+        on_gpu = target_backend() == "gpu" and tiles_ok(*dims) and q_rope.shape[-1] <= q_latent.shape[-1]
+        impl = "gpu" if on_gpu else "reference"
+    args = (q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, max_q_len=max_q_len)
+    if impl == "gpu":
+        return ragged_paged_mla_attention_gpu(*args, interpret=interpret, **kw)
+    return ragged_paged_mla_attention_reference(*args, **kw)

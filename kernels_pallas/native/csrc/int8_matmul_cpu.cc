@@ -1,0 +1,335 @@
+// The W8A8 matmul on CPU: an XLA FFI custom call behind models/quantization/formats.py's `matmul(method="int8")` with
+// per-channel int8 weights. It takes float32 activations and returns float32, doing what the JAX path does around
+// its int8 dot -- quantize each row of x (scale max|x| / 127, round half to even), the exact int8 x int8 -> int32
+// dot, then (float(dot) * x_scale) * w_scale -- with the same float operations in the same order, so the result
+// is bit-identical (tested).
+//
+// Why: at batch 1 a decode step is the weights' GEMVs, and XLA:CPU runs a 1- or 2-row int8 dot through YNNPACK at
+// about 12 GB/s of weights (BENCHMARKS.md), under a third of what the f32 GEMVs reach. Here each weight byte is
+// read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
+// walked four rows at a time, and the blocks are spread over the library's worker threads (parallel_for.h). With
+// AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd.
+// Quantizing and rescaling in here rather than in XLA: those were XLA:CPU fusions of their own around each of the
+// 211 dots, 9.5 of a 33 ms chain of SmolLM2's int8 matmuls at 32 rows (BENCHMARKS.md).
+
+// The library is built with -fassociative-math (cpu_build.FLAGS, for the attention kernel's reductions); here it
+// would turn (dot * x_scale) * w_scale into dot * (x_scale * w_scale), one rounding off XLA's result.
+#pragma GCC optimize("no-associative-math")
+#ifdef __clang__
+#pragma clang fp reassociate(off)
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "parallel_for.h"
+#include "register_blocks.h"
+#include "scratch.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+using pagejax::first_lanes;
+#endif
+
+// Largest K: the int32 sums (up to 255 * 127 * K with the +128 bias of the VNNI path) stay below 2^31.
+constexpr int64_t kMaxK = 65535;
+
+// Portable path: the compiler vectorizes over columns; a block's int32 accumulators of all rows stay in L1.
+constexpr int64_t kColumnBlock = 256;
+constexpr int64_t kMaxRows = 16;
+
+// The float operations of the activation quantizing are those XLA:CPU compiles models/quantization/formats.py's
+// `_matmul_int8` to: its algebraic simplifier turns `amax / 127` into a multiply by the constant 1/127 and `x / scale`
+// into x * (1 / scale).
+inline float row_scale(const float* row, int64_t k) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+  return amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+}
+
+inline int8_t quantize(float v, float inv_scale) {
+  // rint rounds half to even in the default rounding mode, as jnp.round; NaN (from NaN or infinite inputs) -> 0, as
+  // XLA's convert gives, and the clamp keeps the cast defined.
+  const float t = v * inv_scale;
+  return std::isnan(t) ? 0 : static_cast<int8_t>(std::rint(std::max(-127.f, std::min(127.f, t))));
+}
+
+struct Matmul {
+  const int8_t* xq;     // [M, k_pad], k_pad = K rounded up to a multiple of 4
+  const float* xscale;  // [M]
+  const int32_t* xsum;  // [M]
+  const int8_t* w;      // [K, N]
+  const float* wscale;  // [N]
+  float* out;           // [M, N]
+  int64_t m, k, n;
+
+  int64_t k_pad() const { return (k + 3) / 4 * 4; }
+  // x's rows as 4 consecutive K values per uint32: what vpdpbusd broadcasts (xq points into a uint32 buffer).
+  const uint32_t* xu() const { return reinterpret_cast<const uint32_t*>(static_cast<const void*>(xq)); }
+  float rescale(int32_t dot, int64_t r, int64_t col) const {
+    return static_cast<float>(dot) * xscale[r] * wscale[col];
+  }
+
+  void run_portable(int64_t block, int64_t r0, int64_t rows) const {
+    const int64_t n0 = block * kColumnBlock, width = std::min(kColumnBlock, n - n0);
+    alignas(64) int32_t acc[kMaxRows][kColumnBlock];
+    for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + width, 0);
+    int64_t kk = 0;
+    for (; kk + 4 <= k; kk += 4) {
+      const int8_t* w0 = w + kk * n + n0;
+      const int8_t* w1 = w0 + n;
+      const int8_t* w2 = w1 + n;
+      const int8_t* w3 = w2 + n;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* xr = xq + (r0 + r) * k_pad() + kk;
+        const int32_t a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+        int32_t* ar = acc[r];
+        for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
+      }
+    }
+    for (; kk < k; ++kk) {
+      const int8_t* w0 = w + kk * n + n0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t a0 = xq[(r0 + r) * k_pad() + kk];
+        int32_t* ar = acc[r];
+        for (int64_t j = 0; j < width; ++j) ar[j] += a0 * w0[j];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < width; ++j) out[(r0 + r) * n + n0 + j] = rescale(acc[r][j], r0 + r, n0 + j);
+  }
+
+  int64_t portable_items() const { return ((n + kColumnBlock - 1) / kColumnBlock) * ((m + kMaxRows - 1) / kMaxRows); }
+
+  void portable_item(int64_t i) const {
+    const int64_t blocks = (n + kColumnBlock - 1) / kColumnBlock, r0 = (i / blocks) * kMaxRows;
+    run_portable(i % blocks, r0, std::min(kMaxRows, m - r0));
+  }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+  // AVX-512 VNNI path. vpdpbusd multiplies 4 unsigned by 4 signed bytes per int32 lane and adds them up, so each
+  // 64-column piece of 4 consecutive rows of W is repacked (`pack`) into 4 registers whose lanes hold one column's
+  // 4 K values, made unsigned by flipping the sign bit (w + 128); x's 4 bytes are broadcast as the signed operand,
+  // and 128 * (row sum of x) is subtracted at the end: the result is exact.
+  static constexpr int64_t kPrefetch = 16;  // rows ahead: W's rows are N bytes apart, beyond the prefetcher's reach
+
+  // v[q], lane 4L + j = the 4 K values of column n0 + 16L + 4q + j, rows 4b..4b+3 (zero past K or past `cols`).
+  void pack(int64_t b, int64_t n0, __mmask64 cols, bool prefetch, __m512i (&v)[4]) const {
+    __m512i r[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = 4 * b + i;
+      r[i] = row < k ? _mm512_maskz_loadu_epi8(cols, w + row * n + n0) : _mm512_setzero_si512();
+      if (prefetch && row + kPrefetch < k)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (row + kPrefetch) * n + n0), _MM_HINT_T0);
+    }
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+    v[0] = _mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip);
+    v[1] = _mm512_xor_si512(_mm512_unpackhi_epi16(t0, t2), flip);
+    v[2] = _mm512_xor_si512(_mm512_unpacklo_epi16(t1, t3), flip);
+    v[3] = _mm512_xor_si512(_mm512_unpackhi_epi16(t1, t3), flip);
+  }
+
+  // A packed piece's 4 accumulators in column order (a 4 x 4 transpose of 128-bit lanes): cols[t] = columns
+  // 16t..16t+15 of the piece.
+  static void to_columns(const __m512i (&a)[4], __m512i (&cols)[4]) {
+    const __m512i u0 = _mm512_shuffle_i32x4(a[0], a[1], 0x44), u1 = _mm512_shuffle_i32x4(a[0], a[1], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(a[2], a[3], 0x44), u3 = _mm512_shuffle_i32x4(a[2], a[3], 0xEE);
+    cols[0] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    cols[1] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    cols[2] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    cols[3] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+
+
+  // The piece's `width` int32 sums, in column order.
+  static void store_columns(const __m512i (&a)[4], int32_t* dst, int64_t width) {
+    __m512i cols[4];
+    to_columns(a, cols);
+    for (int t = 0; t < 4 && 16 * t < width; ++t)
+      _mm512_mask_storeu_epi32(dst + 16 * t, first_lanes(width - 16 * t), cols[t]);
+  }
+
+  // The piece's `width` results of row r, columns n0..: (float(sum - 128 * xsum[r]) * xscale[r]) * wscale[col].
+  void store_rescaled(const __m512i (&a)[4], int64_t r, int64_t n0, int64_t width) const {
+    __m512i cols[4];
+    to_columns(a, cols);
+    const __m512i correction = _mm512_set1_epi32(xsum[r] * 128);
+    const __m512 xs = _mm512_set1_ps(xscale[r]);
+    for (int t = 0; t < 4 && 16 * t < width; ++t) {
+      const __mmask16 mask = first_lanes(width - 16 * t);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(cols[t], correction));
+      const __m512 ws = _mm512_maskz_loadu_ps(mask, wscale + n0 + 16 * t);
+      _mm512_mask_storeu_ps(out + r * n + n0 + 16 * t, mask, _mm512_mul_ps(_mm512_mul_ps(dot, xs), ws));
+    }
+  }
+
+  static __mmask64 column_mask(int64_t width) { return width >= 64 ? ~__mmask64(0) : (__mmask64(1) << width) - 1; }
+
+  // Few rows (M <= 4, GEMV-like): W is streamed whole rows at a time, the order memory likes; item i owns K rows
+  // [i * rows_per_item, ...) across all N columns and writes its partial sums to partial[i][r][N], which the caller
+  // adds up. Column strips (below) read W in 64-byte pieces N bytes apart: 11.5 vs 8.8 ms for SmolLM2's weights.
+  void vnni_rows(int64_t item, int64_t rows_per_item, int32_t* partial) const {
+    const int64_t k4 = (k + 3) / 4, b0 = item * rows_per_item / 4, b1 = std::min(k4, (item + 1) * rows_per_item / 4);
+    for (int64_t n0 = 0; n0 < n; n0 += 64) {
+      const int64_t width = std::min<int64_t>(64, n - n0);
+      __m512i acc[4][4];  // [row][q]
+      for (int64_t r = 0; r < m; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
+      for (int64_t b = b0; b < b1; ++b) {
+        __m512i v[4];
+        pack(b, n0, column_mask(width), false, v);
+        for (int64_t r = 0; r < m; ++r) {
+          const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu()[r * k4 + b]));
+          for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) store_columns(acc[r], partial + (item * m + r) * n + n0, width);
+    }
+  }
+
+  // More rows: one 64-column strip of W per item, packed once (and used at once by the first 6 rows of x), then
+  // streamed from L1/L2 for every further 6-row chunk: 6 x 4 accumulators + 4 weights + a broadcast in 32 registers.
+  static constexpr int64_t kRowChunk = 6;
+
+  // One 6-row chunk of x against strip n0; kFirst packs W (storing it for later chunks when `keep`), the rest read
+  // the packed strip. A template, so the accumulators stay in registers in both loops.
+  template <bool kFirst>
+  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, __m512i* packed) const {
+    const int64_t k4 = (k + 3) / 4, rows = std::min(kRowChunk, m - r0);
+    __m512i acc[kRowChunk][4];
+    for (int r = 0; r < kRowChunk; ++r)
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < k4; ++b) {
+      __m512i v[4];
+      if constexpr (kFirst) {
+        pack(b, n0, column_mask(width), true, v);
+        if (keep)
+          for (int q = 0; q < 4; ++q) packed[4 * b + q] = v[q];
+      } else {
+        for (int q = 0; q < 4; ++q) v[q] = packed[4 * b + q];
+      }
+      for (int r = 0; r < kRowChunk; ++r) {
+        if (r >= rows) break;
+        const __m512i x4 = _mm512_set1_epi32(static_cast<int32_t>(xu()[(r0 + r) * k4 + b]));
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbusd_epi32(acc[r][q], v[q], x4);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) store_rescaled(acc[r], r0 + r, n0, width);
+  }
+
+  void vnni_strip(int64_t strip) const {
+    const int64_t n0 = strip * 64, width = std::min<int64_t>(64, n - n0);
+    const bool keep = m > kRowChunk;
+    thread_local std::vector<__m512i> packed;
+    if (keep) packed.resize(4 * ((k + 3) / 4));
+    strip_chunk<true>(n0, width, 0, keep, packed.data());
+    for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk)
+      strip_chunk<false>(n0, width, r0, keep, packed.data());
+  }
+#endif
+};
+
+// Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
+// max and rint), so the AVX-512 build spells them out: 16 lanes, the same operations per element.
+// Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
+void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
+#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(first_lanes(k - c), xr + c)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float scale = *xscale = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(k - c), xr + c), inv);
+    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0, as the portable path
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    sum = _mm512_add_epi32(sum, q);
+    _mm512_mask_cvtepi32_storeu_epi8(qr + c, first_lanes(k - c), q);
+  }
+  *xsum = _mm512_reduce_add_epi32(sum);
+#else
+  const float inv_scale = 1.f / (*xscale = row_scale(xr, k));
+  int32_t sum = 0;
+  for (int64_t c = 0; c < k; ++c) sum += (qr[c] = quantize(xr[c], inv_scale));
+  *xsum = sum;
+#endif
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xscale, int32_t* xsum) {
+  const int64_t k_pad = (k + 3) / 4 * 4;
+  auto row = [&](int64_t r) { quantize_row(x + r * k, k, xq + r * k_pad, xscale + r, xsum + r); };
+  if (m * k < (1 << 15)) {
+    for (int64_t r = 0; r < m; ++r) row(r);
+  } else {
+    pagejax::parallel_for(m, row);
+  }
+}
+
+ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1] || xd[1] > kMaxK)
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N], K <= 65535");
+  const int64_t m = xd[0], k = xd[1], n = wd[1], k4 = (k + 3) / 4;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(out->typed_data(), out->typed_data() + m * n, 0.f);
+    return ffi::Error::Success();
+  }
+  uint32_t* xu = pagejax::scratch<uint32_t, 0>(m * k4);  // the quantized rows, read as bytes or 4-byte groups
+  std::fill(xu, xu + m * k4, 0u);                         // (zero past K)
+  float* xscale = pagejax::scratch<float, 1>(m);
+  int32_t* xsum = pagejax::scratch<int32_t, 2>(m);
+  int8_t* xq = reinterpret_cast<int8_t*>(xu);
+  quantize_rows(x.typed_data(), m, k, xq, xscale, xsum);
+  const Matmul mm{xq, xscale, xsum, w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+  if (m <= 4) {
+    // K cut into 4-row-aligned items; their partial sums are added here, with the correction, and rescaled.
+    const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
+    const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
+    int32_t* partial = pagejax::scratch<int32_t, 3>(used * m * n);  // every element is written
+    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, partial); });
+    pagejax::parallel_for((n + 1023) / 1024, [&](int64_t c) {
+      const int64_t c0 = c * 1024, c1 = std::min<int64_t>(n, c0 + 1024);
+      int32_t dot[1024];
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = c0; j < c1; ++j) dot[j - c0] = -128 * xsum[r];
+        for (int64_t i = 0; i < used; ++i) {
+          const int32_t* src = partial + (i * m + r) * n;
+          for (int64_t j = c0; j < c1; ++j) dot[j - c0] += src[j];
+        }
+        for (int64_t j = c0; j < c1; ++j) mm.out[r * n + j] = mm.rescale(dot[j - c0], r, j);
+      }
+    });
+  } else {
+    pagejax::parallel_for((n + 63) / 64, [&](int64_t i) { mm.vnni_strip(i); });
+  }
+#else
+  pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
+#endif
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagejaxInt8MatmulCpu, Int8MatmulCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_scale [N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

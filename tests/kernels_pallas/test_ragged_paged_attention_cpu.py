@@ -1,0 +1,306 @@
+"""The C++ CPU kernel (XLA FFI) against the pure-JAX reference: a sweep of ragged batches, head layouts, page sizes,
+head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 with per-token scales),
+sliding window, soft cap and static scales; a pool poisoned with NaN/Inf wherever no query may look; plus its failure
+modes (no compiler, out-of-contract indices). Caches are in kv_layout.py's layout, built through `kv_cache_spec`
+(`make_case`) and `kv_cache.quantize_cache` (int8)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+from kernels_pallas.native import build as cpu_build
+from kernels_pallas.kv_cache import writes as kv_cache
+from kernels_pallas.attention import cpu as cpu_kernel
+from kernels_pallas.kv_cache.writes import quantize_cache
+from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows, scales_by_page
+from tests.kernels_pallas.test_ragged_paged_attention import make_case
+
+# Only a machine without a C++ compiler skips; with one, a build failure fails test_kernel_builds_where_a_compiler_is.
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
+                               reason="no C++ compiler: auto dispatch uses the reference (see the missing-compiler test)")
+
+
+@needs_cxx
+def test_kernel_builds_where_a_compiler_is():
+    assert cpu_kernel.unavailable_reason() is None
+
+CASES = {
+    # name: (q_lens, kv_lens); more query tokens than the kernel's 8-token block in the prefill cases
+    "decode": ([1, 1, 1, 1], [1, 16, 33, 70]),
+    "prefill": ([7, 19, 3], [7, 19, 3]),
+    "mixed": ([1, 12, 1, 0, 4], [20, 12, 1, 0, 30]),
+    "chunked_prefill": ([21], [45]),
+    "spec_verify": ([4, 4], [30, 9]),
+}
+
+
+def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, **kw):
+    q, kv, *rest = map(jnp.asarray, args)
+    q = q.astype(q_dtype)
+    scales = None
+    if kv_dtype == jnp.int8:
+        kv, scales = quantize_cache(kv)
+    else:
+        kv = kv.astype(kv_dtype)
+    call = (q, kv, *rest)
+    got = jax.jit(lambda *a: cpu_kernel.ragged_paged_attention_cpu(*a, kv_scales=scales, **kw))(*call)
+    want = jax.jit(lambda *a: ragged_paged_attention_reference(*a, kv_scales=scales, **kw))(*call)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (128, 8), (40, 4)])
+def test_kernel_matches_reference(case, heads, head_dim, page_size):
+    rng = np.random.default_rng(0)
+    q_lens, kv_lens = CASES[case]
+    pages_per_seq = -(-max(kv_lens) // page_size) + 1  # one spare page: kv_len below the table's capacity
+    args = make_case(rng, q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                     page_size=page_size, pages_per_seq=pages_per_seq, num_pages=pages_per_seq * len(q_lens) + 2,
+                     max_seqs=len(q_lens) + 2)  # two padding sequences beyond num_seqs
+    got, want = run_both(args, sm_scale=head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"soft_cap": 3.0, "k_scale": 0.7, "v_scale": 1.3},
+                                     {"sliding_window": 1}])
+def test_kv_dtypes_and_options(kv_dtype, options):
+    rng = np.random.default_rng(1)
+    args = make_case(rng, [1, 11, 3], [26, 11, 40], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                     pages_per_seq=5, num_pages=18)
+    got, want = run_both(args, kv_dtype=kv_dtype, sm_scale=0.125, **options)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def poisoned_pool_case(rng, *, head_dim, sliding_window):
+    """A batch whose pool holds stale data everywhere no query may look: returns (args, seen) with `seen[page, t]`
+    True where some query of a valid sequence sees slot t of that page (every KV head alike).
+
+    Sequences: decode, a prefill longer than the kernel's 8-token block, a chunked prefill, one with cached tokens
+    but no query this step (none of its keys is seen) and a short one; two padding sequences beyond num_seqs with
+    stale kv_lens. Every padding entry of page_indices points at page 0, which no sequence owns; a few pages are
+    owned by nobody; each table row has spare entries past its kv_len."""
+    q_lens, kv_lens = [1, 9, 3, 0, 2], [21, 9, 30, 12, 6]
+    page_size, pages_per_seq, num_q_heads, num_kv_heads = 4, 9, 4, 2
+    max_seqs, num_pages = len(q_lens) + 2, 30
+    owned = 1 + rng.permutation(num_pages - 1)  # page 0: the padding page
+    page_indices = np.zeros((max_seqs, pages_per_seq), np.int32)
+    used = 0
+    for i, kv_len in enumerate(kv_lens):
+        n = -(-kv_len // page_size)
+        page_indices[i, :n] = owned[used:used + n]
+        used += n
+    assert used < num_pages - 1  # some pages owned by nobody
+    kv = np.zeros(max_seqs, np.int32)
+    kv[:len(kv_lens)] = kv_lens
+    kv[len(kv_lens):] = 7  # stale lengths of the padding sequences
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    seen = np.zeros((num_pages, page_size), bool)
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len == 0:
+            continue
+        first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
+        for j in range(first, kv_len):
+            seen[page_indices[i, j // page_size], j % page_size] = True
+    assert not seen[0].any() and seen.any() and not seen.all()
+    q = rng.standard_normal((sum(q_lens) + 2, num_q_heads, head_dim)).astype(np.float32)  # two padding tokens
+    kv_pages = rng.standard_normal(kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape)
+    return (q, kv_pages.astype(np.float32), kv, page_indices, cu, np.array([len(q_lens)], np.int32)), seen
+
+
+def poison(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """x where `keep` (broadcast), else a repeating NaN, +Inf, -Inf pattern."""
+    bad = np.resize(np.array([np.nan, np.inf, -np.inf], np.float32), x.shape)
+    return np.where(keep, x, bad).astype(np.float32)
+
+
+@needs_cxx
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # both AVX-512 paths and the generic one
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1, "soft_cap": 3.0}])
+def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
+    """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, the page padding
+    entries of page_indices point at, the keys of a sequence without queries, the int8 scales' padding lanes and
+    rows) leave the kernel's output bit-identical to the clean pool's, and finite; both agree with the reference."""
+    rng = np.random.default_rng(8)
+    (q, clean, *rest), seen = poisoned_pool_case(rng, head_dim=head_dim, sliding_window=options.get("sliding_window"))
+    num_kv_heads, num_pages, page_size, _ = clean.shape
+    if kv_dtype == jnp.int8:
+        kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean)))
+        stale = rng.integers(-128, 128, kv_q.shape, dtype=np.int8)
+        dirty = np.where(seen[None, :, :, None], kv_q, stale)
+        flat_seen = np.zeros(scale_rows(num_pages, page_size) * 128, bool)
+        flat_seen[:num_pages * 2 * page_size] = np.stack([seen, seen], axis=1).reshape(-1)  # K then V per page
+        assert not flat_seen.all()  # the layout's padding tail is poisoned too
+        dirty_scales = poison(scales, flat_seen.reshape(1, *scales.shape[1:]))
+        np.testing.assert_array_equal(  # the poison hides no scale a query reads
+            np.asarray(scales_by_page(jnp.asarray(dirty_scales), num_pages, page_size))[:, seen.nonzero()[0], :,
+                                                                                         seen.nonzero()[1]],
+            np.asarray(scales_by_page(jnp.asarray(scales), num_pages, page_size))[:, seen.nonzero()[0], :,
+                                                                                  seen.nonzero()[1]])
+        pools = {"clean": (kv_q, scales), "dirty": (dirty, dirty_scales)}
+    else:
+        dirty = poison(clean, seen[None, :, :, None])
+        pools = {"clean": (clean.astype(kv_dtype), None), "dirty": (jnp.asarray(dirty).astype(kv_dtype), None)}
+    out = {}
+    for name, (kv, scales) in pools.items():
+        args = (jnp.asarray(q), jnp.asarray(kv), *map(jnp.asarray, rest))
+        s = None if scales is None else jnp.asarray(scales)
+        kw = dict(sm_scale=head_dim ** -0.5, kv_scales=s, **options)
+        out[name] = np.asarray(jax.jit(lambda *a: cpu_kernel.ragged_paged_attention_cpu(*a, **kw))(*args))
+        out[name + "_ref"] = np.asarray(jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args))
+    assert np.isfinite(out["dirty"]).all()
+    np.testing.assert_array_equal(out["dirty"], out["clean"])
+    assert not out["clean"][-2:].any() and np.abs(out["clean"]).max() > 0.01  # padding tokens: zeros
+    assert np.isfinite(out["dirty_ref"]).all()  # the reference's contract: the poison is where no query looks
+    np.testing.assert_allclose(out["clean"], out["clean_ref"], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(out["dirty"], out["dirty_ref"], atol=2e-5, rtol=1e-5)
+
+
+@needs_cxx
+def test_bfloat16_queries_come_back_in_bfloat16():
+    rng = np.random.default_rng(2)
+    args = make_case(rng, [1, 5], [9, 5], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4, pages_per_seq=3,
+                     num_pages=8)
+    got, want = run_both(args, kv_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, sm_scale=0.125)
+    np.testing.assert_allclose(got, want, atol=1e-2, rtol=1e-2)  # both round the f32 result to bf16
+
+
+@needs_cxx
+def test_padding_rows_are_zero_and_rows_of_invalid_sequences_too():
+    rng = np.random.default_rng(3)
+    q, kv, kv_lens, pages, cu, _ = make_case(rng, [2, 3, 1], [5, 3, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                             page_size=4, pages_per_seq=3, num_pages=10)
+    q = np.concatenate([q, rng.standard_normal((2, 4, 64)).astype(np.float32)])  # two padding tokens
+    out = np.asarray(cpu_kernel.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu)),
+                                                           jnp.array([2], jnp.int32), sm_scale=0.125))
+    want = np.asarray(ragged_paged_attention_reference(*map(jnp.asarray, (q, kv, kv_lens, pages, cu)),
+                                                       jnp.array([2], jnp.int32), sm_scale=0.125))
+    np.testing.assert_allclose(out[:5], want[:5], atol=2e-5)  # the two valid sequences
+    assert np.abs(out[:5]).max() > 0.01
+    assert not out[5:].any()  # the third sequence (index >= num_seqs) and the padding tokens
+
+
+@needs_cxx
+def test_auto_dispatch_uses_the_kernel_on_cpu():
+    rng = np.random.default_rng(4)
+    args = list(map(jnp.asarray, make_case(rng, [1, 1], [7, 12], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                           page_size=4, pages_per_seq=3, num_pages=8)))
+    text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, max_q_len=1)).lower(*args).as_text()
+    assert cpu_kernel.TARGET in text
+    text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="reference")).lower(*args).as_text()
+    assert cpu_kernel.TARGET not in text
+
+
+@needs_cxx
+def test_out_of_contract_indices_are_clamped_not_read_out_of_bounds():
+    rng = np.random.default_rng(5)
+    q, kv, kv_lens, pages, cu, n = make_case(rng, [1, 2], [6, 4], num_q_heads=2, num_kv_heads=1, head_dim=64,
+                                             page_size=4, pages_per_seq=2, num_pages=4)
+    pages[0, 1] = 10 ** 6  # a page far outside the cache
+    pages[1, 0] = -5
+    kv_lens[1] = 10 ** 6  # longer than the page table's capacity
+    out = cpu_kernel.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu, n)), sm_scale=0.125)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+@needs_cxx
+def test_bad_arguments_are_rejected_by_name():
+    rng = np.random.default_rng(6)
+    args = list(map(jnp.asarray, make_case(rng, [1], [3], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
+                                           pages_per_seq=1, num_pages=2)))
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        cpu_kernel.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.int8), *args[2:])
+    with pytest.raises(ValueError, match="soft_cap"):
+        cpu_kernel.ragged_paged_attention_cpu(*args, soft_cap=0.0)
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        cpu_kernel.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.float16), *args[2:])
+    kv_q, scales = quantize_cache(args[1])
+    with pytest.raises(ValueError, match="kv_scales shape"):  # the old [num_pages, page_size, 2 * Hkv] scales
+        cpu_kernel.ragged_paged_attention_cpu(args[0], kv_q, *args[2:], kv_scales=jnp.zeros((2, 4, 2)))
+    with pytest.raises(ValueError, match="kv_cache_spec"):  # the old [num_pages, page_size, 2 * Hkv, D] cache
+        cpu_kernel.ragged_paged_attention_cpu(args[0], jnp.zeros((2, 4, 2, 64)), *args[2:])
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler-pagejax")
+    monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(cpu_kernel.KernelBuildError, match="no C\\+\\+ compiler 'no-such-compiler-pagejax'.*"
+                       "attn_impl='reference'"):
+        cpu_build.build()
+    assert not list(tmp_path.iterdir())
+
+
+@needs_cxx
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
+    first = cpu_build.build()
+    mtime = tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns
+    assert cpu_build.build() == first  # second call: no recompile
+    assert tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.split("/")[-1]]  # no temporary files left
+
+
+def test_environment_switch_disables_the_kernels(monkeypatch):
+    monkeypatch.setenv("PAGEJAX_CPU_KERNELS", "0")
+    reason = cpu_build.unavailable_reason.__wrapped__(*cpu_kernel.KERNEL)  # uncached: the env is read per call
+    assert reason is not None and "PAGEJAX_CPU_KERNELS=0" in reason
+
+
+@needs_cxx
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
+    """write_kv through csrc/write_rows_cpu.cc (in place, one memcpy per token) gives the loop's bytes exactly,
+    padding slots (-1) skipped and a slot written twice keeping the later token; a slot past the cache is skipped."""
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal(kv_cache_spec(5, 4, 2, 32).shape), jnp.float32)  # 20 slots
+    k, v = (jnp.asarray(rng.standard_normal((6, 2, 32)), jnp.float32) for _ in range(2))
+    cache, scales = quantize_cache(pages) if kv_dtype == jnp.int8 else (pages.astype(kv_dtype), None)
+
+    def write(c, s, slots):
+        return jax.tree.leaves(kv_cache.write_kv(c, k, v, slots, kv_scales=s))
+
+    slots = jnp.array([3, -1, 17, 0, 3, 19], jnp.int32)
+    kernel = jax.jit(write)
+    assert kv_cache.WRITE_KERNEL[0] in kernel.lower(cache, scales, slots).as_text()
+    got = kernel(cache, scales, slots)
+    past_end = kernel(cache, scales, jnp.array([-1, -1, 20, 400, -1, -1], jnp.int32))
+    for before, after in zip(jax.tree.leaves((cache, scales)), past_end):
+        np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
+    monkeypatch.setattr(kv_cache, "_write_kernel_available", lambda: False)
+    portable = jax.jit(lambda c, s, sl: write(c, s, sl))  # a new function: no trace cached with the kernel
+    assert kv_cache.WRITE_KERNEL[0] not in portable.lower(cache, scales, slots).as_text()
+    for a, b in zip(got, portable(cache, scales, slots)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@needs_cxx
+def test_rope_tables_kernel_matches_jnp(monkeypatch):
+    """models.layers.rope_tables through csrc/rope_tables_cpu.cc (materialized once, not re-evaluated per head)
+    equals XLA's cos/sin to float32 rounding, at positions up to 32k."""
+    from models import layers
+
+    positions = jnp.array([0, 1, 7, 128, 4095, 32767], jnp.int32)
+    inv_freq = layers.rope_inv_freq(64, 10000.0, None)
+    kernel = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
+    assert layers.ROPE_KERNEL[0] in kernel.lower(positions).as_text()
+    got = kernel(positions)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")  # any backend without the kernel
+    portable = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
+    assert layers.ROPE_KERNEL[0] not in portable.lower(positions).as_text()
+    for a, b in zip(got, portable(positions)):
+        assert a.shape == (6, 32)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)

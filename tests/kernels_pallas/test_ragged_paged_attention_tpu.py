@@ -1,0 +1,232 @@
+"""The Pallas Mosaic ragged paged attention kernel, run in TPU interpret mode on CPU, against the pure-JAX reference.
+
+`pltpu.InterpretParams()` (defaults: DMAs complete on `.wait()`, uninitialised memory reads as NaN) models async
+DMA ordering, so a VMEM read before its copy was waited on shows up as NaN here. Each grid point costs ~10-25 ms
+interpreted, so the shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
+from kernels_pallas.attention.tpu import ragged_paged_attention_tpu
+from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
+
+F32_TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    """A failed interpreted kernel leaves the interpreter's shared state behind; clear it for the next test."""
+    try:
+        yield
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+def run_kernel(args, interpret=None, **kw):
+    try:
+        out = ragged_paged_attention_tpu(*map(jnp.asarray, args), interpret=interpret or pltpu.InterpretParams(),
+                                         **kw)
+        return np.asarray(out)
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def run_reference(args, kv_scales=None, **kw):
+    """The reference, jitted (one compile per shape instead of one per eager op: seconds per case on 2 cores)."""
+    kw.pop("pages_per_block", None)
+    kw.pop("block_q", None)
+    fn = jax.jit(lambda *a, s: ragged_paged_attention_reference(*a, kv_scales=s, **kw))
+    return np.asarray(fn(*map(jnp.asarray, args), s=kv_scales))
+
+
+def assert_close(got, want, tol=F32_TOL):
+    assert not np.isnan(got).any(), "NaN in kernel output (read before DMA wait?)"
+    err = float(np.max(np.abs(got.astype(np.float32) - want.astype(np.float32))))
+    assert err <= tol, f"max abs error {err} > {tol}"
+
+
+# name: q_lens, kv_lens, (num_q_heads, num_kv_heads), head_dim, page_size, pages_per_seq, pages_per_block, extra kw
+CASES = {
+    # decode; kv 8 = exactly one page, 13 crosses a page, 33 spans 5 pages; T=3 < block_q (padded window path)
+    "decode_gqa3_p8": ([1, 1, 1], [8, 13, 33], (9, 3), 64, 8, 5, 2, dict(max_q_len=1)),
+    # prefill only: 16 = exactly one page, 11 (two query blocks), 3; one sequence ending at the tail of q
+    "prefill_mha_p16": ([16, 11, 3], [16, 11, 3], (3, 3), 64, 16, 1, 1, {}),
+    # mixed decode + prefill + chunked prefill (q_len < kv_len), pages_per_seq not a multiple of pages_per_block
+    "mixed_gqa3_p8": ([1, 9, 1, 4], [20, 9, 1, 30], (3, 1), 64, 8, 4, 3, {}),
+    "chunked_prefill_d128_p16": ([6], [22], (3, 1), 128, 16, 2, 1, {}),
+    "sliding_window_soft_cap": ([1, 5, 2], [40, 12, 30], (6, 2), 64, 8, 5, 2, dict(sliding_window=7, soft_cap=3.0)),
+    "kv_scales": ([2, 3], [9, 17], (3, 1), 64, 8, 3, 2, dict(k_scale=0.5, v_scale=1.5, sm_scale=0.3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_f32(name):
+    q_lens, kv_lens, (hq, hkv), head_dim, page_size, pps, ppb, extra = CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    args = make_case(rng, q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=page_size,
+                     pages_per_seq=pps, num_pages=pps * len(q_lens) + 3)
+    kw = {"sm_scale": 0.125, "pages_per_block": ppb} | extra
+    got = run_kernel(args, **kw)
+    assert_close(got, run_reference(args, **kw))
+    if "k_scale" not in kw:  # the numpy loop is an independent second opinion
+        naive_kw = {k: kw[k] for k in ("sm_scale", "sliding_window", "soft_cap") if k in kw}
+        assert_close(got, naive(*args, **naive_kw))
+
+
+def test_num_seqs_below_array_size_padding_rows_zero_and_page_table_tails_unread():
+    """Padding sequences and padding tokens give zero rows; page-table entries past a sequence's pages (and the
+    rows of the padding sequences) are out of range, so fetching any of them would raise in the interpreter."""
+    rng = np.random.default_rng(7)
+    q, kv_pages, kv_lens, page_indices, cu, num_seqs = make_case(
+        rng, [3, 1, 2], [10, 7, 16], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8, pages_per_seq=3,
+        num_pages=12, max_seqs=5)
+    bad = kv_pages.shape[1] + 1000
+    for s in range(5):
+        used = -(-kv_lens[s] // 8) if s < 3 else 0
+        page_indices[s, used:] = bad
+    q = np.concatenate([q, rng.standard_normal((3, 6, 64)).astype(np.float32)])  # 3 padding tokens
+    args = (q, kv_pages, kv_lens, page_indices, cu, num_seqs)
+    got = run_kernel(args, sm_scale=0.2, pages_per_block=2)
+    safe = page_indices.copy()
+    safe[safe == bad] = 0
+    want = naive(q[:6], kv_pages, kv_lens, safe, cu, num_seqs, sm_scale=0.2)
+    assert_close(got[:6], want)
+    assert np.all(got[6:] == 0)
+
+
+def test_bf16_inputs():
+    """bf16 q and pages, f32 accumulation; compared with the f32 reference on the same bf16-rounded values."""
+    rng = np.random.default_rng(8)
+    args = make_case(rng, [1, 7, 3], [19, 7, 12], num_q_heads=9, num_kv_heads=3, head_dim=64, page_size=16,
+                     pages_per_seq=2, num_pages=8)
+    q16, kv16 = jnp.asarray(args[0], jnp.bfloat16), jnp.asarray(args[1], jnp.bfloat16)
+    got = run_kernel((q16, kv16, *args[2:]), sm_scale=0.125, pages_per_block=1)
+    assert got.dtype == jnp.bfloat16
+    want = run_reference((q16.astype(jnp.float32), kv16.astype(jnp.float32), *args[2:]), sm_scale=0.125)
+    assert_close(got, want, tol=2e-2)
+
+
+def test_no_races_with_two_cores():
+    """The KV-head grid axis is "parallel": split across two simulated cores, with the race detector on."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    rng = np.random.default_rng(9)
+    args = make_case(rng, [1, 5], [12, 5], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, pages_per_seq=2,
+                     num_pages=6)
+    got = run_kernel(args, interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2),
+                     sm_scale=0.125, pages_per_block=1)
+    assert_close(got, run_reference(args, sm_scale=0.125))
+    races = getattr(ipc, "races", None)
+    if races is not None:
+        assert not races.races_found
+
+
+def test_dispatch_tpu_impl_and_auto_on_cpu():
+    rng = np.random.default_rng(10)
+    args = tuple(map(jnp.asarray, make_case(rng, [1, 2], [9, 2], num_q_heads=3, num_kv_heads=3, head_dim=64,
+                                            page_size=8, pages_per_seq=2, num_pages=6)))
+    want = run_reference(args, sm_scale=0.125)
+    try:
+        got = np.asarray(ragged_paged_attention(*args, sm_scale=0.125, impl="tpu", max_q_len=2,
+                                                interpret=pltpu.InterpretParams()))
+    except Exception:
+        pltpu.reset_tpu_interpret_mode_state()
+        raise
+    assert_close(got, want)
+    if jax.default_backend() != "tpu":  # auto must not pick the Mosaic kernel off TPU (it would need interpret)
+        auto = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.125))
+        assert "tpu_custom_call" not in auto.lower(*args).as_text()
+        assert_close(np.asarray(auto(*args)), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_lowers_to_mosaic_for_tpu(dtype, monkeypatch, request):
+    """Cross-platform export runs the Pallas -> Mosaic MLIR lowering without a TPU (not Mosaic's own compiler,
+    which lives in libtpu). The lowering asks for the chip's info, so pretend the CPU is a v5e."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+        chip = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    except (ImportError, AttributeError) as e:  # private API; may move in later jax versions
+        pytest.skip(f"tpu_info API unavailable: {e}")
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: chip)
+    clear = getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)  # get_tpu_info memoises its answer
+    clear()
+    request.addfinalizer(clear)
+    rng = np.random.default_rng(11)
+    args = list(map(jnp.asarray, make_case(rng, [1, 9, 4], [20, 9, 30], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                                           page_size=16, pages_per_seq=2, num_pages=8)))
+    kw = {}
+    if dtype == "int8":  # bf16 queries over an int8 cache with per-token scales
+        from kernels_pallas.kv_cache.writes import quantize_cache
+
+        args[0] = args[0].astype(jnp.bfloat16)
+        args[1], kw["kv_scales"] = quantize_cache(args[1])
+    else:
+        args[0], args[1] = args[0].astype(dtype), args[1].astype(dtype)
+    fn = jax.jit(lambda *a, **k: ragged_paged_attention_tpu(*a, sm_scale=0.125, sliding_window=5, soft_cap=3.0, **k))
+    text = jax.export.export(fn, platforms=["tpu"])(*args, **kw).mlir_module()
+    assert "tpu_custom_call" in text
+
+
+def test_int8_kv_cache_with_per_token_scales():
+    """int8 pages + f32 per-token-per-head scales: the scale rows are DMA'd beside each page (a read before the
+    wait would show up as NaN), rotated into place and applied to score and probability columns; equals the
+    reference on the same int8 cache. page_size 8: 8 pages share a 128-lane scale row."""
+    from kernels_pallas.kv_cache.writes import quantize_cache
+
+    rng = np.random.default_rng(12)
+    q, kv, *rest = make_case(rng, [1, 6, 2], [13, 6, 24], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                             pages_per_seq=3, num_pages=11)
+    kv_q, scales = quantize_cache(jnp.asarray(kv))
+    args = (q, kv_q, *rest)
+    kw = dict(sm_scale=0.125, sliding_window=9, v_scale=0.5)
+    got = run_kernel(args, kv_scales=scales, pages_per_block=2, **kw)
+    assert_close(got, run_reference(args, kv_scales=scales, **kw))
+
+
+@pytest.mark.parametrize("kv_dtype,page_size", [("float32", 8), ("bfloat16", 16), ("int8", 8), ("int8", 64)])
+def test_stale_pages_change_no_output(kv_dtype, page_size):
+    """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, pages the padding
+    entries of the page table point at, the scales' padding) changes no output of the kernel."""
+    from kernels_pallas.kv_cache.writes import quantize_cache
+
+    rng = np.random.default_rng(13)
+    pps, num_pages = 3, 12
+    q, kv, lens, pages, cu, ns = make_case(rng, [1, 3, 2], [page_size + 3, 2 * page_size + 1, 2], num_q_heads=4,
+                                           num_kv_heads=2, head_dim=64, page_size=page_size, pages_per_seq=pps,
+                                           num_pages=num_pages, max_seqs=4)
+    pages[2, 1:] = pages[3] = 11  # padding entries point at page 11 (used by no sequence)
+    window = page_size  # the second sequence's first page falls out of its window
+    seen = np.zeros((num_pages, page_size), bool)
+    for s in range(3):
+        q_len = cu[s + 1] - cu[s]
+        for j in range(max(0, lens[s] - q_len - window + 1), lens[s]):
+            seen[pages[s, j // page_size], j % page_size] = True
+    kw = dict(sm_scale=0.3, sliding_window=window, pages_per_block=2, max_q_len=3)
+    if kv_dtype == "int8":
+        kv_ok, s_ok = quantize_cache(jnp.asarray(kv))
+        kv_bad = np.array(kv_ok)
+        kv_bad[:, ~seen] = 127
+        s_bad = np.array(s_ok).reshape(2, -1)
+        flat_seen = np.stack([seen, seen], axis=1).reshape(-1)
+        s_bad[:, np.flatnonzero(~flat_seen)] = np.nan
+        s_bad[:, flat_seen.size:] = np.inf
+        want = run_kernel((q, kv_ok, lens, pages, cu, ns), kv_scales=s_ok, **kw)
+        got = run_kernel((q, kv_bad, lens, pages, cu, ns), kv_scales=s_bad.reshape(s_ok.shape), **kw)
+    else:
+        bad = np.array(kv)
+        bad[:, ~seen] = np.where(rng.random(bad[:, ~seen].shape) < 0.5, np.nan, np.inf)
+        dtype = jnp.dtype(kv_dtype)
+        want = run_kernel((q, jnp.asarray(kv, dtype), lens, pages, cu, ns), **kw)
+        got = run_kernel((q, jnp.asarray(bad, dtype), lens, pages, cu, ns), **kw)
+    assert np.all(np.isfinite(want))
+    np.testing.assert_array_equal(got, want)

@@ -1,0 +1,28 @@
+"""scripts/kernel_bench.py --smoke: the GPU benchmark's whole flow (checks against the reference, copy bandwidth,
+timing, JSON) on tiny shapes in interpret mode, in a subprocess (absl flags are process-global)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_kernel_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_bench.py"), "--smoke",
+                           f"--out={out}"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["all_ok"] and result["copy_bandwidth_GBps"] > 0
+    assert set(result["cases"]) == {"decode", "decode_int8", "mixed"}
+    for case in result["cases"].values():
+        assert "xla_reference" in case["variants"] and len(case["variants"]) >= 2
+        for v in case["variants"].values():
+            assert v["max_err"] <= 2e-5 and v["time_ms"] > 0 and v["GBps"] > 0
+    # the int8 cache reads 1-byte values plus one f32 scale per token and head slot: fewer bytes than f32
+    assert result["cases"]["decode_int8"]["bytes_read"] < result["cases"]["decode"]["bytes_read"]
