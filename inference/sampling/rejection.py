@@ -22,15 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from inference.sampling.sampler import SamplingTensors, _argmax, process_logits
+from inference.sampling.sampler import PRNG_IMPL, SamplingTensors, _argmax, process_logits
 
 #: Residual masses Z = sum((q - p)+) at or below this are treated as zero and the recovery token is drawn from q
 #: instead of the residual. Why this is harmless: with normalised q and p the probability of rejecting at a position
 #: is sum((p - q)+) = Z, so replacing the residual by q there moves the output distribution by at most Z <= 1e-6 in
 #: total variation; and a residual that small is f32 cancellation noise of q - p, not a distribution worth sampling.
 RESIDUAL_EPS = 1e-6
-
-_PRNG_IMPL = "threefry2x32"  # same explicit implementation as the sampler, for raw u32 key data
 
 
 def probs_from_logits(logits: jax.Array, sampling_tensors: SamplingTensors, use_filters: bool) -> jax.Array:
@@ -69,7 +67,7 @@ def _row_keys(key: jax.Array, s: int) -> tuple[jax.Array, bool]:
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         typed = key
     else:
-        typed = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl=_PRNG_IMPL)
+        typed = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl=PRNG_IMPL)
     if typed.ndim == 0:
         return typed, False
     if typed.shape == (s,):

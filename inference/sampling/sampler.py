@@ -53,7 +53,9 @@ from jax import lax
 
 from inference.sampling.params import SAMPLING_EPS, SamplingParams
 
-_PRNG_IMPL = "threefry2x32"
+#: The PRNG implementation every sampling key uses (raw u32[2] key data), whatever JAX's default: the rejection
+#: sampler and the draft model wrap key data with it too.
+PRNG_IMPL = "threefry2x32"
 _U32_MASK = 0xFFFFFFFF
 
 #: How many of each row's largest logits the filter fast path looks at (`lax.top_k`, ~7 ms for [32, 49152] on CPU,
@@ -171,7 +173,7 @@ def needs_filters(params_list: Sequence[SamplingParams]) -> bool:
 
 def row_keys(t: SamplingTensors) -> jax.Array:
     """Typed PRNG keys [S]: `fold_in(key(seed), step)` per row, threefry2x32 regardless of the global default."""
-    base = jax.random.wrap_key_data(jnp.asarray(t.seed_key, jnp.uint32), impl=_PRNG_IMPL)
+    base = jax.random.wrap_key_data(jnp.asarray(t.seed_key, jnp.uint32), impl=PRNG_IMPL)
     return jax.vmap(jax.random.fold_in)(base, jnp.asarray(t.step, jnp.int32))
 
 

@@ -38,7 +38,7 @@ from flax import nnx
 
 from inference.runtime.batch import BucketLimits, ModelInput, build_model_input
 from inference.runtime.runner import ModelRunner
-from inference.sampling.sampler import SamplingTensors, needs_filters, sample
+from inference.sampling.sampler import PRNG_IMPL, SamplingTensors, needs_filters, sample
 from inference.engine.scheduler import ScheduledBatch
 from inference.sampling.rejection import probs_from_logits
 from inference.spec_decode.proposer import DraftModelProposer, DraftProposal
@@ -205,7 +205,7 @@ def check_same_tokenizer(target_config: ModelConfig, target_tok, draft_config: M
 
 def _draft_keys(sampling: SamplingTensors) -> SamplingTensors:
     """The same rows with a salted seed key: draft draws are independent of the verification's (seed, step) keys."""
-    base = jax.random.wrap_key_data(jnp.asarray(sampling.seed_key, jnp.uint32), impl="threefry2x32")
+    base = jax.random.wrap_key_data(jnp.asarray(sampling.seed_key, jnp.uint32), impl=PRNG_IMPL)
     salted = jax.vmap(lambda key: jax.random.fold_in(key, DRAFT_KEY_SALT))(base)
     return sampling.replace(seed_key=jax.random.key_data(salted))
 
