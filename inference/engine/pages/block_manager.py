@@ -52,6 +52,11 @@ class OutOfPagesError(RuntimeError):
     pass
 
 
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """How many pages hold `num_tokens` tokens: ceil(num_tokens / page_size)."""
+    return -(-num_tokens // page_size)
+
+
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     """Hash of a full page: its parent page's hash (or the chain root) and its token ids."""
     return hashlib.sha256(parent + array.array("q", tokens).tobytes()).digest()
@@ -109,7 +114,7 @@ class BlockManager:
         return self.prefix_hits_tokens / self.prefix_queries_tokens if self.prefix_queries_tokens else 0.0
 
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_needed(num_tokens, self.page_size)
 
     # ---- the sequence's table and the window -------------------------------------------------------------------
     def table(self, seq: Sequence) -> list[int]:

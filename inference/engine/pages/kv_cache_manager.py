@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence as Seq
 
-from inference.engine.pages.block_manager import BlockManager, OutOfPagesError
+from inference.engine.pages.block_manager import BlockManager, OutOfPagesError, pages_needed
 from inference.engine.sequence import Sequence
 
 
@@ -67,7 +67,7 @@ class KVCacheManager:
         return self.groups[0].prefix_hit_rate
 
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_needed(num_tokens, self.page_size)
 
     def held_pages(self, seq: Sequence) -> list[int]:
         """Pages the sequence holds in each group (null entries excluded)."""
