@@ -42,7 +42,7 @@ GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # chip -> (backend, topology of 1 chip, topology of 8 chips)
 CHIPS = {"v5e": ("tpu", "v5e:1x1", "v5e:2x4"), "v6e": ("tpu", "v6e:1x1", "v6e:2x4"),
          "h100": ("gpu", "1x1x1", "1x1x8"), "h200": ("gpu", "1x1x1", "1x1x8")}
-CPU_ONLY_CALLS = ("pagejax_",)  # the C++ CPU kernels' FFI targets (kernels_pallas/csrc)
+CPU_ONLY_CALLS = ("pagejax_",)  # the C++ CPU kernels' FFI targets (kernels_pallas/native/csrc)
 
 
 @functools.cache

@@ -9,13 +9,14 @@
 Prompts are random token ids of a fixed length (speed does not depend on the text), or, with --prompts_file, a
 prompt set of varied lengths: the launcher's input JSONL (rows with "prompt" or chat "messages"), the first B rows
 for batch size B (repeated when the file has fewer); transformers then runs them left-padded. Generation is greedy
-with EOS ignored so every request produces exactly `output_len` tokens. Each batch size runs twice: once to compile every
-shape the run meets (reported as warm-up), then measured. Serving mode sends requests with Poisson arrivals at --request_rate per second, prompt lengths
-uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to exercise the prefix cache), and
-reports TTFT and inter-token latency percentiles. With --json the last line printed is one JSON object: {"pagejax": {...}, "hf": {...},
-"ratio": {...}}, where each side has ttft_s, output_tok_s and decode_tok_s per batch size ("llamacpp" in place of
-"hf" with --compare=llamacpp: llama.cpp runs the same GGUF, its own quantized weights, through
-scripts/llamacpp_bench.py; transformers runs through scripts/hf_bench.py, each in a child process).
+with EOS ignored so every request produces exactly `output_len` tokens. Each batch size runs twice: once to compile
+every shape the run meets (reported as warm-up), then measured. Serving mode sends requests with Poisson arrivals at
+--request_rate per second, prompt lengths uniform in [input_len/2, 3*input_len/2] (optionally behind a shared prefix, to
+exercise the prefix cache), and reports TTFT and inter-token latency percentiles. With --json the last line printed is
+one JSON object: {"pagejax": {...}, "hf": {...}, "ratio": {...}}, where each side has ttft_s, output_tok_s and
+decode_tok_s per batch size ("llamacpp" in place of "hf" with --compare=llamacpp: llama.cpp runs the same GGUF, its own
+quantized weights, through scripts/llamacpp_bench.py; transformers runs through scripts/hf_bench.py, each in a child
+process).
 """
 
 from __future__ import annotations

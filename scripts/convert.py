@@ -4,9 +4,9 @@
     python scripts/convert.py --model=path/to/hf_folder --output=/ckpt/model --dtype=bfloat16
     python -c "from inference import LLM; LLM('/ckpt/smollm2', tensor_parallel_size=4)"
 
-The folder holds the canonical (unpadded) weights, the model config and the tokenizer (models/loaders/orbax_checkpoint.py), so
-one conversion serves every tensor-parallel size, and a restore reads each device's slice straight into place.
-GGUF quantized blocks are dequantized (the checkpoint holds plain float arrays).
+The folder holds the canonical (unpadded) weights, the model config and the tokenizer
+(models/loaders/orbax_checkpoint.py), so one conversion serves every tensor-parallel size, and a restore reads each
+device's slice straight into place. GGUF quantized blocks are dequantized (the checkpoint holds plain float arrays).
 """
 
 from __future__ import annotations

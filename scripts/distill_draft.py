@@ -4,8 +4,8 @@
     python -c 'from inference import LLM; LLM(speculative_method="draft", \
         speculative_model="/tmp/pagejax-draft.safetensors")'
 
-Why distil: a draft made by dropping layers (`inference.spec_decode.draft.prune_layers`) keeps the target's embeddings and
-head but its residual stream now skips most of the computation, so it agrees with the target less often than it
+Why distil: a draft made by dropping layers (`inference.spec_decode.draft.prune_layers`) keeps the target's embeddings
+and head but its residual stream now skips most of the computation, so it agrees with the target less often than it
 could. A few hundred optax steps of cross-entropy against the *target's* next-token distributions (its top-k
 probabilities, renormalised: KL to the target up to a constant) on text the target itself generated teach the
 kept layers to stand in for the dropped ones. Only the layers and the final norm train; the embedding (tied to the

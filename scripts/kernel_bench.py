@@ -63,7 +63,7 @@ def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pag
 def bytes_read(q, kv_lens, kv_pages, kv_scales=None) -> int:
     """Bytes the batch must read: every cached token's K and V (and their scales) plus q."""
     tokens = int(np.sum(kv_lens))
-    num_kv_heads, _, _, width = kv_pages.shape  # kv_layout.py: [Hkv, pages, page_size, 2D]
+    num_kv_heads, _, _, width = kv_pages.shape  # kv_cache/layout.py: [Hkv, pages, page_size, 2D]
     per_token = num_kv_heads * width * kv_pages.dtype.itemsize
     if kv_scales is not None:  # one K and one V scale per token and KV head
         per_token += num_kv_heads * 2 * kv_scales.dtype.itemsize

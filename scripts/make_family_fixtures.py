@@ -1,7 +1,7 @@
 """Write the per-family reference fixtures that tests/models/test_families.py checks without transformers.
 
-For each family (mistral, qwen2, qwen3, gemma2, gemma3_text, deepseek_v2) this builds a tiny random transformers model whose
-config exercises the family's details (sliding windows shorter than the test sequence, QKV bias, QK-norm, Gemma
+For each family (mistral, qwen2, qwen3, gemma2, gemma3_text, deepseek_v2) this builds a tiny random transformers model
+whose config exercises the family's details (sliding windows shorter than the test sequence, QKV bias, QK-norm, Gemma
 norms, soft caps, query_pre_attn_scalar, per-layer-type RoPE), stores it in bfloat16 (config.json +
 model.safetensors, under 200 KB), reloads that folder in float32 with eager attention and records transformers'
 logits for a fixed token sequence:

@@ -3,11 +3,11 @@
     python scripts/quant_bench.py                      # SmolLM2 shapes 1x576x1536, 32x576x1536, 1x576x49152
     python scripts/quant_bench.py --shapes=32x576x1536 --rounds=50
 
-For each shape (M x K x N: activation [M, K] @ weight [K, N]) and each weight format / `models.quantization.formats.matmul`
-method it prints the median time, the ratio to the f32 matmul, the compiled temp memory, whether the compiled HLO holds
-a float32 (or int32) array of the full weight (shape [K, N], [K/g, g, N] or [K/g, g/2, N]; s8[K/g, g/2, N] are the
-unpacked int4 nibbles, 1 byte per weight), and the max error
-relative to max|x @ W_dequantized|. Variants are timed interleaved, round-robin, so machine load hits all alike.
+For each shape (M x K x N: activation [M, K] @ weight [K, N]) and each weight format /
+`models.quantization.formats.matmul` method it prints the median time, the ratio to the f32 matmul, the compiled temp
+memory, whether the compiled HLO holds a float32 (or int32) array of the full weight (shape [K, N], [K/g, g, N] or
+[K/g, g/2, N]; s8[K/g, g/2, N] are the unpacked int4 nibbles, 1 byte per weight), and the max error relative to
+max|x @ W_dequantized|. Variants are timed interleaved, round-robin, so machine load hits all alike.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The int8 KV cache through the model and the engine: `LLM(kv_cache_dtype="int8")`.
 
-Kernel-level quantize-on-write and dequantization are tested in tests/kernels_pallas/test_ragged_paged_attention.py; here the
-whole path: cache bytes, exactness of the engine machinery around an int8 cache, and SmolLM2's quality against
+Kernel-level quantize-on-write and dequantization are tested in tests/kernels_pallas/test_ragged_paged_attention.py;
+here the whole path: cache bytes, exactness of the engine machinery around an int8 cache, and SmolLM2's quality against
 transformers' float32 outputs.
 """
 

@@ -1,5 +1,5 @@
-"""Speculative decoding with a draft model (inference/spec_decode/draft.py): pruning, the draft file, exactness under greedy
-(SmolLM2 with a pruned SmolLM2 draft) and under sampling (tiny models, chi-square), mixed steps, adaptive k."""
+"""Speculative decoding with a draft model (inference/spec_decode/draft.py): pruning, the draft file, exactness under
+greedy (SmolLM2 with a pruned SmolLM2 draft) and under sampling (tiny models, chi-square), mixed steps, adaptive k."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from inference import LLM, SamplingParams
-from inference.spec_decode.draft import (DraftSpec, PagedDraftProposer, decoder_weights, load_draft_weights, parse_layers,
-                                         prune_layers, save_draft)
+from inference.spec_decode.draft import (DraftSpec, PagedDraftProposer, decoder_weights, load_draft_weights,
+                                         parse_layers, prune_layers, save_draft)
 from inference.engine.llm_engine import Engine
 from inference.engine.scheduler import SchedulerConfig
 from inference.spec_decode.adaptive_k import AdaptiveK
@@ -58,8 +58,8 @@ def test_prune_layers_renumbers_and_validates(tmp_path):
 
 def test_smollm2_greedy_with_pruned_draft_is_token_identical(smollm2):
     """SmolLM2 verified against a draft of 7 of its 30 layers: the transformers fixtures' 32-token greedy
-    continuations (which plain greedy decoding reproduces, tests/models/test_smollm2.py) of three prompts, token for token.
-    The draft runs on the fixture's runner (its KV cache; the fixture's prefix cache is dropped afterwards)."""
+    continuations (which plain greedy decoding reproduces, tests/models/test_smollm2.py) of three prompts, token for
+    token. The draft runs on the fixture's runner (its KV cache; the fixture's prefix cache is dropped afterwards)."""
     llm = smollm2
     target_weights = decoder_weights(nnx.merge(llm.runner.graphdef, llm.runner.params))
     config, weights = prune_layers(llm.runner.config, target_weights, parse_layers("0:30:5,29", 30))

@@ -1,5 +1,5 @@
-"""Sharded attention on 8 virtual CPU devices, run by tests/kernels_pallas/test_kernel_sharding.py in a subprocess (the pytest
-process has one CPU device). Prints one JSON object on the last line of stdout: per check, the max abs error of
+"""Sharded attention on 8 virtual CPU devices, run by tests/kernels_pallas/test_kernel_sharding.py in a subprocess (the
+pytest process has one CPU device). Prints one JSON object on the last line of stdout: per check, the max abs error of
 the sharded call against the unsharded one and the per-device shard shapes."""
 
 from __future__ import annotations

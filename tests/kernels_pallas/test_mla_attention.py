@@ -57,7 +57,7 @@ def test_reference_matches_numpy_loop_and_gqa_reference():
     assert_close(got, naive_mla(*args, **kw))
     # MLA == MQA with K = [c | k_rope], V = [c | 0] (first Dl output columns).
     ql, qr, latent, *rest = args
-    width = latent.shape[-1]  # one KV head: K lanes [c | k_rope], then V lanes [c | 0] (kv_layout.py)
+    width = latent.shape[-1]  # one KV head: K lanes [c | k_rope], then V lanes [c | 0] (kv_cache/layout.py)
     kv = np.zeros((1, *latent.shape[:2], 2 * width), np.float32)
     kv[0, :, :, :width], kv[0, :, :, width:width + 32] = latent, latent[..., :32]
     gqa = jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(

@@ -1,7 +1,7 @@
 """The C++ CPU kernel (XLA FFI) against the pure-JAX reference: a sweep of ragged batches, head layouts, page sizes,
 head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 with per-token scales),
 sliding window, soft cap and static scales; a pool poisoned with NaN/Inf wherever no query may look; plus its failure
-modes (no compiler, out-of-contract indices). Caches are in kv_layout.py's layout, built through `kv_cache_spec`
+modes (no compiler, out-of-contract indices). Caches are in kv_cache/layout.py's layout, built through `kv_cache_spec`
 (`make_case`) and `kv_cache.quantize_cache` (int8)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ptxas, deviceless, for H100) with its registers, spills and shared memory.
 Interpreted cases cost seconds each (mostly compiling the interpreter's grid loop), so the sweep is pairwise:
 every value of each factor (batch kind, page size 8/16/64, GQA ratio 1/3/8, head_dim 64/128, window, soft cap,
 int8 KV, split-KV, dtype, empty / one-page / page-crossing sequences, padding) appears, not every combination.
-Caches are in kv_layout.py's layout (`make_case`, `kv_cache.quantize_cache`).
+Caches are in kv_cache/layout.py's layout (`make_case`, `writes.quantize_cache`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def build(name):
 
 
 def dequantize(kv_q, scales) -> np.ndarray:
-    """An int8 cache and its scales -> the float32 cache they stand for (kv_layout.py's layout)."""
+    """An int8 cache and its scales -> the float32 cache they stand for (kv_cache/layout.py's layout)."""
     num_kv_heads, num_pages, page_size, _ = kv_q.shape
     by_page = np.asarray(scales_by_page(jnp.asarray(scales), num_pages, page_size))  # [Hkv, P, 2, ps]
     k, v = (np.asarray(x, np.float32) for x in split_kv(np.asarray(kv_q)))

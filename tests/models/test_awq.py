@@ -1,5 +1,6 @@
-"""AWQ-style scaling (models/quantization/awq.py) on tiny random models: the folded scales are an exact float transformation,
-they lower the quantized layers' output error against plain int4, and LLM(quantization="int4-awq") runs."""
+"""AWQ-style scaling (models/quantization/awq.py) on tiny random models: the folded scales are an exact float
+transformation, they lower the quantized layers' output error against plain int4, and LLM(quantization="int4-awq")
+runs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Quantized decoders (models/quantization/modes.py): parameter pytrees, memory, exactness of the GGUF path, and closeness of
-quantized SmolLM2 to float32 (KL of next-token distributions, greedy agreement with transformers' float32 greedy)."""
+"""Quantized decoders (models/quantization/modes.py): parameter pytrees, memory, exactness of the GGUF path, and
+closeness of quantized SmolLM2 to float32 (KL of next-token distributions, greedy agreement with transformers' float32
+greedy)."""
 
 from __future__ import annotations
 

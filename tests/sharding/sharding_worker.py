@@ -1,5 +1,5 @@
-"""Tensor-parallel checks on 8 virtual CPU devices, run by tests/sharding/test_sharding.py in a subprocess (the pytest process
-has one CPU device). Prints one JSON object on the last line of stdout.
+"""Tensor-parallel checks on 8 virtual CPU devices, run by tests/sharding/test_sharding.py in a subprocess (the pytest
+process has one CPU device). Prints one JSON object on the last line of stdout.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/sharding_worker.py
 
