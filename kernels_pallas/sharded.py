@@ -2,7 +2,7 @@
 
 Under GSPMD (`jax.jit` with sharded inputs) XLA cannot partition a Pallas custom call: it would gather the whole
 KV cache onto every device. Attention is embarrassingly parallel over KV heads, so this wrapper states the split
-explicitly: the KV-head axis of `kv_pages` (axis 0, kv_layout.py) and the query-head axis of q are split over
+explicitly: the KV-head axis of `kv_pages` (axis 0, kv_cache/layout.py) and the query-head axis of q are split over
 one mesh axis, the page tables and lengths are replicated, and each device runs the unmodified kernel on its
 `Hkv / n` KV heads and their `Hq / n` query heads, with no collective. Because the query heads of a KV head are
 contiguous, device i's query heads are exactly those of its KV heads. `kv_scales` (int8 cache) is head-major too
@@ -10,8 +10,7 @@ and split the same way. The model's heads must divide by the axis size; `shardin
 MLA (`sharded_ragged_paged_mla_attention`) has one latent cache shared by all heads: query heads are split and
 the latent pages replicated.
 
-`check_vma=False`: a pallas_call inside shard_map has no varying-axis annotations on its out_shape in jax 0.10.2
-(shared/JAX_CPU_NOTES.md, section 4).
+`check_vma=False`: a pallas_call inside shard_map has no varying-axis annotations on its out_shape in jax 0.10.2.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: floa
 @struct.dataclass
 class QuantizedKV:
     """One layer's int8 KV cache: int8 `pages` and their float32 per-token-per-head `scales`, both in
-    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache/writes.py says why per token and head). A pytree, so
-    the steps donate and shard it like a plain cache array."""
+    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache/writes.py says why per token and head). A pytree,
+    so the steps donate and shard it like a plain cache array."""
 
     pages: jax.Array
     scales: jax.Array
@@ -42,7 +42,7 @@ class QuantizedKV:
 
 @struct.dataclass
 class AttentionMetadata:
-    """Where each packed token lives in the paged cache and which sequence it belongs to (see DESIGN.md)."""
+    """Where each packed token lives in the paged cache and which sequence it belongs to (see docs/architecture.md)."""
 
     slot_mapping: jax.Array  # i32[T]; -1 for padding tokens
     kv_lens: jax.Array  # i32[S]; cached tokens per sequence after this step's writes

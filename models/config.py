@@ -268,8 +268,8 @@ class ModelConfig:
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
         """The KV cache groups, one per distinct window of the caches (None, full attention, first): the caches
-        of a group share a page pool and one page table per sequence (inference/engine/pages/kv_cache_manager.py). A cache
-        read by several layers (CLA) belongs to the widest window among them."""
+        of a group share a page pool and one page table per sequence (inference/engine/pages/kv_cache_manager.py). A
+        cache read by several layers (CLA) belongs to the widest window among them."""
         windows = {self._cache_window(self.kv_layer(i)) for i in range(self.num_layers)}
         return tuple(sorted(windows, key=lambda w: -1 if w is None else w))
 

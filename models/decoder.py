@@ -4,7 +4,7 @@ text differ only in ModelConfig fields (windows, norms, soft caps, scales); Deep
 `cla_factor` layers.
 
 Layers live in a Python list and the forward loops over them in Python: on CPU, per-layer arrays in an unrolled
-loop compiled and ran faster than `lax.scan` over stacked weights (shared/JAX_CPU_NOTES.md, section 7), and the KV
+loop compiled and ran faster than `lax.scan` over stacked weights, and the KV
 cache is likewise a list of per-layer page arrays that the step donates.
 """
 
@@ -155,7 +155,8 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     (`group_size`, default 32 if it divides every input dimension, else 64) with the LM head and embedding per-channel
     int8; "int4-awq": AWQ scales searched on `calibration_tokens` and folded into the float weights
     (`models.quantization.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
-    (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and biases stay float.
+    (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and
+    biases stay float.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")

@@ -23,8 +23,8 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantization/modes.py); its matmul is
-    then `matmul_method`, or the one `models.quantization.modes.pick_method` chooses when that is None."""
+    """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantization/modes.py); its matmul
+    is then `matmul_method`, or the one `models.quantization.modes.pick_method` chooses when that is None."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):

@@ -3,11 +3,11 @@
 Each process (one per host on a TPU pod or a multi-GPU cluster; several on one machine for tests) calls
 `initialize(DistributedConfig...)` before any other JAX call. Afterwards `jax.devices()` lists every process's
 devices and `jax.local_devices()` this process's own. pagejax runs *process-level data parallelism*: every process
-builds its own `LLM` (its replicas and tensor-parallel meshes over its local devices only, inference/entrypoints/llm.py),
-takes its share of the input (`shard_for_process`, grain's per-process sharding) and writes its own output
-shard; `barrier` then lets process 0 merge the shards (scripts/generate.py). No array spans processes, so there
-is no cross-host traffic while generating; a model too large for one host's devices would need a mesh that spans
-hosts, which this does not do.
+builds its own `LLM` (its replicas and tensor-parallel meshes over its local devices only,
+inference/entrypoints/llm.py), takes its share of the input (`shard_for_process`, grain's per-process sharding) and
+writes its own output shard; `barrier` then lets process 0 merge the shards (scripts/generate.py). No array spans
+processes, so there is no cross-host traffic while generating; a model too large for one host's devices would need a
+mesh that spans hosts, which this does not do.
 
 Where the settings come from (flags win over the environment):
 
@@ -17,7 +17,7 @@ Where the settings come from (flags win over the environment):
     auto-detect          --distributed_auto      PAGEJAX_DISTRIBUTED_AUTO=1    JAX reads the cluster itself
                                                                                (TPU pod metadata, SLURM, Open MPI)
 
-On CPU the processes exchange collectives over gloo (shared/JAX_CPU_NOTES.md, section 5); the setting only
+On CPU the processes exchange collectives over gloo; the setting only
 affects the CPU client, so GPU and TPU processes run the same code.
 """
 

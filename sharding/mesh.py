@@ -2,7 +2,7 @@
 
 Auto axes let XLA's GSPMD partitioner choose the collectives for a contraction whose contracting dimension is
 sharded (row-parallel o_proj / down_proj): with `jax.make_mesh`'s default Explicit axes in JAX 0.10.2 such a matmul
-raises `ShardingTypeError` and `with_sharding_constraint` refuses the mesh (shared/JAX_CPU_NOTES.md, section 4).
+raises `ShardingTypeError` and `with_sharding_constraint` refuses the mesh.
 
 Data parallelism does not shard one model over the "data" axis: each row of a `data x model` mesh is an independent
 replica (its own weights, pages and scheduler; `inference/engine/data_parallel.py`), so `replica_meshes` splits the mesh

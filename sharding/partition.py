@@ -84,8 +84,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV cache (and an int8 cache's scales) `[Hkv, ...]` (kernels_pallas/kv_cache/layout.py): contiguous blocks of whole
-    KV heads per device, aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis;
+    """KV cache (and an int8 cache's scales) `[Hkv, ...]` (kernels_pallas/kv_cache/layout.py): contiguous blocks of
+    whole KV heads per device, aligned with the query-head blocks of q_proj when Hkv is a multiple of the model axis;
     else replicated."""
     if num_kv_heads % mesh.shape[MODEL_AXIS]:
         return replicated(mesh)

@@ -91,8 +91,8 @@ class LLM:
 
         Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
         `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
-        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per step;
-        `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
+        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
+        step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
         if compilation_cache_dir is not None:
             enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
         dtype = resolve_dtype(dtype)
@@ -114,8 +114,8 @@ class LLM:
             from inference.spec_decode.draft import load_draft
             draft = load_draft(speculative_model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
                                seed=seed)
-        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py). A draft model's
-        # cache has a slot for every target page (it runs on the target's page tables), so it shares the budget.
+        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py). A draft
+        # model's cache has a slot for every target page (it runs on the target's page tables), so it shares the budget.
         kv_bytes = lambda config: config.kv_bytes_per_token(  # noqa: E731
             jnp.dtype(kv_dtype).itemsize, scale_bytes=4 if kv_cache_dtype == "int8" else 0)
         bytes_per_token = kv_bytes(loaded.config) + (kv_bytes(draft.config) if draft is not None else 0)

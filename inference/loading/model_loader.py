@@ -27,8 +27,8 @@ class LoadedModel:
     weights: dict[str, np.ndarray] | None  # None: initialise randomly
     tokenizer: Tokenizer | None  # None: token-id input only
     source: str
-    # An orbax folder (models/loaders/orbax_checkpoint.py) whose weights are restored later, straight into the device layout the
-    # runner wants; `weights` is None then.
+    # An orbax folder (models/loaders/orbax_checkpoint.py) whose weights are restored later, straight into the device
+    # layout the runner wants; `weights` is None then.
     checkpoint: str | None = None
 
 

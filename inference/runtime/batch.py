@@ -4,10 +4,10 @@ Shapes are rounded up to powers of two (tokens, sequences, pages per sequence, l
 distinct compiled step functions stays small and decode stops compiling once its buckets are warm. With
 `BucketLimits.fine_pages` pages per sequence use a finer ladder (powers of two and 1.5x powers of two: 4, 6, 8, 12,
 16, 24, ...): the pure-JAX reference attention reads every padded page, so a context of 129-192 tokens then
-reads 192 positions instead of 256 (about 6% of a batch-32 step expected from attention's share; BENCHMARKS.md's
+reads 192 positions instead of 256 (a small saving expected from attention's share of a step; BENCHMARKS.md's
 A/B pairs stayed within noise), for one more compiled shape per doubling; the C++ CPU kernel and the Pallas
-kernels stop at each sequence's length, where finer buckets would only add compiles (`engine.reads_padded_pages`). All of this is numpy on the host; one `device_put`
-per step moves it.
+kernels stop at each sequence's length, where finer buckets would only add compiles (`engine.reads_padded_pages`). All
+of this is numpy on the host; one `device_put` per step moves it.
 """
 
 from __future__ import annotations

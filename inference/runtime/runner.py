@@ -149,7 +149,8 @@ class ModelRunner:
                 layer.attn.mesh = mesh
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
-        # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
+        # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
+        # a list next to nothing.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)

@@ -32,7 +32,8 @@ RESIDUAL_EPS = 1e-6
 
 
 def probs_from_logits(logits: jax.Array, sampling_tensors: SamplingTensors, use_filters: bool) -> jax.Array:
-    """Softmax of `inference.sampling.sampler.process_logits`: the distribution each row actually samples from, f32[..., V].
+    """Softmax of `inference.sampling.sampler.process_logits`: the distribution each row actually samples from,
+    f32[..., V].
 
     Why: the rejection test is only exact if q and p are the distributions the target and the draft really sample
     from, i.e. after temperature and the min-p / top-k / top-p filters (filtered tokens get probability exactly 0).

@@ -22,16 +22,16 @@ Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
 Implementation notes (why it looks the way it does):
 
-* No full sort. A sort of [32, 49152] f32 takes ~0.5 s on a 2-core CPU, more than the decode step itself. Top-k
-  and top-p only need one *threshold* per row (keep x >= tau). The fast path reads both from the row's
-  `FILTER_CANDIDATES` largest logits (`lax.top_k`, ~7 ms): the k-th value directly, the top-p crossing point from a
+* No full sort. On CPU a sort of [32, 49152] f32 costs more than the decode step itself. Top-k and top-p only need
+  one *threshold* per row (keep x >= tau). The fast path reads both from the row's `FILTER_CANDIDATES` largest
+  logits (`lax.top_k`, a small fraction of a sort): the k-th value directly, the top-p crossing point from a
   cumulative sum over the candidates. Rows the candidates cannot decide (top_k > FILTER_CANDIDATES, or a top-p set
   larger than the candidates, e.g. a flat distribution) use an exact 32-step bisection on the float's
-  order-preserving uint32 image (~20 ms per filter for the whole batch), inside a `lax.cond` so it runs only when
-  such a row exists. The bisection returns a value present in the row, so both paths keep the same set.
+  order-preserving uint32 image (slower than the fast path), inside a `lax.cond` so it runs only when such a row
+  exists. The bisection returns a value present in the row, so both paths keep the same set.
 * `use_filters` is static: with False none of the above is traced.
 * Gumbel noise is drawn only when some row samples (a `lax.cond`), and argmax is max + first-index-of-max, which XLA
-  CPU runs ~4x faster than its variadic argmax reduction.
+  CPU runs several times faster than its variadic argmax reduction.
 * Per-row keys come from (seed, step) only: `fold_in(key(seed), step)` with the threefry2x32 implementation named
   explicitly, so the same seed yields the same tokens whatever else is in the batch and whatever
   `jax_default_prng_impl` says. The engine should pass, for a request without `seed`, a random seed drawn once per
@@ -58,9 +58,9 @@ from inference.sampling.params import SAMPLING_EPS, SamplingParams
 PRNG_IMPL = "threefry2x32"
 _U32_MASK = 0xFFFFFFFF
 
-#: How many of each row's largest logits the filter fast path looks at (`lax.top_k`, ~7 ms for [32, 49152] on CPU,
-#: where a full sort costs ~0.5 s). Rows with top_k above this, or whose top-p set needs more tokens, fall back to
-#: an exact bisection (~20 ms per filter), run only when such a row exists.
+#: How many of each row's largest logits the filter fast path looks at (`lax.top_k`, far cheaper than a full sort on
+#: CPU). Rows with top_k above this, or whose top-p set needs more tokens, fall back to an exact bisection (slower),
+#: run only when such a row exists.
 FILTER_CANDIDATES = 256
 
 
@@ -180,8 +180,8 @@ def row_keys(t: SamplingTensors) -> jax.Array:
 def _argmax(x: jax.Array) -> jax.Array:
     """First index of the row maximum (like jnp.argmax), i32[S].
 
-    max + min-index-where-equal is ~4x faster than XLA CPU's variadic argmax reduce on [32, 49152]. Rows whose max
-    is NaN would match nothing; they are clamped to a valid id so no caller ever sees an out-of-range token.
+    max + min-index-where-equal is several times faster than XLA CPU's variadic argmax reduce on [32, 49152]. Rows whose
+    max is NaN would match nothing; they are clamped to a valid id so no caller ever sees an out-of-range token.
     """
     v = x.shape[-1]
     m = jnp.max(x, axis=-1, keepdims=True)
@@ -309,7 +309,7 @@ def _sample_processed(x: jax.Array, t: SamplingTensors) -> jax.Array:
     def noise() -> jax.Array:
         return jax.vmap(lambda key: jax.random.gumbel(key, x.shape[-1:], jnp.float32))(row_keys(t))
 
-    # All-greedy batches skip the RNG (~10 ms per step on CPU at V=49152). Only the noise is inside the cond: a
+    # All-greedy batches skip the RNG (a real share of a CPU step at V=49152). Only the noise is inside the cond: a
     # cond that takes the [S, V] logits as an operand measured several times slower on XLA CPU.
     g = lax.cond(jnp.all(greedy), lambda: jnp.zeros(x.shape, jnp.float32), noise)
     return _argmax(jnp.where(greedy[:, None], x, x + g))

@@ -415,8 +415,8 @@ def load_model_config(source: str) -> ModelConfig:
 
 
 def config_from_hf_json(path: str) -> ModelConfig:
-    """A Hugging Face config.json through the loader's own translation (models.loaders.hf_checkpoint.config_from_hf): windows,
-    MLA and mixtures of experts come out as the model would load them."""
+    """A Hugging Face config.json through the loader's own translation (models.loaders.hf_checkpoint.config_from_hf):
+    windows, MLA and mixtures of experts come out as the model would load them."""
     with open(path, encoding="utf-8") as f:
         try:
             hf = json.load(f)

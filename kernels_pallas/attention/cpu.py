@@ -1,11 +1,11 @@
 """Ragged paged attention on CPU: a C++ kernel (`csrc/ragged_paged_attention_cpu.cc`) called through XLA's FFI.
 
 XLA:CPU has no Pallas backend, and the pure-JAX reference pays for a gather of every padded page, K/V transposes and
-tiny batched dots (97-107 ms of a 175-190 ms SmolLM2 step at batch 32, BENCHMARKS.md). The kernel reads each live
+tiny batched dots (over half of a batch-32 SmolLM2 step: BENCHMARKS.md). The kernel reads each live
 key and value row once, in place, so it is the CPU counterpart of the TPU/GPU kernels, with the reference's
 signature and semantics (one difference: `mask_value` is accepted and unused, because masked keys get exactly zero
 weight; the two agree whenever a query row sees at least one key, which the contract guarantees). The cache is in
-`kv_layout.py`'s layout (`[Hkv, num_pages, page_size, 2 * D]`, int8 scales `[Hkv, scale_rows, 128]`); the kernel
+`kv_cache/layout.py`'s layout (`[Hkv, num_pages, page_size, 2 * D]`, int8 scales `[Hkv, scale_rows, 128]`); the kernel
 reads only keys some query sees, so stale or non-finite data in any other slot (past kv_len, before the sliding
 window, pages behind padding entries of page_indices, the scales' padding) changes no output, as in the reference.
 
@@ -41,7 +41,7 @@ def available() -> bool:
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py); float32, bfloat16 or int8
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_cache/layout.py); float32, bfloat16 or int8
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -54,7 +54,7 @@ def ragged_paged_attention_cpu(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
-    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_cache/layout.py)
 ) -> jax.Array:
     """The reference's contract (`ragged_paged_attention_reference`), computed by the C++ kernel. `max_q_len` and
     `mask_value` are accepted for signature parity; the kernel needs neither."""

@@ -2,11 +2,11 @@
 
 `impl="auto"` picks the kernel for the default backend: the Pallas Mosaic kernel on TPU, the Pallas Triton kernel
 on GPU (unless page_size or head_dim is not a power of two, which Triton cannot tile), the C++ FFI kernel on CPU
-(`ragged_paged_attention_cpu.py`; the reference where it cannot be compiled), the pure-JAX reference on any other
+(`attention/cpu.py`; the reference where it cannot be compiled), the pure-JAX reference on any other
 backend. `impl="tpu"` / `impl="gpu"` force a kernel; off its hardware it only runs in interpret mode
 (`interpret=pltpu.InterpretParams()` for TPU, `interpret=True` for GPU). `impl="cpu"` runs on CPU only.
 Every implementation shares the reference's signature, including `kv_scales` for an int8 cache (see
-`kv_cache.py`).
+`kv_cache/writes.py`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            interpret=False, max_q_len: int | None = None,
                            kv_scales: jax.Array | None = None) -> jax.Array:
     """See `ragged_paged_attention_reference` for the contract. `interpret` goes to the Pallas kernels only."""
-    impl = resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_layout.py)
+    impl = resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_cache/layout.py)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
               v_scale=v_scale, max_q_len=max_q_len, kv_scales=kv_scales)
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)

@@ -23,7 +23,7 @@ Grid `(sequence, kv_head, query_block * num_kv_splits)`.
     the array (Pallas' interpreter would clamp such a slice where Triton would not). The output uses the same
     layout; a program stores only the rows it owns (masked store), so neighbouring sequences' programs write
     disjoint rows and need no ordering; rows owned by no valid sequence are zeroed by the wrapper.
-  * KV (`kv_layout.py`: `[Hkv, num_pages, page_size, 2 * D]`, each token's K in lanes [0, D), V in [D, 2D)): K and
+  * KV (`kv_cache/layout.py`: `[Hkv, num_pages, page_size, 2 * D]`, each token's K in lanes [0, D), V in [D, 2D)): K and
     V are two BlockSpecs over KV head h's pages, column blocks 0 and 1 of width D (no copy; on Triton a BlockSpec
     is pointer arithmetic), and a block of pages is one gathered load `k_ref[pages]`: per page `page_size` rows of
     D contiguous elements. Page-table entries past the sequence's last page are replaced by page 0 before the
@@ -49,7 +49,7 @@ Grid `(sequence, kv_head, query_block * num_kv_splits)`.
     each writes its partial (max, sum, accumulator) in f32 and a second pass (plain XLA, tiny: `splits * T * Hq *
     D`) rescales and sums them. A split whose chunk is empty writes (mask, 0, 0) and gets weight 0.
   * The score is a sum of per-part dots (`paged_flash_attention` takes several (query, key) parts and an optional
-    separate value), so the MLA kernel (`mla_attention_gpu.py`: parts (q_latent, c) and (q_rope, k_rope), value =
+    separate value), so the MLA kernel (`mla/gpu.py`: parts (q_latent, c) and (q_rope, k_rope), value =
     c) is this kernel, not a copy of it.
   * Precision: bf16 (and int8, computed in q's dtype) inputs use bf16 dots with f32 accumulation and probabilities
     rounded to bf16 for `p @ V`. f32 inputs use IEEE f32 dots (`F32_PRECISION = Precision.HIGHEST`: FMAs on the
@@ -387,7 +387,7 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py): K lanes, then V lanes
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_cache/layout.py): K lanes, then V lanes
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -400,7 +400,7 @@ def ragged_paged_attention_gpu(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
-    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_cache/layout.py)
     interpret: bool = False,
     num_kv_splits: int | None = None,
     block_q: int | None = None,

@@ -105,7 +105,7 @@ def scatter_queries(out: jax.Array, blocks: QueryBlocks, num_tokens: int) -> jax
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py): K lanes, then V lanes
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_cache/layout.py): K lanes, then V lanes
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -118,13 +118,13 @@ def ragged_paged_attention_reference(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
-    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_layout.py)
+    kv_scales: jax.Array | None = None,  # f32[Hkv, scale_rows, 128] for an int8 cache (kv_cache/layout.py)
 ) -> jax.Array:
     """Attention of packed ragged queries over paged KV. Returns `[T, Hq, D]` in q's dtype.
 
     Rows of q that belong to no valid sequence (padding, or sequences at index >= num_seqs) come back as zeros.
     `max_q_len` is a static upper bound on any valid sequence's query length (default: T).
-    `kv_scales` (int8 cache, see `kv_cache.py`): per-token-per-head scales; K/V are dequantized as
+    `kv_scales` (int8 cache, see `kv_cache/writes.py`): per-token-per-head scales; K/V are dequantized as
     `int8 * scale` (and then by the static `k_scale`/`v_scale` if given).
     Whatever a slot holds that no query may see (past `kv_len`, before the window, pages that padding entries of
     `page_indices` point at: a freed page keeps its last owner's data, NaN included) changes no output.

@@ -25,7 +25,7 @@ All of q, kv_pages and the output stay in HBM (`memory_space=pl.ANY`) and are mo
 `pltpu.make_async_copy`. What the real Mosaic compiler allows shaped this (deviceless compiles,
 `scripts/aot_compile.py`): a DMA may start a tiled (last two) axis only at a tile boundary, and bf16/int8 pack 2/4
 rows into one 32-bit sublane row, so single rows of a packed array cannot be addressed.
-  * KV (`kv_layout.py`: `[Hkv, num_pages, page_size, 2 * D]`): one (KV head, page) is one contiguous
+  * KV (`kv_cache/layout.py`: `[Hkv, num_pages, page_size, 2 * D]`): one (KV head, page) is one contiguous
     `[page_size, 2D]` block, copied whole by one DMA into slot `j` of a `[2, pages_per_block, page_size, 2D]`
     buffer (leading axes only, so any page_size works for any dtype); K and V are lane slices of it.
   * Double buffering: the copies for KV block `b + 1` are started before block `b` is computed and waited on only
@@ -306,7 +306,7 @@ def _kernel(
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_layout.py)
+    kv_pages: jax.Array,  # [Hkv, num_pages, page_size, 2 * D] (kv_cache/layout.py)
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -330,7 +330,7 @@ def ragged_paged_attention_tpu(
     `max_q_len` (static) bounds any valid sequence's query length and sets the number of query blocks per
     sequence (default: T). `interpret` is passed to `pl.pallas_call` (e.g. `pltpu.InterpretParams()` on CPU).
     `block_q` and `pages_per_block` override `BLOCK_SIZES[chip]` (`chip`: 'v5e', 'v6e', 'v5p'; default: the
-    TPU this runs on, see `chip_generation`). `kv_scales`: an int8 cache's scales (kv_layout.py); page_size must
+    TPU this runs on, see `chip_generation`). `kv_scales`: an int8 cache's scales (kv_cache/layout.py); page_size must
     then divide 64 or be a multiple of 64, so a page's scales never straddle a 128-lane row.
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)

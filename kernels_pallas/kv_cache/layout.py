@@ -15,14 +15,14 @@ compiler, deviceless, `scripts/aot_compile.py`):
   * One (head, page) is one contiguous `[page_size, 2 * D]` block: one DMA per page on TPU/GPU, one contiguous
     read on CPU. Tensor parallelism splits axis 0, whole KV heads per device.
 
-An int8 cache (`dtype=int8`) also has per-token float32 scales (see `kv_cache.py` for the quantization):
+An int8 cache (`dtype=int8`) also has per-token float32 scales (see `writes.py` for the quantization):
 `[num_kv_heads, scale_rows, 128]`, where head h's scales flattened are, page after page, the page's `page_size`
 K scales then its `page_size` V scales (`scale_rows`: ceil(num_pages * 2 * page_size / 128) rounded up to 8;
 the tail is padding). Why not `[..., page_size, 2]`: a minor axis of 2 (or of page_size) is 64x (or 8x) padding
 on TPU, and XLA picked a pages-fastest layout that Mosaic cannot read; lane-dense 128-wide rows cost at most 8
 padded rows per head. A page's scales start at lane `(page * 2 * page_size) % 128` of row `page * 2 * page_size // 128`.
 
-MLA's latent cache (`mla_attention_ref.py`) has no head axis and keeps `[num_pages, page_size, width]`.
+MLA's latent cache (`mla/reference.py`) has no head axis and keeps `[num_pages, page_size, width]`.
 """
 
 from __future__ import annotations

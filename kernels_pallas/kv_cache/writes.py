@@ -1,4 +1,4 @@
-"""Writing new keys and values into the paged KV cache (layout: `kv_layout.py`), optionally quantized to int8 on
+"""Writing new keys and values into the paged KV cache (layout: `layout.py`), optionally quantized to int8 on
 write, and copying pages (copy-on-write).
 
 A token's slot is `page * page_size + offset`; padding tokens carry a negative slot and leave the cache untouched,
@@ -8,14 +8,14 @@ so a padded batch never writes outside its own pages.
 (`write_latent`, below) all go through it, in the form each backend keeps in place:
   * CPU: a loop of `dynamic_update_slice`, not one scatter: on XLA CPU a scatter whose result is read again in the
     same computation (attention reads the pages right after the write) made XLA copy the whole cache, every
-    layer, every step (0.2 s per decode step for a 200 MB cache); a while loop with a traced trip count updates in
-    place, at a few microseconds per token (and the C++ kernel below does it with one memcpy per token and head).
+    layer, every step (BENCHMARKS.md); a while loop with a traced trip count updates in place, at a small cost per
+    token (and the C++ kernel below does it with one memcpy per token and head).
   * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
     copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/aot_compile.py`).
 Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
 
 int8 KV cache: per-token-per-head symmetric scales. With `kv_scales` the cache is int8 and each token's K and V
-of each KV head get `scale = max|x| over D / 127` (float32, stored as `kv_layout.py` says); the stored value is
+of each KV head get `scale = max|x| over D / 127` (float32, stored as `layout.py` says); the stored value is
 `round(x / scale)` clipped to [-127, 127], and every attention impl dequantizes as `int8 * scale`. Why per token
 and head rather than the static per-tensor `k_scale`/`v_scale` floats of the op's contract: a new token's range is
 known when it is written, so no calibration pass is needed and one outlier token cannot flatten the resolution of
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.native import build as cpu_build
 from kernels_pallas.backend import target_backend
-from kernels_pallas.kv_cache.layout import SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages, split_kv
+from kernels_pallas.kv_cache.layout import (SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages,
+                                            split_kv)
 
 INT8_MAX = 127.0
 WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, C symbol (csrc/write_rows_cpu.cc)
@@ -135,7 +136,7 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
 
 
 def _scale_offsets(slots: jax.Array, valid: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """Where a token's K and V scales sit in its head's flattened scales (kv_layout.py); -1 where not `valid`."""
+    """Where a token's K and V scales sit in its head's flattened scales (layout.py); -1 where not `valid`."""
     k = slots // page_size * 2 * page_size + slots % page_size
     return jnp.where(valid, k, -1), jnp.where(valid, k + page_size, -1)
 
@@ -145,7 +146,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     """Write the new K/V `[T, Hkv, D]` of T tokens into their slots; slots < 0 are padding and are skipped.
 
     Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (int8 `kv_pages`, both from
-    `kv_layout.kv_cache_spec`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is
+    `layout.kv_cache_spec`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is
     returned. `sharded`: the cache is partitioned over a mesh (see `write_rows`).
     """
     _, num_pages, page_size, head_dim = cache_dims(kv_pages)

@@ -3,7 +3,7 @@ through XLA's FFI.
 
 `models.quantization.formats.matmul(method="dequant")` is `x @ qw.dequantize()`: exact, but XLA:CPU writes a float32
 copy of the weight on every call and reads it back, so a batch-1 step with SmolLM2's 4-bit (or GGUF Q4_1 / Q8_0)
-weights took 150 ms, 12x the int8 one. The kernel computes the same product group by group from the codes (float32
+weights was far slower than int8. The kernel computes the same product group by group from the codes (float32
 activations, float32 accumulation; the order of additions differs from XLA's dot, so results agree to float
 rounding, not bit for bit). Built on first use by `cpu_build`.
 """

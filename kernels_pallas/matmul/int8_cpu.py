@@ -1,7 +1,7 @@
 """The W8A8 matmul on CPU: a C++ kernel (`csrc/int8_matmul_cpu.cc`) through XLA's FFI.
 
 The W8A8 path (`models.quantization.formats.matmul(method="int8")`) quantizes activations per row, multiplies int8 by
-int8 into int32 and rescales; XLA:CPU runs that dot through YNNPACK at 8-12 GB/s of weights for one or two rows,
+int8 into int32 and rescales; XLA:CPU runs that dot through YNNPACK slowly for one or two rows (BENCHMARKS.md),
 which makes batch-1 int8 decode slower than the float32 GEMVs it should beat, and runs the quantizing and rescaling
 as separate fusions around each dot. This kernel does all three with the JAX path's float operations in the same
 order (the result is bit-identical), reading each weight byte once for all rows. Built on first use by `cpu_build`.

@@ -1,7 +1,7 @@
 """Ragged paged MLA attention as a Pallas GPU kernel (Triton lowering): the GQA kernel with two score parts.
 
 MLA in latent space is multi-query attention with one shared "KV head" whose key is the whole latent row
-`[c | k_rope]` and whose value is `c` (see `mla_attention_ref.py`). `ragged_paged_attention_gpu.paged_flash_attention`
+`[c | k_rope]` and whose value is `c` (see `mla/reference.py`). `attention/gpu.py: paged_flash_attention`
 already takes its score as a sum of per-part dots, so this wrapper passes two parts, `(q_latent, c)` and
 `(q_rope, k_rope)`, and says the value is key part 0: each page block of latent rows is loaded once and used for
 both the scores and `p @ c`, which is MLA's bandwidth saving (576 values per token instead of 2 * H * D). The

@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.reference import (
-                                                DEFAULT_MASK_VALUE, gather_queries, masked_softmax, query_blocks, scatter_queries, visible_keys)
+from kernels_pallas.attention.reference import (DEFAULT_MASK_VALUE, gather_queries, masked_softmax, query_blocks,
+                                                scatter_queries, visible_keys)
 
 def check_mla_shapes(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> tuple[int, int]:
     """Shared validation; returns (Dl, Dr)."""

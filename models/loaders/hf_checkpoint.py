@@ -74,7 +74,8 @@ _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}  # transfo
 
 def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...] | None:
     """Per-layer attention kinds as transformers' config classes derive them when config.json has no `layer_types`."""
-    if window is None or model_type in ("llama", "mistral", "deepseek_v2"):  # Mistral windows every layer and ignores layer_types
+    # Mistral windows every layer and ignores layer_types.
+    if window is None or model_type in ("llama", "mistral", "deepseek_v2"):
         return None
     if cfg.get("layer_types") is not None:
         return tuple(cfg["layer_types"])
@@ -319,8 +320,9 @@ def _read_tensors(folder: str) -> dict[str, np.ndarray]:
 
 
 def _stack_experts(weights: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
-    """Per-expert `layers.{i}.experts.{e}.{proj}` (the hub layout, already transposed to [in, out]) or transformers' fused 3-D tensors ->
-    the canonical stacked `layers.{i}.experts.{proj}`: gate/up [E, hidden, I], down [E, I, hidden]."""
+    """Per-expert `layers.{i}.experts.{e}.{proj}` (the hub layout, already transposed to [in, out]) or transformers'
+    fused 3-D tensors -> the canonical stacked `layers.{i}.experts.{proj}`: gate/up [E, hidden, I], down
+    [E, I, hidden]."""
     out: dict[str, np.ndarray] = {}
     per_expert: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, w in weights.items():
@@ -350,7 +352,8 @@ def _stack_experts(weights: dict[str, np.ndarray], config: ModelConfig) -> dict[
 
 def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
                    ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read a llama/mistral/qwen2/qwen3/gemma2/gemma3_text HF folder. `dtype=None` keeps the stored dtype (e.g. bf16) instead of float32."""
+    """Read a llama/mistral/qwen2/qwen3/gemma2/gemma3_text HF folder. `dtype=None` keeps the stored dtype (e.g.
+    bf16) instead of float32."""
     folder = os.fspath(folder)
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):

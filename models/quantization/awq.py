@@ -7,10 +7,10 @@ float product unchanged, x W = (x / s)(s W), but gives row i a finer share of it
     s = mean_tokens|x|^alpha,  normalised by sqrt(max(s) * min(s)),   alpha in a grid (0, 0.1, .., 0.9)
 
 per group of linears that share an input, minimising the output error || x W - (x / s) Q(s W) ||^2 on calibration
-activations, where Q is the int4 quantizer the model then uses (`models.quantization.modes.quantize_int4_minmax`, grouped
-min form). AWQ's paper searches 20 alphas over 128 x 512 tokens; here 10 alphas over 256 tokens keep load-time
-calibration of SmolLM2 to seconds (the search is matmul-bound; on SmolLM2 int4 g64, 512 tokens x 20 alphas cut the
-summed calibration output error 8.8x, 256 x 10 cut it 8.4x). alpha = 0 is s = 1, plain int4, so on the
+activations, where Q is the int4 quantizer the model then uses (`models.quantization.modes.quantize_int4_minmax`,
+grouped min form). AWQ's paper searches 20 alphas over 128 x 512 tokens; here 10 alphas over 256 tokens keep load-time
+calibration of SmolLM2 to seconds (the search is matmul-bound; on SmolLM2 int4 g64 the smaller search cut the
+summed calibration output error nearly as much as 512 tokens x 20 alphas did). alpha = 0 is s = 1, plain int4, so on the
 calibration data the chosen scales are never worse than plain int4 per group.
 
 Where 1/s goes. Every group of this architecture has an exact place to fold it, so there is no explicit input-scale

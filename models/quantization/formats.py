@@ -38,7 +38,7 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
                padded to 2 rows, because XLA:CPU lowers a 1-row int8 dot by first converting the weight to int32.
                On CPU, per-channel int8 weights take the C++ kernel `kernels_pallas.matmul.int8_cpu` instead (AVX-512
                VNNI where the CPU has it): the same quantizing, exact int32 dot and rescaling in one call, so the
-               same bits, at 1.2-4.9x the speed of the dot alone and without XLA's fusions around it.
+               same bits, faster than the dot alone (BENCHMARKS.md) and without XLA's fusions around it.
     "grouped"  float per-group partial dots over [in/g, g, out] then scale and sum; exact to float rounding, but
                the unpacked weight is still converted to float32 in memory.
 
@@ -112,7 +112,8 @@ def _check_group(rows: int, group_size: int, *, name: str = "group_size") -> Non
 
 
 def pack_int4(z: Any, group_size: int) -> jax.Array:
-    """uint8 [K, ...] values 0..15 -> uint8 [K/2, ...]: in each group of `group_size` rows, byte j = z[j] | z[j+g/2] << 4."""
+    """uint8 [K, ...] values 0..15 -> uint8 [K/2, ...]: in each group of `group_size` rows,
+    byte j = z[j] | z[j+g/2] << 4."""
     z = jnp.asarray(z)
     _check_group(z.shape[0], group_size)
     g = z.reshape(z.shape[0] // group_size, 2, group_size // 2, *z.shape[1:]).astype(jnp.uint8)
@@ -259,8 +260,8 @@ def _per_group(a: Any) -> jax.Array:
 
 
 #: Up to this many activation rows, "dequant" runs the C++ grouped kernel on CPU; beyond, XLA's float32 dot of the
-#: dequantized weight is about as fast or faster (576 x 1536 Q4 from cache: 0.54 vs 0.45 ms at 32 rows, 2.7 vs 1.5 at
-#: 128; the 576 x 49152 Q8_0 head: 17 vs 50 ms at 32 rows; BENCHMARKS.md).
+#: dequantized weight is about as fast or faster for the layer linears (per-shape timings, the LM head's included:
+#: BENCHMARKS.md).
 GROUPED_KERNEL_MAX_ROWS = 32
 
 

@@ -48,7 +48,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: Q | int, shape: tuple[int, int], *,
     """QuantizedWeight of the canonical [in, out] weight for a GGUF tensor of numpy `shape` [out, in].
 
     `raw` is the tensor's data (`ReaderTensor.data`, uint8 [out, in/32 * block_bytes] or flat). `row_transform`
-    permutes the output rows of an [out, ...] array (e.g. `functools.partial(gguf_loader.unpermute_qk, n_head=9)`);
+    permutes the output rows of an [out, ...] array (e.g. `functools.partial(gguf_file.unpermute_qk, n_head=9)`);
     it is applied to the per-block arrays, which is the same as applying it to the float weight.
     """
     qtype = Q(qtype)

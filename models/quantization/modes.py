@@ -1,7 +1,7 @@
 """Quantized decoders: how `Linear` and `Embed` hold a `QuantizedWeight`, and which matmul they run.
 
-A quantized projection keeps its `nnx.Param` and stores a `models.quantization.formats.QuantizedWeight` in it instead of a
-float array. `QuantizedWeight` is a `flax.struct.dataclass`, so `nnx.split` / `jax.tree.flatten` see its arrays
+A quantized projection keeps its `nnx.Param` and stores a `models.quantization.formats.QuantizedWeight` in it instead
+of a float array. `QuantizedWeight` is a `flax.struct.dataclass`, so `nnx.split` / `jax.tree.flatten` see its arrays
 (codes, scales, zero points or offsets) as ordinary parameter leaves: the runner's flat leaf list, `get_params` /
 `update_weights` and jit all work unchanged, and no float copy of the weight is ever a parameter.
 
@@ -19,13 +19,14 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
             embedding stay int8 per channel (as llama.cpp's Q4 mixes keep the output tensor at higher precision: the
             head is the most error-sensitive matrix and the largest, and per-channel int8 is also its fastest form).
             Grouped weights run `matmul(method="dequant")`: see `pick_method`.
-    "int4-awq"  "int4" after AWQ-style scaling (`models.quantization.awq`): per-input-channel scales searched on calibration
-            activations and folded into the float weights (norms, v_proj / up_proj columns) before quantizing, so the
-            quantized model has exactly the "int4" structure and matmuls. `LLM` calibrates on the shipped
-            calibration text at load time.
-    "gguf"  a .gguf model keeps the blocks it ships (Q8_0 / Q4_0 / Q4_1, via `models.quantization.gguf_blocks`, codes copied, never
-            decoded to float; Q/K rows un-permuted on the blocks). Tensors of other types stay float. For the default
-            SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied embedding / LM head.
+    "int4-awq"  "int4" after AWQ-style scaling (`models.quantization.awq`): per-input-channel scales searched on
+            calibration activations and folded into the float weights (norms, v_proj / up_proj columns) before
+            quantizing, so the quantized model has exactly the "int4" structure and matmuls. `LLM` calibrates on the
+            shipped calibration text at load time.
+    "gguf"  a .gguf model keeps the blocks it ships (Q8_0 / Q4_0 / Q4_1, via `models.quantization.gguf_blocks`, codes
+            copied, never decoded to float; Q/K rows un-permuted on the blocks). Tensors of other types stay float.
+            For the default SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied
+            embedding / LM head.
 
 `pick_method(qw, rows)` chooses the matmul from the weight's form and the (static, trace-time) number of rows:
 per-channel int8 weights use "int8"; grouped weights use "dequant" (an exact, weight-only dequantization: on CPU

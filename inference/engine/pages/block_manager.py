@@ -18,8 +18,8 @@ Why each piece exists:
   a page whose count is > 1, `grow` gives the writer a fresh page and reports (old, new) so the engine copies the
   valid slots on device *before* that step runs. vLLM v1 dropped this; we keep it.
 
-- Sliding windows: one BlockManager serves one KV cache group (`inference/engine/pages/kv_cache_manager.py`), the layers that
-  share a window, and reads the sequence's page table of that group (`seq.block_tables[group]`). With a window w,
+- Sliding windows: one BlockManager serves one KV cache group (`inference/engine/pages/kv_cache_manager.py`), the layers
+  that share a window, and reads the sequence's page table of that group (`seq.block_tables[group]`). With a window w,
   a query at position p reads keys > p - w only, so when a step's first query is at c = seq.num_computed_tokens,
   every page wholly before position c - w + 1 is read by no query of this step or any later one (speculative
   rollback never moves c back; preemption recomputes from scratch). `grow` points those table entries at the

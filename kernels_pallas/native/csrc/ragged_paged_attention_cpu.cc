@@ -330,7 +330,7 @@ ffi::Error dispatch(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
   const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || kd[0] < 1)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q [T, Hq, D], kv_pages [Hkv, P, page_size, 2D]");
-  // kv_pages [Hkv, num_pages, page_size, 2 * D] (kv_layout.py)
+  // kv_pages [Hkv, num_pages, page_size, 2 * D] (kv_cache/layout.py)
   Shapes s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[0], qd[1] / kd[0], pd[0], pd[1], 0};
   if (kd[3] != 2 * s.head_dim || s.num_q_heads % s.num_kv_heads || kv_lens.element_count() != s.max_seqs ||
       cu_q_lens.element_count() != s.max_seqs + 1 || s.num_pages < 1 || s.page_size < 1)

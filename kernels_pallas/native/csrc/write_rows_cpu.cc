@@ -1,7 +1,7 @@
 // Write token rows into their cache slots in place: the CPU kernel behind kernels_pallas/kv_cache/writes.py's write_rows.
 //
 // Why: the portable write is a while loop of dynamic_update_slice (a scatter made XLA copy the whole cache, see
-// kv_cache.py); on XLA:CPU each loop costs ~0.1 ms of fixed overhead per layer, 3-4 ms of a ~15 ms batch-1 int8
+// kv_cache/writes.py); on XLA:CPU each loop costs ~0.1 ms of fixed overhead per layer, 3-4 ms of a ~15 ms batch-1 int8
 // decode step for SmolLM2's 30 layers. Here it is one memcpy per token and head. The output aliases the array
 // operand (input_output_aliases), so XLA hands over the cache's own buffer; if it ever does not, it is copied first.
 //
