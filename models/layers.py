@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import rope_cpu
+from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
 from models.quantization.modes import embedding_lookup, is_quantized, quantized_matmul
 
@@ -145,18 +147,12 @@ def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, theta: float, scaling: RopeSc
     return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
-ROPE_KERNEL = ("pagejax_rope_tables_cpu", "PagejaxRopeTablesCpu")  # FFI target, C symbol (csrc/rope_tables_cpu.cc)
-
-
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of positions[T] x inv_freq[D/2], float32 [T, D/2]. On CPU a C++ kernel computes them
-    (`csrc/rope_tables_cpu.cc`): fused into the rotation, XLA:CPU re-evaluated them per head and output element."""
-    from kernels_pallas.native import build as cpu_build
-
-    if cpu_build.runs_here(*ROPE_KERNEL):
-        table = jax.ShapeDtypeStruct((positions.shape[0], len(inv_freq)), jnp.float32)
-        return jax.ffi.ffi_call(ROPE_KERNEL[0], (table, table), vmap_method="sequential")(
-            positions.astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32))
+    """cos and sin of positions[T] x inv_freq[D/2], float32 [T, D/2]. On CPU, where the gate lets it run, a C++
+    kernel computes them (`kernels_pallas.rope_cpu`): fused into the rotation, XLA:CPU re-evaluated them per head
+    and output element."""
+    if gate.runs_here(rope_cpu.KERNEL):
+        return rope_cpu.rope_tables_cpu(positions, inv_freq)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(freqs), jnp.sin(freqs)
 

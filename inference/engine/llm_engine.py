@@ -13,8 +13,6 @@ import random
 import threading
 import time
 
-import jax
-
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
@@ -28,7 +26,9 @@ from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.ngram import NgramProposer
 from inference.spec_decode.proposer import DraftModelProposer
 from inference.engine.stop import check_stop, flush_text
+from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
+from kernels_pallas.mla.dispatch import resolve_mla_impl
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,18 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
-def reads_padded_pages(config) -> bool:
-    """Whether decode attention costs every padded page (so finer page buckets pay): the pure-JAX references do
-    (MLA on CPU, or any CPU model where the C++ kernel cannot be built); the C++, TPU and GPU kernels stop at each
-    sequence's length. An explicit `attn_impl="reference"` on CPU is not detected (it only costs some padding)."""
-    from kernels_pallas.attention import cpu as ragged_paged_attention_cpu
-
-    return target_backend() == "cpu" and (config.is_mla or not ragged_paged_attention_cpu.available())
+def reads_padded_pages(config, page_size: int) -> bool:
+    """Whether decode attention costs every padded page (so finer page buckets pay) on CPU: the pure-JAX references
+    do, the C++ kernel stops at each sequence's length. Which one `attn_impl="auto"` runs is the dispatchers' answer
+    (`resolve_impl`, `resolve_mla_impl`), asked rather than re-derived so the two cannot disagree. Off CPU it stays
+    False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
+    finer ladder pays for its extra compiles there is unmeasured. An explicit `attn_impl="reference"` on CPU is not
+    detected (it only costs some padding)."""
+    if target_backend() != "cpu":
+        return False
+    if config.is_mla:
+        return resolve_mla_impl("auto", page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
+    return resolve_impl("auto", page_size, config.head_dim) == "reference"
 
 
 class Engine:
@@ -80,7 +85,7 @@ class Engine:
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
-                                   fine_pages=reads_padded_pages(runner.config))
+                                   fine_pages=reads_padded_pages(runner.config, runner.page_size))
         if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
             raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
                              f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "

@@ -9,9 +9,10 @@ weight; the two agree whenever a query row sees at least one key, which the cont
 reads only keys some query sees, so stale or non-finite data in any other slot (past kv_len, before the sliding
 window, pages behind padding entries of page_indices, the scales' padding) changes no output, as in the reference.
 
-The library is compiled on first use by `cpu_build` (g++, cached under ~/.cache/pagejax/kernels). Without a working
-compiler `available()` is False and `impl="auto"` falls back to the reference (dispatch.py logs why once);
-`impl="cpu"` raises `KernelBuildError` with the compiler's message.
+The library is compiled on first use by `native/build.py` (g++, cached under ~/.cache/pagejax/kernels). Whether
+`impl="auto"` takes this kernel is `native.gate.runs_here(KERNEL)` (the reference runs where it cannot be built or
+PAGEJAX_CPU_KERNELS=0, and the gate logs why once); `impl="cpu"` builds it regardless and raises `KernelBuildError`
+with the compiler's message.
 """
 
 from __future__ import annotations
@@ -22,21 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.native import build as cpu_build
-from kernels_pallas.native.build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
 from kernels_pallas.attention.reference import check_attention_inputs
+from kernels_pallas.native import gate
+from kernels_pallas.native.build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
 
-KERNEL = ("pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")  # FFI target, C symbol
-TARGET = KERNEL[0]
-
-
-def unavailable_reason() -> str | None:
-    """None when the kernel is built and registered, else why not (a compiler or loader message)."""
-    return cpu_build.unavailable_reason(*KERNEL)
-
-
-def available() -> bool:
-    return unavailable_reason() is None
+KERNEL = gate.CpuKernel("pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")
 
 
 def ragged_paged_attention_cpu(
@@ -67,8 +58,8 @@ def ragged_paged_attention_cpu(
         raise ValueError("an int8 KV cache needs kv_scales (see kv_layout.kv_cache_spec and kv_cache.py)")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    cpu_build.register(*KERNEL)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+    gate.require(KERNEL)
+    call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     scales = kv_scales if kv_scales is not None else jnp.zeros((1, 1, 1), jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     out = call(q.astype(jnp.float32), kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs),

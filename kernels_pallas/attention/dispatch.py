@@ -1,41 +1,32 @@
 """Choose an attention implementation by name or by backend.
 
-`impl="auto"` picks the kernel for the default backend: the Pallas Mosaic kernel on TPU, the Pallas Triton kernel
-on GPU (unless page_size or head_dim is not a power of two, which Triton cannot tile), the C++ FFI kernel on CPU
-(`attention/cpu.py`; the reference where it cannot be compiled), the pure-JAX reference on any other
-backend. `impl="tpu"` / `impl="gpu"` force a kernel; off its hardware it only runs in interpret mode
-(`interpret=pltpu.InterpretParams()` for TPU, `interpret=True` for GPU). `impl="cpu"` runs on CPU only.
+`impl="auto"` picks the kernel for the target backend (`kernels_pallas.backend.target_backend`): the Pallas Mosaic
+kernel on TPU, the Pallas Triton kernel on GPU (unless page_size or head_dim is not a power of two, which Triton
+cannot tile), the C++ FFI kernel on CPU (`attention/cpu.py`, where `native.gate.runs_here` says it runs: else the
+reference, and the gate logs why), the pure-JAX reference on any other backend. `resolve_impl` is that choice, and
+the only place it is made: the engine asks it too (whether decode reads padded pages). `impl="tpu"` / `impl="gpu"`
+force a kernel; off its hardware it only runs in interpret mode (`interpret=pltpu.InterpretParams()` for TPU,
+`interpret=True` for GPU). `impl="cpu"` runs on CPU only, and is not switched off by PAGEJAX_CPU_KERNELS.
 Every implementation shares the reference's signature, including `kv_scales` for an int8 cache (see
 `kv_cache/writes.py`).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax
 
-from kernels_pallas.attention import cpu as cpu_kernel
-from kernels_pallas.backend import target_backend
+from kernels_pallas.attention import cpu
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
+from kernels_pallas.backend import target_backend
+from kernels_pallas.native import gate
 
 IMPLEMENTATIONS = ("auto", "reference", "cpu", "tpu", "gpu")
-log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _cpu_kernel_or_reference() -> str:
-    reason = cpu_kernel.unavailable_reason()
-    if reason is not None:
-        log.warning("CPU attention kernel unavailable, using the pure-JAX reference: %s", reason)
-        return "reference"
-    return "cpu"
 
 
 def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
-    """'auto' -> the implementation for the default backend (the reference where the GPU kernel cannot tile the
-    shapes: page_size or head_dim not a power of two); other names are checked and returned."""
+    """'auto' -> the implementation for the target backend and these shapes (the module docstring: the reference
+    where the GPU kernel cannot tile them or the CPU kernel does not run); other names are checked and returned.
+    Needs no arrays, so callers that only know the config (the engine) get the dispatcher's own answer."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLEMENTATIONS}")
     if impl != "auto":
@@ -46,7 +37,7 @@ def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
 
         return "gpu" if tiles_ok(page_size, head_dim) else "reference"
     if backend == "cpu":
-        return _cpu_kernel_or_reference()
+        return "cpu" if gate.runs_here(cpu.KERNEL) else "reference"
     return "tpu" if backend == "tpu" else "reference"
 
 
@@ -69,5 +60,5 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 
         return ragged_paged_attention_gpu(*args, interpret=interpret, **kw)
     if impl == "cpu":
-        return cpu_kernel.ragged_paged_attention_cpu(*args, **kw)
+        return cpu.ragged_paged_attention_cpu(*args, **kw)
     return ragged_paged_attention_reference(*args, **kw)

@@ -32,20 +32,15 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.native import build as cpu_build
 from kernels_pallas.backend import target_backend
 from kernels_pallas.kv_cache.layout import (SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages,
                                             split_kv)
+from kernels_pallas.native import gate
 
 INT8_MAX = 127.0
-WRITE_KERNEL = ("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # FFI target, C symbol (csrc/write_rows_cpu.cc)
+WRITE_KERNEL = gate.CpuKernel("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # csrc/write_rows_cpu.cc
 
 Write = tuple[jax.Array, jax.Array]  # (rows [T, H, W], offsets i32[T]): see write_rows
-
-
-def _write_kernel_available() -> bool:
-    """On CPU, where the C++ kernel builds (kernels_pallas.native.build), cache writes use it; registered on success."""
-    return cpu_build.runs_here(*WRITE_KERNEL)
 
 
 def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,14 +70,15 @@ def write_rows(arrays: Sequence[jax.Array], writes: Sequence[Sequence[Write]], *
     Each write is `(rows [T, H, W], offsets i32[T])`: token t's W elements of head h land at elements
     `[offsets[t], offsets[t] + W)` of head h's slab (the array past its head axis, row-major; a W-wide run never
     crosses the last axis). Offsets outside the slab (negative: padding) write nothing. On CPU one in-place
-    fori_loop does every write, or the C++ kernel `csrc/write_rows_cpu.cc` unless `sharded` (arrays partitioned
-    by GSPMD over a mesh: XLA cannot partition a custom call); on TPU and GPU, scatters (module docstring).
+    fori_loop does every write, or the C++ kernel `csrc/write_rows_cpu.cc` where `native.gate.runs_here` says it
+    runs, unless `sharded` (arrays partitioned by GSPMD over a mesh: XLA cannot partition a custom call); on TPU
+    and GPU, scatters (module docstring).
     """
-    if not sharded and _write_kernel_available():
+    if not sharded and gate.runs_here(WRITE_KERNEL):
         out = []
         for array, array_writes in zip(arrays, writes):
             for rows, offsets in array_writes:
-                array = jax.ffi.ffi_call(WRITE_KERNEL[0], jax.ShapeDtypeStruct(array.shape, array.dtype),
+                array = jax.ffi.ffi_call(WRITE_KERNEL.target, jax.ShapeDtypeStruct(array.shape, array.dtype),
                                          input_output_aliases={0: 0})(array, rows.astype(array.dtype),
                                                                       offsets.astype(jnp.int32))
             out.append(array)

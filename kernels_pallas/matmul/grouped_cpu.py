@@ -5,7 +5,8 @@ through XLA's FFI.
 copy of the weight on every call and reads it back, so a batch-1 step with SmolLM2's 4-bit (or GGUF Q4_1 / Q8_0)
 weights was far slower than int8. The kernel computes the same product group by group from the codes (float32
 activations, float32 accumulation; the order of additions differs from XLA's dot, so results agree to float
-rounding, not bit for bit). Built on first use by `cpu_build`.
+rounding, not bit for bit). Built on first use by `native/build.py`; whether "dequant" takes it is
+`native.gate.runs_here(KERNEL)` (`models.quantization.formats.grouped_kernel_runs`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.native import build as cpu_build
+from kernels_pallas.native import gate
 
-KERNEL = ("pagejax_grouped_matmul_cpu", "PagejaxGroupedMatmulCpu")  # FFI target, C symbol
+KERNEL = gate.CpuKernel("pagejax_grouped_matmul_cpu", "PagejaxGroupedMatmulCpu")
 
 
 def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: int, group_size: int,
@@ -42,12 +43,11 @@ def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: in
                          f"{x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scale {list(scale.shape)}, "
                          f"zero_point {None if zero_point is None else list(zero_point.shape)}, offset "
                          f"{None if offset is None else list(offset.shape)}")
-    target, symbol = KERNEL
-    target += "_portable" if portable else ""
-    cpu_build.register(target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())
+    kernel = KERNEL.portable() if portable else KERNEL
+    gate.require(kernel)
     unused = jnp.zeros((1, 1), jnp.float32)
     zero = zero_point if zero_point is not None else jnp.zeros((1, 1), jnp.int8)
     off = offset.astype(jnp.float32) if offset is not None else unused
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")
+    call = jax.ffi.ffi_call(kernel.target, jax.ShapeDtypeStruct((m, n), jnp.float32), vmap_method="sequential")
     return call(x, q, scale.astype(jnp.float32), zero, off, bits=np.int64(bits), group_size=np.int64(group_size),
                 has_zero=zero_point is not None, has_offset=offset is not None)

@@ -4,7 +4,8 @@ The W8A8 path (`models.quantization.formats.matmul(method="int8")`) quantizes ac
 int8 into int32 and rescales; XLA:CPU runs that dot through YNNPACK slowly for one or two rows (BENCHMARKS.md),
 which makes batch-1 int8 decode slower than the float32 GEMVs it should beat, and runs the quantizing and rescaling
 as separate fusions around each dot. This kernel does all three with the JAX path's float operations in the same
-order (the result is bit-identical), reading each weight byte once for all rows. Built on first use by `cpu_build`.
+order (the result is bit-identical), reading each weight byte once for all rows. Built on first use by
+`native/build.py`; whether the W8A8 path takes it is `native.gate.runs_here(KERNEL)`.
 """
 
 from __future__ import annotations
@@ -12,14 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.native import build as cpu_build
+from kernels_pallas.native import gate
 
-KERNEL = ("pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")  # FFI target, C symbol
+KERNEL = gate.CpuKernel("pagejax_int8_matmul_cpu", "PagejaxInt8MatmulCpu")
 MAX_K = 65535  # input features at most: the kernel's int32 sums stay exact
-
-
-def available() -> bool:
-    return cpu_build.unavailable_reason(*KERNEL) is None
 
 
 def int8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, portable: bool = False) -> jax.Array:
@@ -30,8 +27,7 @@ def int8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, portable:
             or w_scale.shape != (w.shape[1],) or x.shape[1] > MAX_K):
         raise ValueError(f"expected float32 x [M, K], int8 w [K, N] and w_scale [N] with K <= {MAX_K}, got "
                          f"{x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)} and {list(w_scale.shape)}")
-    target, symbol = KERNEL
-    target += "_portable" if portable else ""
-    cpu_build.register(target, symbol, ("PAGEJAX_PORTABLE",) if portable else ())
+    kernel = KERNEL.portable() if portable else KERNEL
+    gate.require(kernel)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w, w_scale.astype(jnp.float32))
+    return jax.ffi.ffi_call(kernel.target, out, vmap_method="sequential")(x, w, w_scale.astype(jnp.float32))

@@ -8,9 +8,9 @@ different machine sharing the home directory gets its own library, and a second 
 The library is written to a temporary name and renamed, so concurrent builds (pytest-xdist, two engines) are safe.
 
 Why build at run time rather than at install: the package stays pure Python (a plain `pip install -e .`), and
-`-march=native` is only right on the machine that runs the code. Without a compiler, or with
-PAGEJAX_CPU_KERNELS=0 in the environment (for A/B runs and debugging), callers fall back to the pure-JAX paths
-(see `unavailable_reason`).
+`-march=native` is only right on the machine that runs the code. Whether a call site takes a kernel (the target
+backend, PAGEJAX_CPU_KERNELS, a failed build) is decided in `gate.py`; this module only compiles, loads and
+registers, raising `KernelBuildError` when it cannot.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import tempfile
 
 import jax
 import jaxlib
-
-from kernels_pallas.backend import target_backend
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # Reassociation lets g++ vectorize reductions; no -ffinite-math-only: masked attention scores are -inf.
@@ -97,21 +95,3 @@ def register(target: str, symbol: str, defines: tuple[str, ...] = ()) -> None:
     except (OSError, AttributeError) as e:
         raise KernelBuildError(f"loading {symbol} from the CPU kernel library failed: {e}") from e
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-
-
-@functools.cache
-def unavailable_reason(target: str, symbol: str) -> str | None:
-    """None when the kernel is built and registered, else why not (a compiler or loader message)."""
-    if os.environ.get("PAGEJAX_CPU_KERNELS") == "0":
-        return "the C++ CPU kernels are disabled by PAGEJAX_CPU_KERNELS=0"
-    try:
-        register(target, symbol)
-    except KernelBuildError as e:
-        return str(e)
-    return None
-
-
-def runs_here(target: str, symbol: str) -> bool:
-    """Whether a call site should take this kernel: the default backend is CPU and the kernel is built and
-    registered (else the caller's pure-JAX path runs)."""
-    return target_backend() == "cpu" and unavailable_reason(target, symbol) is None

@@ -59,6 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.matmul import grouped_cpu, int8_cpu
+from kernels_pallas.native import gate
+
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 MATMUL_METHODS = ("dequant", "int8", "grouped")
@@ -266,33 +269,21 @@ GROUPED_KERNEL_MAX_ROWS = 32
 
 
 def grouped_kernel_runs(rows: int) -> bool:
-    """Whether `matmul(method="dequant")` of `rows` rows runs `kernels_pallas.matmul.grouped_cpu` here (CPU, a
-    compiler, not PAGEJAX_CPU_KERNELS=0): no float copy of the weight, 10-16x XLA's "dequant" at batch 1."""
-    from kernels_pallas.native import build as cpu_build
-    from kernels_pallas.matmul import grouped_cpu as grouped_matmul_cpu
-
-    return rows <= GROUPED_KERNEL_MAX_ROWS and cpu_build.runs_here(*grouped_matmul_cpu.KERNEL)
-
-
-def _int8_kernel_available() -> bool:
-    """On CPU, per-channel int8 dots go to `kernels_pallas.matmul.int8_cpu` (exact, 1.2-4.9x YNNPACK's speed in
-    BENCHMARKS.md) when it can be built; elsewhere, or without a compiler, XLA's dot runs."""
-    from kernels_pallas.native import build as cpu_build
-    from kernels_pallas.matmul import int8_cpu as int8_matmul_cpu
-
-    return cpu_build.runs_here(*int8_matmul_cpu.KERNEL)
+    """Whether `matmul(method="dequant")` of `rows` rows runs `kernels_pallas.matmul.grouped_cpu` here (up to
+    GROUPED_KERNEL_MAX_ROWS rows, where `native.gate` lets it run): no float copy of the weight. `pick_method`
+    asks it too, so the method it picks and the path `matmul` takes agree."""
+    return rows <= GROUPED_KERNEL_MAX_ROWS and gate.runs_here(grouped_cpu.KERNEL)
 
 
 def _matmul_int8(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     m = x2.shape[0]
     k, n = qw.shape
     gsz, ng = qw.group_size, qw.num_groups
-    if (qw.bits == 8 and ng == 1 and qw.zero_point is None and qw.offset is None
-            and _int8_kernel_available()):  # per channel on CPU: the C++ kernel does all of the below, same bits
-        from kernels_pallas.matmul.int8_cpu import MAX_K, int8_matmul_cpu
-
-        if k <= MAX_K:
-            return int8_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(n))
+    # Per channel on CPU the C++ kernel does all of the below with the same bits in one call (where the gate lets
+    # it run and its int32 sums stay exact); elsewhere XLA's dots run.
+    if (qw.bits == 8 and ng == 1 and qw.zero_point is None and qw.offset is None and k <= int8_cpu.MAX_K
+            and gate.runs_here(int8_cpu.KERNEL)):
+        return int8_cpu.int8_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(n))
     xg = x2.reshape(m, ng, gsz).transpose(1, 0, 2)  # [G, M, g]
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     sx = jnp.where(amax > 0, amax / 127.0, 1.0)  # [G, M, 1]
@@ -344,12 +335,10 @@ def matmul(x: Any, qw: QuantizedWeight, method: str = "dequant") -> jax.Array:
     x2 = x.reshape(-1, k).astype(jnp.float32)
     if (method == "dequant" and grouped_kernel_runs(x2.shape[0])
             and (qw.zero_point is None or np.dtype(qw.zero_point.dtype) == np.int8)):  # what the kernel reads
-        from kernels_pallas.matmul.grouped_cpu import grouped_matmul_cpu
-
-        y = grouped_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits,
-                               group_size=int(qw.group_size),
-                               zero_point=qw.zero_point if qw.zero_point is None else jnp.asarray(qw.zero_point),
-                               offset=qw.offset if qw.offset is None else jnp.asarray(qw.offset))
+        y = grouped_cpu.grouped_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits,
+                                           group_size=int(qw.group_size),
+                                           zero_point=None if qw.zero_point is None else jnp.asarray(qw.zero_point),
+                                           offset=None if qw.offset is None else jnp.asarray(qw.offset))
     elif method == "dequant":
         y = jnp.dot(x2, qw.dequantize())
     elif method == "int8":

@@ -11,7 +11,7 @@ from flax import nnx
 
 from inference import LLM, SamplingParams
 from inference.runtime.batch import bucket, bucket_ladder
-from kernels_pallas.attention import cpu as ragged_paged_attention_cpu
+from kernels_pallas.attention.dispatch import resolve_impl
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -136,7 +136,8 @@ def test_decode_never_compiles_after_warmup():
     compiled = llm.warmup()
     # seq buckets 1, 2, 4 x pages per seq 4, 8, 16 (64 tokens; 4, 6, 8, 12, 16 where the reference attention runs and
     # reads padded pages) x filters on/off
-    assert llm.engine.limits.fine_pages == (jax.default_backend() == "cpu" and not ragged_paged_attention_cpu.available())
+    on_reference = resolve_impl("auto", llm.engine.page_size, llm.runner.config.head_dim) == "reference"
+    assert llm.engine.limits.fine_pages == (jax.default_backend() == "cpu" and on_reference)
     assert compiled == 3 * (5 if llm.engine.limits.fine_pages else 3) * 2
     before = llm.runner.num_compilations()["decode"]
     for i, count in enumerate((1, 3, 4, 2)):

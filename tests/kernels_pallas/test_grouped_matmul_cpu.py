@@ -14,22 +14,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.quantization import formats as quantization
-from kernels_pallas.matmul import grouped_cpu as grouped_matmul_cpu
-from models.quantization import modes as quantized
+from kernels_pallas.matmul import grouped_cpu
+from kernels_pallas.native import gate
+from models.quantization import formats, modes
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
                                 reason="no C++ compiler: grouped weights use XLA's dot (checked below where one is)")
 
 FORMS = {
-    "int8-groups": lambda w, g: quantization.quantize_int8(w, g),
-    "int4-zero-point": lambda w, g: quantization.quantize_int4(w, g),
-    "int4-min": lambda w, g: quantized.quantize_int4_minmax(w, g),
+    "int8-groups": lambda w, g: formats.quantize_int8(w, g),
+    "int4-zero-point": lambda w, g: formats.quantize_int4(w, g),
+    "int4-min": lambda w, g: modes.quantize_int4_minmax(w, g),
 }
 
 
 def run_kernel(x, qw, portable=False):
-    fn = lambda a: grouped_matmul_cpu.grouped_matmul_cpu(  # noqa: E731
+    fn = lambda a: grouped_cpu.grouped_matmul_cpu(  # noqa: E731
         a, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits, group_size=qw.group_size,
         zero_point=None if qw.zero_point is None else jnp.asarray(qw.zero_point),
         offset=None if qw.offset is None else jnp.asarray(qw.offset), portable=portable)
@@ -37,9 +37,7 @@ def run_kernel(x, qw, portable=False):
 
 
 def test_kernel_builds_where_a_compiler_is():
-    from kernels_pallas.native import build as cpu_build
-
-    assert cpu_build.unavailable_reason(*grouped_matmul_cpu.KERNEL) is None
+    assert gate.unavailable_reason(grouped_cpu.KERNEL) is None
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -57,9 +55,9 @@ def test_matches_the_dequantized_product(portable, form, m, k, n, g):
 
 
 def test_rejects_inconsistent_inputs():
-    qw = quantization.quantize_int4(np.ones((64, 8), np.float32), 32)
+    qw = formats.quantize_int4(np.ones((64, 8), np.float32), 32)
     x = jnp.ones((1, 64), jnp.float32)
-    call = grouped_matmul_cpu.grouped_matmul_cpu
+    call = grouped_cpu.grouped_matmul_cpu
     with pytest.raises(ValueError, match="expected float32 x"):
         call(x.astype(jnp.bfloat16), qw.q, qw.scale, bits=4, group_size=32, zero_point=qw.zero_point)
     with pytest.raises(ValueError, match="expected float32 x"):
@@ -76,8 +74,8 @@ def test_rejects_inconsistent_inputs():
 
 @pytest.mark.parametrize("portable", [False, True])
 def test_empty_k_gives_zeros(portable):
-    fn = jax.jit(lambda a, q, s: grouped_matmul_cpu.grouped_matmul_cpu(a, q, s, bits=8, group_size=32,
-                                                                        portable=portable))
+    fn = jax.jit(lambda a, q, s: grouped_cpu.grouped_matmul_cpu(a, q, s, bits=8, group_size=32,
+                                                                portable=portable))
     got = fn(np.zeros((2, 0), np.float32), np.zeros((0, 7), np.int8), np.zeros((0, 7), np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.zeros((2, 7), np.float32))
 
@@ -85,28 +83,28 @@ def test_empty_k_gives_zeros(portable):
 @pytest.mark.parametrize("rows", [1, 32, 33])
 def test_dequant_matmul_takes_the_kernel_up_to_its_row_limit(rows):
     rng = np.random.default_rng(rows)
-    qw = quantized.quantize_int4_minmax(rng.standard_normal((96, 80)).astype(np.float32), 32)
+    qw = modes.quantize_int4_minmax(rng.standard_normal((96, 80)).astype(np.float32), 32)
     x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
-    fn = jax.jit(lambda a: quantization.matmul(a, qw, "dequant"))
-    assert (grouped_matmul_cpu.KERNEL[0] in fn.lower(x).as_text()) == (rows <= quantization.GROUPED_KERNEL_MAX_ROWS)
+    fn = jax.jit(lambda a: formats.matmul(a, qw, "dequant"))
+    assert (grouped_cpu.KERNEL.target in fn.lower(x).as_text()) == (rows <= formats.GROUPED_KERNEL_MAX_ROWS)
     np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
 
 
 def test_dequant_of_a_weight_the_kernel_does_not_read_takes_xla():
     """Zero points stored wider than int8 are outside the kernel's contract: XLA's dot, the same product."""
     rng = np.random.default_rng(3)
-    qw = quantization.quantize_int4(rng.standard_normal((64, 20)).astype(np.float32), 32)
+    qw = formats.quantize_int4(rng.standard_normal((64, 20)).astype(np.float32), 32)
     qw = qw.replace(zero_point=jnp.asarray(qw.zero_point, jnp.int32))
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
-    fn = jax.jit(lambda a: quantization.matmul(a, qw, "dequant"))
-    assert grouped_matmul_cpu.KERNEL[0] not in fn.lower(x).as_text()
+    fn = jax.jit(lambda a: formats.matmul(a, qw, "dequant"))
+    assert grouped_cpu.KERNEL.target not in fn.lower(x).as_text()
     np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
 
 
 def test_pick_method_keeps_a_large_grouped_matrix_on_the_kernel(monkeypatch):
-    big = quantization.QuantizedWeight(q=np.zeros((576, 49152), np.int8), scale=np.ones((18, 49152), np.float32),
-                                       bits=8, group_size=32, shape=(576, 49152))
-    assert quantized.pick_method(big, 1) == "dequant"  # the kernel reads the codes in place
-    assert quantized.pick_method(big, 64) == "int8"  # XLA would write a float copy for "dequant"
-    monkeypatch.setattr(quantized, "grouped_kernel_runs", lambda rows: False)  # no compiler, or not on CPU
-    assert quantized.pick_method(big, 1) == "int8"
+    big = formats.QuantizedWeight(q=np.zeros((576, 49152), np.int8), scale=np.ones((18, 49152), np.float32),
+                                  bits=8, group_size=32, shape=(576, 49152))
+    assert modes.pick_method(big, 1) == "dequant"  # the kernel reads the codes in place
+    assert modes.pick_method(big, 64) == "int8"  # XLA would write a float copy for "dequant"
+    monkeypatch.setattr(modes, "grouped_kernel_runs", lambda rows: False)  # no compiler, or not on CPU
+    assert modes.pick_method(big, 1) == "int8"

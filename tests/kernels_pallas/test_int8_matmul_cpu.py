@@ -13,19 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.quantization import formats as quantization
-from kernels_pallas.matmul import int8_cpu as int8_matmul_cpu
+from kernels_pallas.matmul import int8_cpu
+from kernels_pallas.native import gate
+from models.quantization import formats
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
                                 reason="no C++ compiler: the W8A8 path uses XLA's dot (checked below where one is)")
 
 
 def test_kernel_builds_where_a_compiler_is():
-    assert int8_matmul_cpu.available()
+    assert gate.unavailable_reason(int8_cpu.KERNEL) is None
 
 
 def w8a8_numpy(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
-    """The W8A8 product in float32 numpy, in the operations XLA:CPU compiles quantization._matmul_int8 to."""
+    """The W8A8 product in float32 numpy, in the operations XLA:CPU compiles formats._matmul_int8 to."""
     amax = np.abs(x).max(axis=1, keepdims=True)
     sx = np.where(amax > 0, amax * np.float32(1 / 127), np.float32(1)).astype(np.float32)
     xq = np.rint(x * (np.float32(1) / sx)).astype(np.int64)
@@ -46,7 +47,7 @@ def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
     w[:, 0] = -128  # the extreme product, summed K times
     w_scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
-    got = jax.jit(lambda a, b, c: int8_matmul_cpu.int8_matmul_cpu(a, b, c, portable=portable))(x, w, w_scale)
+    got = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, portable=portable))(x, w, w_scale)
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), w8a8_numpy(x, w, w_scale))
 
@@ -55,7 +56,7 @@ def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
 def test_empty_k_and_non_finite_rows(portable):
     """K = 0 gives zeros; a row with a NaN or an inf gives garbage for that row only (as the JAX path does), without
     undefined behaviour in the kernel (NaN is quantized to 0): the other rows stay exact."""
-    fn = jax.jit(lambda a, b, c: int8_matmul_cpu.int8_matmul_cpu(a, b, c, portable=portable))
+    fn = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, portable=portable))
     got = fn(np.zeros((3, 0), np.float32), np.zeros((0, 5), np.int8), np.ones(5, np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.zeros((3, 5), np.float32))
     rng = np.random.default_rng(5)
@@ -70,28 +71,28 @@ def test_empty_k_and_non_finite_rows(portable):
 def test_rejects_wrong_dtypes_and_shapes():
     f32, i8 = jnp.float32, jnp.int8
     with pytest.raises(ValueError, match="expected float32 x"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), i8), jnp.zeros((4, 3), i8), jnp.ones(3, f32))
+        int8_cpu.int8_matmul_cpu(jnp.zeros((2, 4), i8), jnp.zeros((4, 3), i8), jnp.ones(3, f32))
     with pytest.raises(ValueError, match="expected float32 x"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((5, 3), i8), jnp.ones(3, f32))
+        int8_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((5, 3), i8), jnp.ones(3, f32))
     with pytest.raises(ValueError, match="w_scale"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((4, 3), i8), jnp.ones(4, f32))
-    k = int8_matmul_cpu.MAX_K + 1  # int32 sums could overflow: the W8A8 matmul takes XLA's dot instead
+        int8_cpu.int8_matmul_cpu(jnp.zeros((2, 4), f32), jnp.zeros((4, 3), i8), jnp.ones(4, f32))
+    k = int8_cpu.MAX_K + 1  # int32 sums could overflow: the W8A8 matmul takes XLA's dot instead
     with pytest.raises(ValueError, match="K <= 65535"):
-        int8_matmul_cpu.int8_matmul_cpu(jnp.zeros((1, k), f32), jnp.zeros((k, 1), i8), jnp.ones(1, f32))
+        int8_cpu.int8_matmul_cpu(jnp.zeros((1, k), f32), jnp.zeros((k, 1), i8), jnp.ones(1, f32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 100])
 def test_w8a8_matmul_is_bit_identical_with_and_without_the_kernel(rows, monkeypatch):
     rng = np.random.default_rng(rows)
-    qw = quantization.quantize_int8(rng.standard_normal((96, 160)).astype(np.float32))
+    qw = formats.quantize_int8(rng.standard_normal((96, 160)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
-    with_kernel = jax.jit(lambda a: quantization.matmul(a, qw, "int8"))
+    with_kernel = jax.jit(lambda a: formats.matmul(a, qw, "int8"))
     text = with_kernel.lower(x).as_text()
-    assert int8_matmul_cpu.KERNEL[0] in text
+    assert int8_cpu.KERNEL.target in text
     got = with_kernel(x)
-    monkeypatch.setattr(quantization, "_int8_kernel_available", lambda: False)
-    without = jax.jit(lambda a: quantization.matmul(a, qw, "int8"))
-    assert int8_matmul_cpu.KERNEL[0] not in without.lower(x).as_text()
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    without = jax.jit(lambda a: formats.matmul(a, qw, "int8"))
+    assert int8_cpu.KERNEL.target not in without.lower(x).as_text()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(without(x)))
 
 
@@ -103,7 +104,7 @@ def test_concurrent_calls_share_the_workers_safely():
     rng = np.random.default_rng(11)
     cases = [(rng.standard_normal((m, 300)).astype(np.float32), rng.integers(-128, 128, (300, 700), dtype=np.int8),
               rng.uniform(1e-3, 1e-1, 700).astype(np.float32)) for m in (1, 3, 9, 32)]
-    fn = jax.jit(int8_matmul_cpu.int8_matmul_cpu)
+    fn = jax.jit(int8_cpu.int8_matmul_cpu)
 
     def run(case):
         return all((np.asarray(fn(*case)) == w8a8_numpy(*case)).all() for _ in range(10))

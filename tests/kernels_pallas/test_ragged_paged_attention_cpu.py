@@ -2,7 +2,7 @@
 head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 with per-token scales),
 sliding window, soft cap and static scales; a pool poisoned with NaN/Inf wherever no query may look; plus its failure
 modes (no compiler, out-of-contract indices). Caches are in kv_cache/layout.py's layout, built through `kv_cache_spec`
-(`make_case`) and `kv_cache.quantize_cache` (int8)."""
+(`make_case`) and `kv_cache.writes.quantize_cache` (int8)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
-from kernels_pallas.native import build as cpu_build
-from kernels_pallas.kv_cache import writes as kv_cache
-from kernels_pallas.attention import cpu as cpu_kernel
+from kernels_pallas import rope_cpu
+from kernels_pallas.attention import cpu
+from kernels_pallas.kv_cache import writes
+from kernels_pallas.native import build, gate
 from kernels_pallas.kv_cache.writes import quantize_cache
 from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows, scales_by_page
 from tests.kernels_pallas.test_ragged_paged_attention import make_case
@@ -29,7 +30,7 @@ needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is N
 
 @needs_cxx
 def test_kernel_builds_where_a_compiler_is():
-    assert cpu_kernel.unavailable_reason() is None
+    assert gate.unavailable_reason(cpu.KERNEL) is None
 
 CASES = {
     # name: (q_lens, kv_lens); more query tokens than the kernel's 8-token block in the prefill cases
@@ -50,7 +51,7 @@ def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, **kw):
     else:
         kv = kv.astype(kv_dtype)
     call = (q, kv, *rest)
-    got = jax.jit(lambda *a: cpu_kernel.ragged_paged_attention_cpu(*a, kv_scales=scales, **kw))(*call)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, kv_scales=scales, **kw))(*call)
     want = jax.jit(lambda *a: ragged_paged_attention_reference(*a, kv_scales=scales, **kw))(*call)
     assert got.dtype == q.dtype and got.shape == q.shape
     return np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -160,7 +161,7 @@ def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
         args = (jnp.asarray(q), jnp.asarray(kv), *map(jnp.asarray, rest))
         s = None if scales is None else jnp.asarray(scales)
         kw = dict(sm_scale=head_dim ** -0.5, kv_scales=s, **options)
-        out[name] = np.asarray(jax.jit(lambda *a: cpu_kernel.ragged_paged_attention_cpu(*a, **kw))(*args))
+        out[name] = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, **kw))(*args))
         out[name + "_ref"] = np.asarray(jax.jit(lambda *a: ragged_paged_attention_reference(*a, **kw))(*args))
     assert np.isfinite(out["dirty"]).all()
     np.testing.assert_array_equal(out["dirty"], out["clean"])
@@ -185,7 +186,7 @@ def test_padding_rows_are_zero_and_rows_of_invalid_sequences_too():
     q, kv, kv_lens, pages, cu, _ = make_case(rng, [2, 3, 1], [5, 3, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                              page_size=4, pages_per_seq=3, num_pages=10)
     q = np.concatenate([q, rng.standard_normal((2, 4, 64)).astype(np.float32)])  # two padding tokens
-    out = np.asarray(cpu_kernel.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu)),
+    out = np.asarray(cpu.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu)),
                                                            jnp.array([2], jnp.int32), sm_scale=0.125))
     want = np.asarray(ragged_paged_attention_reference(*map(jnp.asarray, (q, kv, kv_lens, pages, cu)),
                                                        jnp.array([2], jnp.int32), sm_scale=0.125))
@@ -200,9 +201,9 @@ def test_auto_dispatch_uses_the_kernel_on_cpu():
     args = list(map(jnp.asarray, make_case(rng, [1, 1], [7, 12], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                            page_size=4, pages_per_seq=3, num_pages=8)))
     text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, max_q_len=1)).lower(*args).as_text()
-    assert cpu_kernel.TARGET in text
+    assert cpu.KERNEL.target in text
     text = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1, impl="reference")).lower(*args).as_text()
-    assert cpu_kernel.TARGET not in text
+    assert cpu.KERNEL.target not in text
 
 
 @needs_cxx
@@ -213,7 +214,7 @@ def test_out_of_contract_indices_are_clamped_not_read_out_of_bounds():
     pages[0, 1] = 10 ** 6  # a page far outside the cache
     pages[1, 0] = -5
     kv_lens[1] = 10 ** 6  # longer than the page table's capacity
-    out = cpu_kernel.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu, n)), sm_scale=0.125)
+    out = cpu.ragged_paged_attention_cpu(*map(jnp.asarray, (q, kv, kv_lens, pages, cu, n)), sm_scale=0.125)
     assert np.isfinite(np.asarray(out)).all()
 
 
@@ -223,41 +224,35 @@ def test_bad_arguments_are_rejected_by_name():
     args = list(map(jnp.asarray, make_case(rng, [1], [3], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
                                            pages_per_seq=1, num_pages=2)))
     with pytest.raises(ValueError, match="needs kv_scales"):
-        cpu_kernel.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.int8), *args[2:])
+        cpu.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.int8), *args[2:])
     with pytest.raises(ValueError, match="soft_cap"):
-        cpu_kernel.ragged_paged_attention_cpu(*args, soft_cap=0.0)
+        cpu.ragged_paged_attention_cpu(*args, soft_cap=0.0)
     with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
-        cpu_kernel.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.float16), *args[2:])
+        cpu.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.float16), *args[2:])
     kv_q, scales = quantize_cache(args[1])
     with pytest.raises(ValueError, match="kv_scales shape"):  # the old [num_pages, page_size, 2 * Hkv] scales
-        cpu_kernel.ragged_paged_attention_cpu(args[0], kv_q, *args[2:], kv_scales=jnp.zeros((2, 4, 2)))
+        cpu.ragged_paged_attention_cpu(args[0], kv_q, *args[2:], kv_scales=jnp.zeros((2, 4, 2)))
     with pytest.raises(ValueError, match="kv_cache_spec"):  # the old [num_pages, page_size, 2 * Hkv, D] cache
-        cpu_kernel.ragged_paged_attention_cpu(args[0], jnp.zeros((2, 4, 2, 64)), *args[2:])
+        cpu.ragged_paged_attention_cpu(args[0], jnp.zeros((2, 4, 2, 64)), *args[2:])
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-pagejax")
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
-    with pytest.raises(cpu_kernel.KernelBuildError, match="no C\\+\\+ compiler 'no-such-compiler-pagejax'.*"
+    with pytest.raises(cpu.KernelBuildError, match="no C\\+\\+ compiler 'no-such-compiler-pagejax'.*"
                        "attn_impl='reference'"):
-        cpu_build.build()
+        build.build()
     assert not list(tmp_path.iterdir())
 
 
 @needs_cxx
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
-    first = cpu_build.build()
+    first = build.build()
     mtime = tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns
-    assert cpu_build.build() == first  # second call: no recompile
+    assert build.build() == first  # second call: no recompile
     assert tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.split("/")[-1]]  # no temporary files left
-
-
-def test_environment_switch_disables_the_kernels(monkeypatch):
-    monkeypatch.setenv("PAGEJAX_CPU_KERNELS", "0")
-    reason = cpu_build.unavailable_reason.__wrapped__(*cpu_kernel.KERNEL)  # uncached: the env is read per call
-    assert reason is not None and "PAGEJAX_CPU_KERNELS=0" in reason
 
 
 @needs_cxx
@@ -271,18 +266,18 @@ def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
     cache, scales = quantize_cache(pages) if kv_dtype == jnp.int8 else (pages.astype(kv_dtype), None)
 
     def write(c, s, slots):
-        return jax.tree.leaves(kv_cache.write_kv(c, k, v, slots, kv_scales=s))
+        return jax.tree.leaves(writes.write_kv(c, k, v, slots, kv_scales=s))
 
     slots = jnp.array([3, -1, 17, 0, 3, 19], jnp.int32)
     kernel = jax.jit(write)
-    assert kv_cache.WRITE_KERNEL[0] in kernel.lower(cache, scales, slots).as_text()
+    assert writes.WRITE_KERNEL.target in kernel.lower(cache, scales, slots).as_text()
     got = kernel(cache, scales, slots)
     past_end = kernel(cache, scales, jnp.array([-1, -1, 20, 400, -1, -1], jnp.int32))
     for before, after in zip(jax.tree.leaves((cache, scales)), past_end):
         np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
-    monkeypatch.setattr(kv_cache, "_write_kernel_available", lambda: False)
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
     portable = jax.jit(lambda c, s, sl: write(c, s, sl))  # a new function: no trace cached with the kernel
-    assert kv_cache.WRITE_KERNEL[0] not in portable.lower(cache, scales, slots).as_text()
+    assert writes.WRITE_KERNEL.target not in portable.lower(cache, scales, slots).as_text()
     for a, b in zip(got, portable(cache, scales, slots)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -296,11 +291,11 @@ def test_rope_tables_kernel_matches_jnp(monkeypatch):
     positions = jnp.array([0, 1, 7, 128, 4095, 32767], jnp.int32)
     inv_freq = layers.rope_inv_freq(64, 10000.0, None)
     kernel = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
-    assert layers.ROPE_KERNEL[0] in kernel.lower(positions).as_text()
+    assert rope_cpu.KERNEL.target in kernel.lower(positions).as_text()
     got = kernel(positions)
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")  # any backend without the kernel
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
     portable = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
-    assert layers.ROPE_KERNEL[0] not in portable.lower(positions).as_text()
+    assert rope_cpu.KERNEL.target not in portable.lower(positions).as_text()
     for a, b in zip(got, portable(positions)):
         assert a.shape == (6, 32)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)

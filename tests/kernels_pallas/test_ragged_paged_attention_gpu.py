@@ -308,9 +308,10 @@ def test_auto_picks_gpu_kernel_on_gpu_only_where_it_tiles(monkeypatch):
     assert dispatch.resolve_impl("auto", 12, 64) == "reference"
     assert dispatch.resolve_impl("tpu", 16, 64) == "tpu"
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "cpu")
-    from kernels_pallas.attention import cpu as ragged_paged_attention_cpu
+    from kernels_pallas.attention import cpu
+    from kernels_pallas.native import gate
 
-    assert dispatch.resolve_impl("auto", 16, 128) == ("cpu" if ragged_paged_attention_cpu.available() else "reference")
+    assert dispatch.resolve_impl("auto", 16, 128) == ("cpu" if gate.runs_here(cpu.KERNEL) else "reference")
 
 
 def test_default_kv_splits_fill_the_grid():

@@ -1,0 +1,123 @@
+"""kernels_pallas.native.gate, the one switch for the C++ CPU kernels: PAGEJAX_CPU_KERNELS=0 sends every call site
+to its pure-JAX path (in a fresh process: the decision is once per process), a fallback is logged once per kernel
+with its reason, `compiling_for` another backend turns the kernels off without asking (or caching) anything, and
+the engine's bucket choice follows the attention dispatcher's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs.presets import get_model_config
+from inference.engine.llm_engine import reads_padded_pages
+from kernels_pallas import rope_cpu, write_kv
+from kernels_pallas.attention import cpu
+from kernels_pallas.attention.dispatch import resolve_impl
+from kernels_pallas.backend import compiling_for
+from kernels_pallas.kv_cache.layout import kv_cache_spec
+from kernels_pallas.kv_cache.writes import WRITE_KERNEL
+from kernels_pallas.mla.dispatch import resolve_mla_impl
+from kernels_pallas.native import gate
+from models import layers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SITES = ("attention", "grouped_matmul", "int8_matmul", "kv_write", "rope")
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
+                               reason="no C++ compiler: the kernels never run here")
+
+
+def run_worker(**env) -> dict:
+    environ = {key: value for key, value in os.environ.items() if key != "PAGEJAX_CPU_KERNELS"}
+    environ.update(env, JAX_PLATFORMS="cpu",
+                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "kernels_pallas", "native_gate_worker.py")],
+                          cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_switched_off_every_site_runs_pure_jax_and_says_why_once():
+    out = run_worker(PAGEJAX_CPU_KERNELS="0")
+    assert out["sites"] == out["sites_again"] == {name: [] for name in SITES}
+    assert len(out["log"]) == len(SITES)  # one line per kernel, though every site was traced twice
+    for name, target in out["targets"].items():
+        (line,) = [m for m in out["log"] if target in m]
+        assert line.startswith("WARNING") and "PAGEJAX_CPU_KERNELS=0" in line, line
+    assert out["auto"] == "reference"
+    assert out["fine_pages"] and out["mla_fine_pages"]  # the engine follows: the reference reads padded pages
+    if shutil.which(os.environ.get("CXX") or "g++"):
+        assert out["explicit_cpu"] == ["attention"]  # naming the kernel still runs it
+
+
+@needs_cxx
+def test_switched_on_every_site_takes_its_kernel_silently():
+    """The control for the test above: the same worker without the switch sees each site's kernel."""
+    out = run_worker()
+    assert out["sites"] == out["sites_again"] == {name: [name] for name in SITES}
+    assert out["log"] == []
+    assert out["auto"] == "cpu" and not out["fine_pages"] and out["mla_fine_pages"]  # no CPU MLA kernel
+
+
+def test_an_unavailable_kernel_is_logged_once_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-compiler-pagejax")
+    # Its own defines: a library of its own, so no earlier build in this process is reused.
+    kernel = gate.CpuKernel("pagejax_test_unbuildable", "PagejaxNoSuchSymbol", ("PAGEJAX_TEST_UNBUILDABLE",))
+    with caplog.at_level(logging.WARNING, logger=gate.__name__):
+        assert not gate.runs_here(kernel)
+        assert not gate.runs_here(kernel)
+    (record,) = [r for r in caplog.records if r.name == gate.__name__]
+    assert record.levelno == logging.WARNING
+    assert kernel.target in record.getMessage() and "no C++ compiler 'no-such-compiler-pagejax'" in record.getMessage()
+    assert "no C++ compiler" in gate.unavailable_reason(kernel)
+
+
+def test_compiling_for_another_backend_turns_kernels_off_without_asking(caplog):
+    kernel = gate.CpuKernel("pagejax_test_never_asked", "PagejaxNoSuchSymbol", ("PAGEJAX_TEST_NEVER_ASKED",))
+    before = gate.unavailable_reason.cache_info()
+    with caplog.at_level(logging.WARNING, logger=gate.__name__):
+        for backend in ("tpu", "gpu"):
+            with compiling_for(backend):
+                assert not gate.runs_here(kernel)
+                assert not gate.runs_here(cpu.KERNEL)
+                pages = jnp.zeros(kv_cache_spec(4, 4, 2, 32).shape, jnp.float32)
+                k = jnp.ones((2, 2, 32), jnp.float32)
+                slots = jnp.array([0, 5], jnp.int32)
+                text = jax.jit(lambda p: write_kv(p, k, k, slots)).lower(pages).as_text()
+                assert WRITE_KERNEL.target not in text
+                inv_freq = layers.rope_inv_freq(16, 10000.0, None)
+                text = jax.jit(lambda p: layers.rope_tables(p, inv_freq)).lower(jnp.arange(3)).as_text()
+                assert rope_cpu.KERNEL.target not in text
+    assert gate.unavailable_reason.cache_info() == before  # neither asked nor cached: no build was attempted
+    assert not [r for r in caplog.records if r.name == gate.__name__]
+    # Back on CPU the cached per-process answer decides again.
+    assert gate.runs_here(cpu.KERNEL) == (gate.unavailable_reason(cpu.KERNEL) is None)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_the_engine_asks_the_dispatcher(page_size, monkeypatch):
+    dense, mla = get_model_config("tiny-llama"), get_model_config("tiny-deepseek-v2")
+    dispatched = resolve_impl("auto", page_size, dense.head_dim) == "reference"
+    assert reads_padded_pages(dense, page_size) == dispatched
+    mla_dispatched = resolve_mla_impl("auto", page_size, mla.kv_lora_rank, mla.qk_rope_head_dim) == "reference"
+    assert reads_padded_pages(mla, page_size) == mla_dispatched
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    assert resolve_impl("auto", page_size, dense.head_dim) == "reference"
+    assert reads_padded_pages(dense, page_size)
+    with compiling_for("tpu"):
+        assert resolve_impl("auto", page_size, dense.head_dim) == "tpu"
+        assert not reads_padded_pages(dense, page_size)
+
+
+def test_portable_variant_is_a_separate_target():
+    portable = cpu.KERNEL.portable()
+    assert portable.target == f"{cpu.KERNEL.target}_portable" and portable.symbol == cpu.KERNEL.symbol
+    assert portable.defines == ("PAGEJAX_PORTABLE",)
+    assert portable != cpu.KERNEL
