@@ -196,7 +196,9 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
     tile = lax.axis_index("tile")
     h = lax.axis_index("head")
     sp = lax.axis_index("split")
-    seq, row0, first_pos, kv_lo, kv_hi, lo, hi, out_tile = (info_ref[sp, tile, i] for i in range(NUM_INFO))
+    seq, _, first_pos, kv_lo, kv_hi, lo, hi, _ = (info_ref[sp, tile, i] for i in range(NUM_INFO))
+    # TMA into (8, 64)-tiled shared memory needs tile-aligned GMEM offsets: q and out rows start at tile * 64
+    tile_rows = pl.ds(pl.multiple_of(tile * ROWS, ROWS), ROWS)
     pages_per_block = block_kv // page_size
     dtype = q_smem.dtype
 
@@ -211,7 +213,7 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
 
     @pl.when(seq >= 0)
     def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(row0, ROWS)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[h, tile_rows], q_smem, q_bar)
         for s in range(num_stages):
             @pl.when(lo + s < hi)
             def _():
@@ -299,7 +301,7 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
         out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
         if v_scale is not None:
             out = out * v_scale
-        rows = pl.ds(out_tile * ROWS, ROWS)
+        rows = tile_rows
         if num_splits == 1:
             q_smem[...] = out.astype(dtype)
             plgpu.commit_smem()
@@ -374,11 +376,12 @@ def ragged_paged_attention_mosaic_gpu(
                                  block_kv=block_kv, num_tiles=num_tiles, num_splits=splits,
                                  sliding_window=sliding_window)
     pages = sanitize_pages(page_indices, kv_lens.astype(jnp.int32), page_size, num_kv_blocks * block_kv // page_size)
-    # q rows [Hkv, (T + block_q + 1) * group, D]: token-major, group-minor; padded so a tile never runs off the end
-    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, block_q + 1), (0, 0), (0, 0)))
-    q_rows = q_rows.reshape(num_kv_heads, -1, head_dim)
-    info = info.at[..., 1].multiply(group)  # first q row = first token * group
+    # q in the tiles' layout [Hkv, tiles * 64, D], the output's too: token t's group of query heads is rows
+    # `token_rows[t]` of its tile (a scatter here, a gather after the kernel; rows of no valid token stay zero)
+    token_rows = _token_rows(cu_q_lens.astype(jnp.int32), num_seqs, tile_start, num_tokens, block_q, group)
+    out_rows = num_tiles * ROWS
+    q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [Hkv, T, group, D]
+    q_tiles = jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype).at[:, token_rows].set(q_heads, mode="drop")
 
     scratch = [
         _tiled((ROWS, head_dim), q.dtype),
@@ -387,7 +390,6 @@ def ragged_paged_attention_mosaic_gpu(
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
         plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages),
     ]
-    out_rows = num_tiles * ROWS
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype)]
         scratch.append(None)
@@ -411,22 +413,27 @@ def ragged_paged_attention_mosaic_gpu(
         ragged_paged_attention_mosaic_gpu_kernel, out_type=out_shape, grid=(num_tiles, num_kv_heads, splits), grid_names=("tile", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else None,
-    )(info, pages, q_rows, kv_pages)
+    )(info, pages, q_tiles, kv_pages)
     if splits == 1:
         out = outs[0] if isinstance(outs, (list, tuple)) else outs
         out = out.astype(jnp.float32)
     else:
         out = combine_splits(*outs)
 
-    # gather each token's rows back: token t of sequence s is row (t - q_start - tok0 of its tile) * group + g of
-    # its tile; tile = tile_start[s] + (t - q_start) // block_q
+    gathered = out[:, jnp.clip(token_rows, 0, out_rows - 1)]  # [Hkv, T, group, D]
+    gathered = gathered.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    token_valid = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
+    return jnp.where(token_valid[:, None, None], gathered, 0).astype(q.dtype)
+
+
+def _token_rows(cu_q_lens, num_seqs, tile_start, num_tokens, block_q, group):
+    """int32 [T, group]: the tile rows of each token's query heads (token `within` of its sequence is row
+    `(within % block_q) * group + g` of the sequence's tile `within // block_q`); tokens of no valid sequence
+    get an out-of-range row (dropped by the scatter, clipped and zeroed by the gather)."""
+    max_seqs = tile_start.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, max_seqs - 1)
     within = t - cu_q_lens[seq]
-    tile = tile_start[seq] + within // block_q
-    row = tile * ROWS + (within % block_q) * group
-    rows = row[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]  # [T, group]
-    gathered = out[:, jnp.clip(rows, 0, out_rows - 1)]  # [Hkv, T, group, D]
-    gathered = gathered.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    token_valid = t < cu_q_lens[num_seqs[0]]
-    return jnp.where(token_valid[:, None, None], gathered, 0).astype(q.dtype)
+    row = (tile_start[seq] + within // block_q) * ROWS + (within % block_q) * group
+    row = jnp.where(t < cu_q_lens[num_seqs[0]], row, jnp.iinfo(jnp.int32).max // 2)
+    return row[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]
