@@ -66,10 +66,12 @@ NUM_INFO = 8  # int32 scalars per (split, tile): see `tile_info`
 # jax version bridges
 
 
+# jax 0.10's Mosaic GPU API (jax >= 0.11 has InterpretGPUParams in plgpu, Ref.transpose, load without an index)
+OLD_API = not hasattr(plgpu, "InterpretGPUParams")
+
+
 def _transpose(ref, perm):
-    if hasattr(plgpu, "transpose_ref") and "transpose_ref" in getattr(plgpu, "__all__", dir(plgpu)):
-        return plgpu.transpose_ref(ref, perm)  # jax 0.10
-    return ref.transpose(perm)  # jax >= 0.11
+    return plgpu.transpose_ref(ref, perm) if OLD_API else ref.transpose(perm)
 
 
 _LOAD_TAKES_IDX = "idx" in inspect.signature(plgpu.load).parameters
@@ -81,7 +83,7 @@ def _load(ref, layout):
 
 # jax 0.10's Mosaic GPU interpreter: no layout ops, no transposed wgmma operands (jax >= 0.11's runs both); there
 # the interpreted kernel computes its two products with `lax.dot_general` on the same shared-memory tiles.
-OLD_INTERPRETER = not hasattr(plgpu, "InterpretGPUParams")
+OLD_INTERPRETER = OLD_API
 
 
 def _dot(a, b, contract):
