@@ -9,34 +9,57 @@ Design (why it is shaped this way):
   * One program (a CUDA block of one warpgroup, 128 threads) owns one 64-row query tile of one KV head. A tile's
     rows are (token, query head of the group) pairs, token-major: `block_q = 64 // group` tokens of one sequence
     times the `group = Hq // Hkv` query heads that share KV head h, so every page read serves the whole group
-    (GQA's bandwidth saving) and the M of each wgmma is the 64 rows of one warpgroup MMA. The wrapper lays q out
-    as `[Hkv, T * group (+ pad), D]` so a tile's q is one contiguous 64-row TMA copy.
+    (GQA's bandwidth saving) and the M of each wgmma is the 64 rows of one warpgroup MMA.
   * The grid is over tiles, not (sequence, query block): sequence s gets `cdiv(q_len_s, block_q)` tiles, numbered
     consecutively; the static bound `cdiv(T, block_q) + S` tiles covers any split of T tokens into S sequences,
     so no program is spent on the empty query blocks of a `(S, max_q_blocks)` grid. The wrapper computes each
-    tile's scalars (sequence, first q row, first query position, the key range, the KV-block range of each
-    KV split) in plain XLA, and the kernel reads them from one small int32 array.
-  * Output: every tile has its own 64 rows of a `[Hkv, tiles * 64, D]` array, so the epilogue stores the whole
-    tile with one TMA copy (from the q buffer, reused) and no program writes rows another owns (a TMA store
-    cannot be masked per row); the wrapper gathers the owned rows back into `[T, Hq, D]`.
-  * KV: a KV block is `block_kv` tokens = `block_kv // page_size` whole pages. Per page, K (lanes [0, D)) and V
-    (lanes [D, 2D)) of KV head h are two strided TMA copies `kv[h, page, :, 0:D]` and `kv[h, page, :, D:2D]` into
-    the block's stage of the K and V buffers (128-byte swizzled, (8, 64)-tiled, as wgmma reads them); all copies
-    of a stage arrive on one mbarrier (its arrival count is the number of copies). `num_stages` stages are in
-    flight: the prologue issues the first blocks, and after block b's PV MMA has completed (the accumulator is
-    read back) the same warpgroup issues block b + num_stages into the slot b freed. Page-table entries past a
-    sequence's last page are replaced by page 0 in the wrapper, so a garbage entry is never followed.
+    tile's scalars (sequence, first query position, the key range, the KV-block range of each KV split) in
+    plain XLA, and the kernel reads them from one small int32 array in GMEM.
+  * q and the output live in the tiles' layout `[Hkv, tiles * 64, D]` (a scatter of q before the kernel, a gather
+    of the output after it, both plain XLA over T * Hq * D elements): a tile's rows start at `tile * 64`, because
+    a TMA copy into (8, 64)-tiled shared memory needs a GMEM row offset that is a multiple of 8 (Mosaic's layout
+    inference rejects `token * group`), and every tile owns its 64 output rows, so the epilogue stores the whole
+    tile with one TMA copy (a TMA store cannot be masked per row) and no program writes rows another owns.
+  * KV: a KV block is `block_kv` tokens (64, or the page if larger) = `block_kv // page_size` whole pages. Per
+    page, K (lanes [0, D)) and V (lanes [D, 2D)) of KV head h are two strided TMA copies `kv[h, page, :, 0:D]`
+    and `kv[h, page, :, D:2D]` into the block's stage of the K and V buffers (128-byte swizzle, (8, 64) tiles, as
+    wgmma reads them); all copies of a stage arrive on one mbarrier (arrival count = copies per stage).
+    `num_stages` stages are in flight: the prologue issues the first blocks, and once block b's PV MMA has
+    completed (its accumulator is read back) the same warpgroup issues block b + num_stages into the freed slot.
+    Page-table entries past a sequence's last page become page 0 in the wrapper: a garbage entry is never
+    followed. No warp specialization yet (one warpgroup issues the TMAs and does the math; a producer warpgroup
+    and two consumer warpgroups, as JAX's `attention_mgpu` does, is the next step, to be decided on timings).
   * Stale slots (NaN/Inf past kv_len, before the window, in pages padding entries point at): keys outside the
     tile's range [kv_lo, kv_hi) get the mask value in their score column (a `where`, so a NaN K stays harmless),
     and in the first and last block of the range (the only ones that can hold such keys) V's rows outside the
     range are overwritten with zeros in shared memory before the PV MMA, because a masked key's probability is 0
-    (or 1 while its row has seen nothing yet) and 0 * NaN is NaN.
-  * Split-KV (`num_kv_splits`, static; by default from the number of programs): a tile's KV-block range is cut
-    into contiguous chunks on a third grid axis; each writes its normalized f32 output and log-sum-exp, and a
-    tiny XLA pass combines them. An empty chunk writes zeros and lse = -inf (weight 0).
+    (or 1 while its row has seen nothing yet; wiped by alpha = 0 at its first visible key) and 0 * NaN is NaN.
+  * Split-KV (`num_kv_splits`, static; default: enough for ~512 programs, `default_kv_splits`): a tile's KV-block
+    range is cut into contiguous chunks on a third grid axis; each writes its normalized f32 output and
+    log-sum-exp, and a tiny XLA pass combines them. An empty chunk writes zeros and lse = -inf (weight 0).
   * Precision: bf16 / f16 q and cache: MMAs in that dtype with f32 accumulation, probabilities rounded to the
-    input dtype for PV (as the Triton kernel). f32 and int8 caches are not supported by this kernel yet
-    (`supports` says so, and the entry point raises a clear error); dispatch keeps them on the Triton kernel.
+    input dtype for PV (as the Triton kernel); exact `exp` (`approx_math=False`). Not supported yet (`supports`
+    says False, the entry point raises NotImplementedError): f32 (wgmma's f32 is TF32, ~5e-4 off, not the
+    accuracy path the f32 contract means; the Triton kernel's IEEE path stays), int8 caches with scales, head_dim
+    not a multiple of 64, page sizes not a multiple of 8 or not dividing the KV block.
+  * Interpret mode differs from the compiled kernel in two places, because Mosaic GPU's interpreter cannot run
+    them: its wgmma reads the A operand only from shared memory and runs neither `run_state(ACC.init(acc))` nor a
+    store into an accumulator, so interpreted, P is staged through a shared-memory tile and a fresh PV
+    accumulator is added to acc (compiled: P is the register A operand and the MMA accumulates into acc); and on
+    jax 0.10 (no layout ops, no transposed wgmma operand in its interpreter) both products are `dot_general`s on
+    the same shared-memory tiles (`OLD_INTERPRETER`). TMA copies, barriers, the pipeline, masking, the V fix-up,
+    the tile bookkeeping and the split combine are the same code in both.
+
+What the compiler said (deviceless, sm_90a, `python -m kernels_pallas.attention.mosaic_gpu_compile h100|h200`;
+H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints no shared-memory figure):
+  * decode 64 seqs x 2048 tokens, Hq 32 / Hkv 8 / D 128 bf16, 16-token pages (4 stages of 64 tokens, no split):
+    209 (219) registers, 0 spills, 149504 B shared memory (q tile 16 KiB + 4 x (K 16 + V 16) KiB + barriers);
+  * the same with 4 KV splits: 225 (221) registers, 0 spills, 183296 B (+ the f32 output tile and lse);
+  * mixed 4 x 512-token prefills + 60 decodes: 209 (219) registers, 0 spills, 149504 B;
+  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B.
+  One block per SM by shared memory (227 KiB opt-in) at D 128 and 4 stages; 128 threads x ~210 registers.
+  Beside it, the Triton kernel (shared/ACCELERATOR_NOTES.md, its own shapes: 64 seqs x 256 tokens): bf16 decode
+  165 registers, 104 KiB shared memory; prefill 8 x 512: 255 registers. No timings exist for either.
 
 Versions: jax 0.10.2 and 0.12.x (the two APIs differ in `transpose_ref` vs `Ref.transpose`, `plgpu.load`'s index
 argument and where `InterpretGPUParams` lives; `_compat` below bridges them).
@@ -118,6 +141,13 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
             and bkv % 64 == 0 and bkv <= 128 and 1 <= group <= ROWS)
 
 
+def is_hopper(device_kind: str | None) -> bool:
+    """Whether a device kind ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 ...") is an sm_90 GPU: the
+    kernel uses wgmma, which exists only on Hopper (Blackwell has tcgen05 instead)."""
+    kind = (device_kind or "").lower()
+    return any(chip in kind for chip in ("h100", "h200", "h800", "h20"))
+
+
 def default_block_kv(page_size: int) -> int:
     return max(64, page_size)
 
@@ -135,8 +165,9 @@ def default_kv_splits(num_programs: int, num_kv_blocks: int, target_programs: in
 
 def tile_info(kv_lens, cu_q_lens, num_seqs, *, num_tokens, block_q, block_kv, num_tiles, num_splits,
               sliding_window):
-    """int32 [splits, tiles, NUM_INFO]: (seq or -1, first q row, first query position, kv_lo, kv_hi, first KV
-    block, end KV block, out row base) per KV split and tile; plus (tile of each sequence's first query block)."""
+    """int32 [splits, tiles, NUM_INFO]: (seq or -1, first packed token (for debugging; unused), first query
+    position, kv_lo, kv_hi, first KV block, end KV block, tile) per KV split and tile; and each sequence's first
+    tile."""
     max_seqs = kv_lens.shape[0]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     seq_valid = jnp.arange(max_seqs) < num_seqs[0]
@@ -412,7 +443,8 @@ def ragged_paged_attention_mosaic_gpu(
         pl.run_scoped(lambda *scr: kernel(*ins, *outs, scr), *scratch)
 
     outs = plgpu.kernel(
-        ragged_paged_attention_mosaic_gpu_kernel, out_type=out_shape, grid=(num_tiles, num_kv_heads, splits), grid_names=("tile", "head", "split"),
+        ragged_paged_attention_mosaic_gpu_kernel, out_type=out_shape, grid=(num_tiles, num_kv_heads, splits),
+        grid_names=("tile", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else None,
     )(info, pages, q_tiles, kv_pages)

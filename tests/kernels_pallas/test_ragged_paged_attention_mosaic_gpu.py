@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu, supports
+from kernels_pallas.attention.mosaic_gpu import is_hopper, ragged_paged_attention_mosaic_gpu, supports
 from kernels_pallas.kv_cache.layout import kv_cache_spec
 from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
 from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison
@@ -159,6 +159,8 @@ def test_supports_and_rejects():
     assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 12, 4)  # page not a multiple of 8 rows
     assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 48, 4)  # 48 does not divide the 64-token block
     assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 16, 65)  # more query heads per KV head than tile rows
+    assert is_hopper("NVIDIA H100 80GB HBM3") and is_hopper("NVIDIA H200") and not is_hopper("NVIDIA A100-SXM4-80GB")
+    assert not is_hopper("NVIDIA B200") and not is_hopper(None)
     rng = np.random.default_rng(4)
     args = tuple(map(jnp.asarray, make_case(rng, [1], [5], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                             page_size=16, pages_per_seq=1, num_pages=2)))
