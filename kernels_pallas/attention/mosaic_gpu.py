@@ -41,7 +41,7 @@ Design (why it is shaped this way):
     input dtype for PV (as the Triton kernel); exact `exp` (`approx_math=False`). Not supported yet (`supports`
     says False, the entry point raises NotImplementedError): f32 (wgmma's f32 is TF32, ~5e-4 off, not the
     accuracy path the f32 contract means; the Triton kernel's IEEE path stays), int8 caches with scales, head_dim
-    not a multiple of 64, page sizes not a multiple of 8 or not dividing the KV block.
+    other than 64 or 128, page sizes not a multiple of 8 or not dividing the KV block.
   * Interpret mode differs from the compiled kernel in two places, because Mosaic GPU's interpreter cannot run
     them: its wgmma reads the A operand only from shared memory and runs neither `run_state(ACC.init(acc))` nor a
     store into an accumulator, so interpreted, P is staged through a shared-memory tile and a fresh PV
@@ -129,15 +129,15 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
              block_kv: int | None = None) -> bool:
     """Whether this kernel handles the case (impl="auto" can route here, else to the Triton kernel).
 
-    bf16 / f16 q and cache of the same dtype (no f32, no int8 yet), head_dim a multiple of 64 up to 256 (128-byte
-    swizzled tiles; the f32 accumulator is 64 x D registers), page_size a multiple of 8 (TMA into (8, 64) tiles)
+    bf16 / f16 q and cache of the same dtype (no f32, no int8 yet), head_dim 64 or 128 (128-byte swizzled tiles;
+    the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the 255-register ceiling), page_size a multiple of 8 (TMA into (8, 64) tiles)
     that divides the KV block (64 tokens, or the page itself up to 128), a group of at most 64 query heads per KV
     head (one tile row per head)."""
     q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
     if kv_scales or q_dtype != kv_dtype or q_dtype.name not in SUPPORTED_DTYPES:
         return False
     bkv = block_kv or default_block_kv(page_size)
-    return (head_dim % 64 == 0 and 64 <= head_dim <= 256 and page_size % 8 == 0 and bkv % page_size == 0
+    return (head_dim in (64, 128) and page_size % 8 == 0 and bkv % page_size == 0
             and bkv % 64 == 0 and bkv <= 128 and 1 <= group <= ROWS)
 
 
