@@ -1,0 +1,101 @@
+"""Deviceless compile of the Mosaic GPU ragged paged attention kernel for H100 / H200 (sm_90a) at real shapes, with
+what the compiler said: ptxas registers / spills and Mosaic GPU's shared memory (scratch bytes, barriers).
+
+Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [case ...]` (prints one JSON row per
+case). Mosaic GPU prints ptxas's report and its resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and
+`MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
+native stderr, collected with `capture_native_stderr`). Needs jax-cuda13-plugin (the GPU compiler) and
+`JAX_PLATFORMS=cpu`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
+os.environ.setdefault("MOSAIC_GPU_DUMP_RESOURCES", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMEM_OPT_IN = 232448  # bytes of shared memory a block may opt into on H100 / H200 (configs/gpu_targets)
+KERNEL = "ragged_paged_attention_mosaic_gpu_kernel"
+
+# name: (q_lens, kv_lens, Hq, Hkv, head_dim, page_size, pages_per_seq, kwargs)
+CASES = {
+    # decode: 64 sequences x 2048 tokens, Hq 32 / Hkv 8 / D 128, bf16, 16-token pages
+    "decode_64x2048": ([1] * 64, [2048] * 64, 32, 8, 128, 16, 128, {}),
+    # the same with split-KV forced on (what a small batch gets by default)
+    "decode_64x2048_split4": ([1] * 64, [2048] * 64, 32, 8, 128, 16, 128, {"num_kv_splits": 4}),
+    # mixed: 4 prefills of 512 new tokens (on 512 cached) + 60 decodes of 2048
+    "mixed_4x512_60x2048": ([512] * 4 + [1] * 60, [1024] * 4 + [2048] * 60, 32, 8, 128, 16, 128, {}),
+    # head_dim 64, 64-token pages, sliding window and soft cap
+    "decode_d64_p64_window_softcap": ([1] * 32, [4096] * 32, 32, 4, 64, 64, 64,
+                                      {"sliding_window": 1024, "soft_cap": 30.0}),
+}
+
+_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+
+
+@contextlib.contextmanager
+def capture_native_stdout():
+    """Collect what native code writes to file descriptor 1 (where Mosaic GPU's dumps go) inside the block."""
+    out: list[str] = []
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield out
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
+def compile_case(chip: str, name: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+    from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
+    from kernels_pallas.kv_cache.layout import kv_cache_spec
+
+    q_lens, kv_lens, hq, hkv, head_dim, page_size, pps, kw = CASES[name]
+    target = open(os.path.join(REPO, "configs", "gpu_targets", f"{chip}.txtpb")).read()
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
+    mesh = Mesh(np.array(topo.devices), ("x",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    seqs = len(q_lens)
+    cache = kv_cache_spec(seqs * pps + 1, page_size, hkv, head_dim, jnp.bfloat16)
+    shapes = [((sum(q_lens), hq, head_dim), jnp.bfloat16), (cache.shape, cache.dtype), ((seqs,), jnp.int32),
+              ((seqs, pps), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
+    fn = lambda *a: ragged_paged_attention_mosaic_gpu(*a, sm_scale=head_dim ** -0.5, **kw)  # noqa: E731
+    with capture_native_stderr() as err, capture_native_stdout() as out:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            lowered = jax.jit(fn).lower(*args)
+        lowered.compile()
+    log = [err[0] + out[0]]
+    report = parse_compile_log(log[0])
+    ptxas = next((v for k, v in report["kernels"].items() if KERNEL in k), None)
+    smem = [int(m) for m in _SMEM.findall(log[0])]
+    return dict(chip=chip, case=name, ptxas=ptxas, smem_scratch_bytes=max(smem) if smem else None)
+
+
+def main(argv):
+    chip = argv[0] if argv else "h100"
+    for name in argv[1:] or list(CASES):
+        print(json.dumps(compile_case(chip, name)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

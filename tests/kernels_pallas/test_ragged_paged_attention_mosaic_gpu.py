@@ -1,0 +1,205 @@
+"""The Mosaic GPU (Hopper) ragged paged attention kernel, run in Mosaic GPU's interpret mode on CPU against the
+pure-JAX reference and an independent numpy loop; a pool poisoned with NaN/Inf wherever no query may look; and,
+where jax-cuda13-plugin is installed, the real compiler (deviceless, sm_90a, H100 and H200) at real shapes with its
+registers, spills and shared memory.
+
+Interpreted cases cost several seconds each (the interpreter simulates every thread, barrier and TMA), so the
+sweep is pairwise: each value of each factor (decode / prefill / mixed / chunked prefill, page size 16/32/64, GQA
+ratio 1/3/8, head_dim 64/128, window, soft cap, split-KV, fewer stages than KV blocks, bf16 / f16, empty /
+one-page / page-crossing sequences, num_seqs below the array size, garbage page-table tails) appears, not every
+combination. On jax 0.10 the interpreter cannot run a transposed wgmma operand, so there the two products are
+`dot_general`s on the same shared-memory tiles (see the kernel's `OLD_INTERPRETER`); jax >= 0.11 interprets the
+wgmmas themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention.mosaic_gpu import is_hopper, ragged_paged_attention_mosaic_gpu, supports
+from kernels_pallas.kv_cache.layout import kv_cache_spec
+from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
+from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison
+from tests.kernels_pallas.test_ragged_paged_attention_tpu import assert_close, run_reference
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BF16_TOL = 2e-2
+
+# name: q_lens, kv_lens, (Hq, Hkv), head_dim, page_size, pages_per_seq, max_seqs, dtype, kw
+CASES = {
+    # decode: kv 16 = exactly one page, 21 crosses a page, 0 = an empty sequence, 40 spans 3 pages; 2 padding
+    # sequences beyond num_seqs, padding tokens, page-table tails pointing far out of the pool, a NaN page
+    "decode_g3_p16_d64": ([1, 1, 0, 1], [16, 21, 0, 40], (9, 3), 64, 16, 4, 6, "bfloat16", {}),
+    # prefill only, MHA, 32-token pages, f16
+    "prefill_g1_p32_d128_f16": ([32, 11, 3], [32, 11, 3], (2, 2), 128, 32, 1, 3, "float16", {}),
+    # mixed, 8 query heads per KV head, 64-token pages, window + soft cap, 2 KV splits
+    "mixed_g8_p64_window_softcap_split2": ([1, 9, 1, 4], [100, 9, 1, 70], (8, 1), 64, 64, 2, 4, "bfloat16",
+                                           dict(sliding_window=40, soft_cap=3.0, num_kv_splits=2)),
+    # chunked prefill: 30 queries = 2 tiles of 21 tokens at group 3, 4 KV blocks through a 2-stage pipeline
+    "chunked_prefill_g3_p16_d128_2stages": ([30, 2], [200, 2], (6, 2), 128, 16, 13, 2, "bfloat16",
+                                            dict(num_stages=2, num_kv_splits=1)),
+    # long-ish decode split 4 ways (one split of the 1-token sequence is empty), window
+    "decode_g8_p16_d128_split4_window": ([1, 1, 1], [130, 1, 40], (8, 1), 128, 16, 9, 3, "bfloat16",
+                                         dict(num_kv_splits=4, sliding_window=50)),
+}
+
+
+def build(name):
+    """(q, kv_pages, [kv_lens, page_indices, cu_q_lens, num_seqs], dtype, kw, safe page_indices for the loop)."""
+    q_lens, kv_lens, (hq, hkv), head_dim, page_size, pps, max_seqs, dtype, kw = CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    num_pages = pps * max_seqs + 2
+    q, kv, lens, pages, cu, ns = make_case(rng, q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                                           page_size=page_size, pages_per_seq=pps, num_pages=num_pages,
+                                           max_seqs=max_seqs)
+    safe = pages.copy()
+    if name == "decode_g3_p16_d64":
+        unused = sorted(set(range(num_pages)) - set(pages[:len(q_lens)].ravel()))[0]
+        kv[:, unused] = np.nan
+        for s in range(max_seqs):
+            pages[s, -(-lens[s] // page_size) if s < len(q_lens) else 0:] = num_pages + 1000
+        safe = np.where(pages >= num_pages, 0, pages)
+        q = np.concatenate([q, rng.standard_normal((3, hq, head_dim)).astype(np.float32)])  # padding tokens
+    return q, kv, [lens, pages, cu, ns], dtype, kw, safe
+
+
+def run_mosaic(args, **kw):
+    fn = jax.jit(lambda *a: ragged_paged_attention_mosaic_gpu(*a, interpret=True, **kw))
+    return fn(*map(jnp.asarray, args))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference(name):
+    q, kv, rest, dtype, kw, safe = build(name)
+    q16, kv16 = jnp.asarray(q, dtype), jnp.asarray(kv, dtype)
+    got = run_mosaic((q16, kv16, *rest), sm_scale=0.125, **kw)
+    assert got.dtype == jnp.dtype(dtype)
+    got = np.asarray(got.astype(jnp.float32))
+    q32, kv32 = np.asarray(q16.astype(jnp.float32)), np.asarray(kv16.astype(jnp.float32))
+    ref_kw = {k: v for k, v in kw.items() if k not in ("num_kv_splits", "num_stages")} | {"sm_scale": 0.125}
+    num_real = int(rest[2][-1])
+    assert_close(got[:num_real], naive(q32[:num_real], kv32, rest[0], safe, *rest[2:], **ref_kw), tol=BF16_TOL)
+    assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
+    if (safe == rest[1]).all():
+        assert_close(got, run_reference((q32, kv32, *rest), **ref_kw), tol=BF16_TOL)
+
+
+def poisoned_case(rng, *, sliding_window):
+    """Like test_ragged_paged_attention_cpu.poisoned_pool_case with 16-token pages (the kernel's TMA needs page_size
+    a multiple of 8): returns (args, seen), `seen[page, t]` True where some query of a valid sequence sees slot t.
+    Sequences: decode, a 30-token prefill (two tiles at group 2, different window starts), a chunked prefill,
+    one with cached tokens but no query, a short one; two padding sequences with stale kv_lens; padding table
+    entries point at page 0, owned by nobody; some pages owned by nobody."""
+    q_lens, kv_lens = [1, 40, 3, 0, 2], [21, 40, 80, 12, 6]
+    page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim = 16, 6, 4, 2, 64
+    max_seqs, num_pages = len(q_lens) + 2, 16
+    owned = 1 + rng.permutation(num_pages - 1)
+    page_indices = np.zeros((max_seqs, pages_per_seq), np.int32)
+    used = 0
+    for i, kv_len in enumerate(kv_lens):
+        n = -(-kv_len // page_size)
+        page_indices[i, :n] = owned[used:used + n]
+        used += n
+    assert used < num_pages - 1
+    kv = np.zeros(max_seqs, np.int32)
+    kv[:len(kv_lens)] = kv_lens
+    kv[len(kv_lens):] = 7
+    cu = np.zeros(max_seqs + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    seen = np.zeros((num_pages, page_size), bool)
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len == 0:
+            continue
+        first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
+        for j in range(first, kv_len):
+            seen[page_indices[i, j // page_size], j % page_size] = True
+    assert not seen[0].any() and seen.any() and not seen.all()
+    q = rng.standard_normal((sum(q_lens) + 2, num_q_heads, head_dim)).astype(np.float32)
+    kv_pages = rng.standard_normal(kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape)
+    return (q, kv_pages.astype(np.float32), kv, page_indices, cu, np.array([len(q_lens)], np.int32)), seen
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "soft_cap": 3.0, "num_kv_splits": 2}])
+def test_stale_non_finite_slots_change_no_output(options):
+    """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, the page padding
+    entries point at, the keys of a sequence without queries) leave the output bit-identical to the clean pool's
+    and finite; 64-token KV blocks of 16-token pages put stale slots inside blocks the kernel loads."""
+    rng = np.random.default_rng(8)
+    (q, clean, *rest), seen = poisoned_case(rng, sliding_window=options.get("sliding_window"))
+    dirty = poison(clean, seen[None, :, :, None])
+    kw = dict(sm_scale=0.125) | options
+    out = {name: np.asarray(run_mosaic((jnp.asarray(q, jnp.bfloat16), jnp.asarray(x, jnp.bfloat16), *rest),
+                                       **kw).astype(jnp.float32))
+           for name, x in (("clean", clean), ("dirty", dirty))}
+    assert np.isfinite(out["dirty"]).all()
+    np.testing.assert_array_equal(out["dirty"], out["clean"])
+    q32 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    kv32 = np.asarray(jnp.asarray(clean, jnp.bfloat16).astype(jnp.float32))
+    want = run_reference((q32, kv32, *rest), **{k: v for k, v in kw.items() if k != "num_kv_splits"})
+    assert_close(out["clean"], want, tol=BF16_TOL)
+
+
+def test_supports_and_rejects():
+    """`supports` is the rule for impl="auto"; what it refuses, the entry point refuses with a clear error."""
+    assert supports(jnp.bfloat16, jnp.bfloat16, 128, 16, 4)
+    assert supports(jnp.float16, jnp.float16, 64, 64, 8)
+    assert not supports(jnp.float32, jnp.float32, 128, 16, 4)  # f32: Triton kernel (IEEE f32 dots)
+    assert not supports(jnp.bfloat16, jnp.int8, 128, 16, 4, kv_scales=True)  # int8: not yet
+    assert not supports(jnp.bfloat16, jnp.bfloat16, 80, 16, 4)  # head_dim not a multiple of 64
+    assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 12, 4)  # page not a multiple of 8 rows
+    assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 48, 4)  # 48 does not divide the 64-token block
+    assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 16, 65)  # more query heads per KV head than tile rows
+    assert is_hopper("NVIDIA H100 80GB HBM3") and is_hopper("NVIDIA H200") and not is_hopper("NVIDIA A100-SXM4-80GB")
+    assert not is_hopper("NVIDIA B200") and not is_hopper(None)
+    rng = np.random.default_rng(4)
+    args = tuple(map(jnp.asarray, make_case(rng, [1], [5], num_q_heads=2, num_kv_heads=1, head_dim=64,
+                                            page_size=16, pages_per_seq=1, num_pages=2)))
+    with pytest.raises(NotImplementedError, match="Mosaic GPU kernel does not support"):
+        ragged_paged_attention_mosaic_gpu(*args, interpret=True)  # f32
+
+
+def _have_cuda_compiler() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _have_cuda_compiler(),
+                    reason="the real GPU compiler (Mosaic GPU, ptxas) needs jax-cuda13-plugin and jax-cuda13-pjrt of "
+                           "jax's version; see shared/ACCELERATOR_NOTES.md")
+@pytest.mark.parametrize("chip", ["h100", "h200"])
+def test_compiles_for_hopper_without_spills(chip):
+    """Deviceless compile for sm_90a at real shapes (`mosaic_gpu_compile.CASES`: decode 64 x 2048, Hq 32 / Hkv 8 /
+    D 128 bf16, with and without split-KV; a mixed prefill + decode batch; D 64 with window and soft cap): no
+    ptxas spills, registers under the 255 ceiling, shared memory within the 227 KiB a block may opt into. ptxas
+    reports only with Mosaic GPU's dump flags set at process start, so the compile runs in a child process.
+    The figures are in the kernel's docstring."""
+    from kernels_pallas.attention.mosaic_gpu_compile import CASES as COMPILE_CASES, SMEM_OPT_IN
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, MOSAIC_GPU_DUMP_PTXAS="1",
+               MOSAIC_GPU_DUMP_RESOURCES="1")
+    proc = subprocess.run([sys.executable, "-m", "kernels_pallas.attention.mosaic_gpu_compile", chip], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in rows] == list(COMPILE_CASES)
+    for r in rows:
+        ptxas, smem = r["ptxas"], r["smem_scratch_bytes"]
+        where = f"{chip} {r['case']}: {ptxas}, shared memory {smem}"
+        assert ptxas is not None and ptxas["arch"] == "sm_90a", where
+        assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0, where
+        assert ptxas["registers"] <= 255, where
+        # jax 0.10's Mosaic GPU prints no resources (MOSAIC_GPU_DUMP_RESOURCES is newer); it rejects shared memory
+        # over the limit at lowering, so there a successful compile is the check
+        assert (smem is None and jax.__version_info__ < (0, 11)) or 0 < smem <= SMEM_OPT_IN, where
