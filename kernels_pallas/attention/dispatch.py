@@ -7,6 +7,13 @@ reference, and the gate logs why), the pure-JAX reference on any other backend. 
 the only place it is made: the engine asks it too (whether decode reads padded pages). `impl="tpu"` / `impl="gpu"`
 force a kernel; off its hardware it only runs in interpret mode (`interpret=pltpu.InterpretParams()` for TPU,
 `interpret=True` for GPU). `impl="cpu"` runs on CPU only, and is not switched off by PAGEJAX_CPU_KERNELS.
+
+`impl="mosaic_gpu"` forces the Pallas Mosaic GPU kernel (`attention/mosaic_gpu.py`: Hopper only, bf16/f16, no int8
+cache yet; `interpret=True` runs Mosaic GPU's CPU interpreter). "auto" does not pick it yet, by rule rather than by
+oversight: it has compiled for sm_90a but never run on a GPU, and its compiled PV path (probabilities kept in
+registers, accumulating wgmma) is one the interpreter cannot execute. Once a Hopper run checks it against the
+reference and `scripts/kernel_bench.py` shows it ahead of the Triton kernel, "auto" routes to it on Hopper where
+`mosaic_gpu.supports(...)` holds, and to the Triton kernel elsewhere.
 Every implementation shares the reference's signature, including `kv_scales` for an int8 cache (see
 `kv_cache/writes.py`).
 """
@@ -20,7 +27,7 @@ from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from kernels_pallas.backend import target_backend
 from kernels_pallas.native import gate
 
-IMPLEMENTATIONS = ("auto", "reference", "cpu", "tpu", "gpu")
+IMPLEMENTATIONS = ("auto", "reference", "cpu", "tpu", "gpu", "mosaic_gpu")
 
 
 def resolve_impl(impl: str, page_size: int, head_dim: int) -> str:
@@ -59,6 +66,10 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
 
         return ragged_paged_attention_gpu(*args, interpret=interpret, **kw)
+    if impl == "mosaic_gpu":
+        from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+
+        return ragged_paged_attention_mosaic_gpu(*args, interpret=bool(interpret), **kw)
     if impl == "cpu":
         return cpu.ragged_paged_attention_cpu(*args, **kw)
     return ragged_paged_attention_reference(*args, **kw)
