@@ -41,19 +41,26 @@ def parse_compile_log(text: str) -> dict:
 
 
 @contextlib.contextmanager
-def capture_native_stderr():
-    """Collect what native code writes to file descriptor 2 inside the block; yields a list that holds the text
-    once the block exits (Python's own sys.stderr is flushed into it too)."""
+def capture_native_fd(fd: int = 2):
+    """Collect what native code writes to file descriptor `fd` (2: stderr, where ptxas's report goes; 1: stdout,
+    where Mosaic GPU's dumps go) inside the block; yields a list that holds the text once the block exits (Python's
+    own stream on that descriptor is flushed into it too)."""
+    stream = sys.stderr if fd == 2 else sys.stdout
     out: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
+    stream.flush()
+    saved = os.dup(fd)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
+        os.dup2(tmp.fileno(), fd)
         try:
             yield out
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
+            stream.flush()
+            os.dup2(saved, fd)
             os.close(saved)
             tmp.seek(0)
             out.append(tmp.read().decode(errors="replace"))
+
+
+def capture_native_stderr():
+    """`capture_native_fd(2)`: the C++ stderr, where XLA's GPU compiler logs ptxas's report."""
+    return capture_native_fd(2)

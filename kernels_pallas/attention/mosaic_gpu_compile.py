@@ -4,18 +4,16 @@ what the compiler said: ptxas registers / spills and Mosaic GPU's shared memory 
 Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [case ...]` (prints one JSON row per
 case). Mosaic GPU prints ptxas's report and its resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and
 `MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
-native stderr, collected with `capture_native_stderr`). Needs jax-cuda13-plugin (the GPU compiler) and
+native stderr and stdout, collected with `gpu_compile_report.capture_native_fd`). Needs jax-cuda13-plugin (the GPU compiler) and
 `JAX_PLATFORMS=cpu`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import sys
-import tempfile
 
 os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
 os.environ.setdefault("MOSAIC_GPU_DUMP_RESOURCES", "1")
@@ -40,24 +38,6 @@ CASES = {
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 
 
-@contextlib.contextmanager
-def capture_native_stdout():
-    """Collect what native code writes to file descriptor 1 (where Mosaic GPU's dumps go) inside the block."""
-    out: list[str] = []
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 1)
-        try:
-            yield out
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-            tmp.seek(0)
-            out.append(tmp.read().decode(errors="replace"))
-
-
 def compile_case(chip: str, name: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -66,7 +46,7 @@ def compile_case(chip: str, name: str) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
-    from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
+    from kernels_pallas.gpu_compile_report import capture_native_fd, parse_compile_log
     from kernels_pallas.kv_cache.layout import kv_cache_spec
 
     q_lens, kv_lens, hq, hkv, head_dim, page_size, pps, kw = CASES[name]
@@ -80,7 +60,7 @@ def compile_case(chip: str, name: str) -> dict:
               ((seqs, pps), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
     fn = lambda *a: ragged_paged_attention_mosaic_gpu(*a, sm_scale=head_dim ** -0.5, **kw)  # noqa: E731
-    with capture_native_stderr() as err, capture_native_stdout() as out:
+    with capture_native_fd(2) as err, capture_native_fd(1) as out:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             lowered = jax.jit(fn).lower(*args)
         lowered.compile()
