@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from configs.presets import get_model_config
 from models.decoder import build_decoder
 from sharding import make_mesh, pad_heads, padding_report
-from sharding.partition import export_weights, kv_cache_sharding, pad_for_tensor_parallel, partition_spec
+from sharding.partition import (export_weights, kv_cache_sharding, needs_padding, pad_for_tensor_parallel,
+                                partition_spec)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH8 = AbstractMesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -52,6 +53,17 @@ def test_make_mesh_is_auto_data_by_model():
     ("layers.0.attn.q_proj.kernel", (64, 144), P(None, "model")),
     ("layers.0.attn.q_proj.kernel", (64, 36), P(None, None)),  # 36 % 8: not divisible -> that dim replicated
     ("layers.0.attn.q_proj.kernel.scale", (144,), P()),  # unknown leaves (e.g. quantization scales): replicated
+    # Routed experts [E, D, F] / [E, F, D], canonical name and NNX path: F on "model", E whole (no expert parallelism).
+    ("layers.1.experts.gate_proj", (8, 64, 32), P(None, None, "model")),
+    ("layers.1.mlp.up_proj", (8, 64, 32), P(None, None, "model")),
+    ("layers.1.experts.down_proj", (8, 32, 64), P(None, "model", None)),
+    ("layers.1.mlp.down_proj", (8, 32, 64), P(None, "model", None)),
+    ("layers.1.mlp.gate_proj", (8, 64, 20), P(None, None, None)),  # 20 % 8 (unpadded): replicated
+    ("layers.1.shared.gate_proj", (64, 64), P(None, "model")),  # shared experts: the dense MLP's rules
+    ("layers.1.mlp.shared.down_proj.kernel", (64, 64), P("model", None)),
+    ("layers.1.mlp.shared.up_proj.kernel.scale", (64,), P()),
+    ("layers.1.mlp.router", (64, 8), P()),
+    ("layers.1.router", (64, 8), P()),
 ])
 def test_partition_rules(name, shape, spec):
     assert partition_spec(name, shape, MESH8) == spec
@@ -86,6 +98,27 @@ def test_padding_is_exact(preset, changes, tp):
     want = jax.jit(build_decoder(config, weights).forward)(tokens)
     got = jax.jit(build_decoder(padded_config, padded).forward)(tokens)
     np.testing.assert_allclose(np.asarray(got[..., :config.vocab_size]), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_expert_padding_is_exact():
+    """An expert width TP 8 does not divide (20 -> 24, shared experts 40 -> 48): zero columns / rows only, the same
+    logits, and the width reported."""
+    config = get_model_config("tiny-deepseek-v2").replace(moe_intermediate_size=20)
+    assert needs_padding(config, 8) and not needs_padding(config, 4)
+    weights = export_weights(build_decoder(config, seed=3))
+    padded_config, padded = pad_for_tensor_parallel(config, weights, 8)
+    assert padded_config.moe_intermediate_size == 24 and padded_config.intermediate_size == 96
+    gate, down = padded["layers.1.experts.gate_proj"], padded["layers.1.experts.down_proj"]
+    assert gate.shape == (8, 64, 24) and down.shape == (8, 24, 64) and padded["layers.1.shared.up_proj"].shape == (
+        64, 48) and padded["layers.1.shared.down_proj"].shape == (48, 64)
+    assert np.array_equal(gate[..., :20], weights["layers.1.experts.gate_proj"]) and not gate[..., 20:].any()
+    assert not down[:, 20:].any() and not padded["layers.1.shared.gate_proj"][:, 40:].any()
+    assert padded["layers.0.gate_proj"].shape == (64, 96)  # the dense first layer divides already
+    assert padding_report(config, padded_config)["moe_intermediate_size"] == (20, 24)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (2, 13)))
+    want = jax.jit(build_decoder(config, weights).forward)(tokens)
+    got = jax.jit(build_decoder(padded_config, padded).forward)(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
 def test_pad_heads_keeps_gqa_grouping_and_reports_cost():
