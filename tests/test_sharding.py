@@ -1,5 +1,5 @@
-"""Tensor and data parallelism: mesh, partition rules, exact head/vocab/MLP padding (here, on one device), and the
-sharded engine, data-parallel replicas and an orbax restore into shards on 8 virtual CPU devices
+"""Tensor and data parallelism: mesh, partition rules, exact head/vocab/MLP/expert padding (here, on one device),
+and the sharded engine, data-parallel replicas and an orbax restore into shards on 8 virtual CPU devices
 (tests/sharding_worker.py in a subprocess, since this process has one device)."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_pad_heads_keeps_gqa_grouping_and_reports_cost():
 def worker() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding_worker.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8
@@ -216,6 +216,27 @@ def test_mla_tensor_and_data_parallel_equal_one_device(worker):
         run = runs[str(tp)]
         assert run["kv_devices"] == tp and run["kv_bytes_per_device"] == ref["kv_bytes_total"]  # replicated
         assert run["param_bytes_per_device"] < ref["param_bytes_total"]
+
+
+@pytest.mark.parametrize("model, widths", [("tiny-deepseek-v2", (32, 32)), ("tiny-deepseek-odd", (20, 24))])
+def test_moe_experts_split_over_model_axis(worker, model, widths):
+    """The routed experts at TP 8: each device holds 1/8 of their (padded) bytes, the outputs equal one device's
+    (with the expert width zero-padded where TP does not divide it), and the compiled decode step never gathers an
+    expert weight (its only all-gathers are of activations)."""
+    runs = worker["results"][model]
+    ref, run = runs["1"], runs["8"]
+    assert run["tokens"] == ref["tokens"] and run["sampled"] == ref["sampled"]
+    for got, want in zip(run["prompt_logprobs"], ref["prompt_logprobs"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    real, padded = widths
+    assert ref["expert_bytes"]["global"] * padded == run["expert_bytes"]["global"] * real
+    assert run["expert_bytes"]["per_device"] * 8 == run["expert_bytes"]["global"]
+    assert run["specs"]["layers.1.mlp.gate_proj.value"] == str(P(None, None, "model"))
+    assert run["specs"]["layers.1.mlp.down_proj.value"] == str(P(None, "model", None))
+    assert run["specs"]["layers.1.mlp.router.value"] == str(P())
+    gathered = {k.split("[", 1)[1].rstrip("]") for k in run["collectives"] if k.startswith("all-gather")}
+    assert not gathered & set(run["expert_bytes"]["shapes"]), run["collectives"]
+    assert any(k.startswith("all-reduce") for k in run["collectives"])  # row-parallel down_proj partial sums
 
 
 def test_decode_never_compiles_after_warmup_under_tensor_parallelism(worker):
