@@ -6,8 +6,14 @@ device-limited routing), top-k of the remaining scores, weights times `routed_sc
 
 Dispatch sorts the (token, expert) pairs by expert and runs the experts as grouped matmuls (`jax.lax.ragged_dot`),
 MaxText's "sparse" form: on GPU/TPU a grouped GEMM that touches only the chosen experts; XLA CPU lowers it to a
-masked dense product, which is the dense dispatch the issue allows. Expert parallelism (experts over a mesh axis)
-is not done here.
+masked dense product, which is the dense dispatch the issue allows.
+
+Under tensor parallelism each expert is split Megatron-style over its width F (sharding/partition.py: gate/up
+`[E, D, F]` column parallel, down `[E, F, D]` row parallel) and GSPMD partitions the grouped matmuls along F by
+itself: every device runs all experts on 1/TP of their width and one all-reduce sums down_proj's partial outputs;
+no sharding constraint is needed here and no expert weight is gathered (tests/sharding/test_sharding.py checks the compiled
+step). Routing, the sort and the scatter run replicated. Expert parallelism (the E axis over a mesh axis) is not
+done.
 """
 
 from __future__ import annotations

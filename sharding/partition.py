@@ -4,12 +4,15 @@ Every parameter gets *logical* axes from its name (rules below, matched on the c
 `layers.3.q_proj` and on the NNX parameter path `layers.3.attn.q_proj.kernel` alike), and logical axes map to mesh
 axes (`LOGICAL_TO_MESH`):
 
-    q/k/v/gate/up  [hidden, out]   column parallel: out on "model"        (k/v: KV heads on "model")
-    o/down         [in, hidden]    row parallel:    in on "model"         -> XLA all-reduces the partial sums
-    embed          [vocab, hidden] vocab parallel:  vocab on "model"      -> masked gather + all-reduce
-    lm_head        [hidden, vocab] vocab parallel:  vocab on "model"      -> logits all-gathered for sampling
-    norms, biases of o/down, anything unknown (e.g. quantization scales): replicated
-    KV cache       [Hkv, pages, page_size, 2*D]: the KV-head axis on "model"
+    q/k/v/gate/up   [hidden, out]     column parallel: out on "model"    (k/v: KV heads on "model")
+    o/down          [in, hidden]      row parallel:    in on "model"     -> XLA all-reduces the partial sums
+    experts gate/up [E, hidden, F]    column parallel: F on "model"      (MoE routed experts, models/moe.py)
+    experts down    [E, F, hidden]    row parallel:    F on "model"      -> one all-reduce, as o/down
+    shared experts  (a GatedMLP)      the gate/up/down rules above
+    embed           [vocab, hidden]   vocab parallel:  vocab on "model"  -> masked gather + all-reduce
+    lm_head         [hidden, vocab]   vocab parallel:  vocab on "model"  -> logits all-gathered for sampling
+    norms, router, biases of o/down, anything unknown (e.g. quantization scales): replicated
+    KV cache        [Hkv, pages, page_size, 2*D]: the KV-head axis on "model"
 
 XLA inserts the collectives from these shardings (no shard_map). A dimension the mesh axis does not divide is
 replicated rather than sharded, so any weight still loads; `pad_for_tensor_parallel` pads the model at load time so
@@ -21,7 +24,11 @@ that nothing falls back:
   so the model computes exactly the same function. This costs memory (SmolLM2-135M at TP 8: 9 -> 24 query heads,
   3 -> 8 KV heads); `padding_report` gives the numbers.
 * vocab: embedding rows and LM-head columns padded with zeros; the runner slices logits back to the real vocab.
-* MLP width: zero gate/up columns and down rows (act(0) * 0 = 0).
+* MLP width: zero gate/up columns and down rows (act(0) * 0 = 0); the same for the experts' width F
+  (`moe_intermediate_size`: every routed expert and the shared experts' S * F), so a padded expert adds zeros.
+
+The expert axis E itself is never split (that would be expert parallelism, which is not done): every device holds
+all E experts, each 1/TP of its width, and the routing runs replicated.
 """
 
 from __future__ import annotations
@@ -41,7 +48,12 @@ from models.weights import check_weights, expected_shapes, num_params
 MODEL_AXIS = "model"
 
 # name pattern -> logical axes of the array, outermost first. First match wins; no match: replicated.
+# The routed experts come first: their canonical names (`layers.3.experts.gate_proj`) and NNX paths
+# (`layers.3.mlp.gate_proj`, no `.kernel`) also end in gate/up/down_proj, and the 2-D rules below would give them
+# the wrong rank (and so no sharding at all).
 LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"(^|\.)(experts|mlp)\.(gate|up)_proj$", ("experts", "embed", "expert_mlp")),
+    (r"(^|\.)(experts|mlp)\.down_proj$", ("experts", "expert_mlp", "embed")),
     (r"(^|\.)embed(\.embedding)?$", ("vocab", "embed")),
     (r"(^|\.)lm_head(\.kernel)?$", ("embed", "vocab")),
     (r"(^|\.)q_proj(\.kernel)?$", ("embed", "heads")),
@@ -52,8 +64,10 @@ LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|\.)(gate|up)_proj(\.kernel)?$", ("embed", "mlp")),
     (r"(^|\.)down_proj(\.kernel)?$", ("mlp", "embed")),
 )
+# "experts" -> None: no expert parallelism; the experts' width is split instead (tensor parallelism inside each).
 LOGICAL_TO_MESH: dict[str, str | None] = {"vocab": MODEL_AXIS, "heads": MODEL_AXIS, "kv_heads": MODEL_AXIS,
-                                          "mlp": MODEL_AXIS, "embed": None}
+                                          "mlp": MODEL_AXIS, "expert_mlp": MODEL_AXIS, "experts": None,
+                                          "embed": None}
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -179,7 +193,7 @@ def pad_mlp(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
         return config, weights
     out = dict(weights)
     for i in range(config.num_layers):
-        if config.is_moe(i):  # expert weights are replicated (no expert parallelism yet)
+        if config.is_moe(i):  # no dense MLP in this layer (pad_experts pads its experts)
             continue
         p = f"layers.{i}."
         out[p + "gate_proj"] = _pad_axis(weights[p + "gate_proj"], 1, width)
@@ -188,16 +202,43 @@ def pad_mlp(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
     return config.replace(intermediate_size=width), out
 
 
+def pad_experts(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
+                ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Zero columns of every routed expert's gate/up and zero rows of its down_proj up to a width F that `tp`
+    divides, and the shared experts to S * F (one config field sets both widths). Exact as for the dense MLP: a
+    padded column's activation is act(0) * 0 = 0 and meets a zero row of down_proj."""
+    width = _round_up(config.moe_intermediate_size, tp)
+    if not config.num_experts or width == config.moe_intermediate_size:
+        return config, weights
+    out = dict(weights)
+    shared = width * config.num_shared_experts
+    for i in range(config.num_layers):
+        if not config.is_moe(i):
+            continue
+        p = f"layers.{i}."
+        for name in ("gate_proj", "up_proj"):
+            out[p + "experts." + name] = _pad_axis(weights[p + "experts." + name], 2, width)
+            if config.num_shared_experts:
+                out[p + "shared." + name] = _pad_axis(weights[p + "shared." + name], 1, shared)
+        out[p + "experts.down_proj"] = _pad_axis(weights[p + "experts.down_proj"], 1, width)
+        if config.num_shared_experts:
+            out[p + "shared.down_proj"] = _pad_axis(weights[p + "shared.down_proj"], 0, shared)
+    return config.replace(moe_intermediate_size=width), out
+
+
 def needs_padding(config: ModelConfig, tp: int) -> bool:
-    """Whether `pad_for_tensor_parallel` changes anything at this TP (KV heads, vocab or MLP width do not divide)."""
+    """Whether `pad_for_tensor_parallel` changes anything at this TP (KV heads, vocab, MLP or expert width do not
+    divide)."""
     heads = config.num_heads if config.is_mla else config.num_kv_heads
-    return any(n % tp for n in (heads, config.vocab_size, config.intermediate_size))
+    widths = (config.intermediate_size,) + ((config.moe_intermediate_size,) if config.num_experts else ())
+    return any(n % tp for n in (heads, config.vocab_size, *widths))
 
 
 def pad_for_tensor_parallel(config: ModelConfig, weights: dict[str, np.ndarray], tp: int
                             ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Heads, vocab and MLP width padded to multiples of `tp` (a no-op for tp == 1 or dims that already divide)."""
-    for pad in (pad_heads, pad_vocab, pad_mlp):
+    """Heads, vocab, MLP and expert width padded to multiples of `tp` (a no-op for tp == 1 or dims that already
+    divide)."""
+    for pad in (pad_heads, pad_vocab, pad_mlp, pad_experts):
         config, weights = pad(config, weights, tp)
     return config, weights
 
@@ -210,7 +251,9 @@ def padding_report(config: ModelConfig, padded: ModelConfig, bytes_per_element: 
             "param_overhead": params_padded / params - 1, "kv_bytes_per_token": kv,
             "kv_bytes_per_token_padded": kv_padded, "kv_overhead": kv_padded / kv - 1,
             "num_heads": (config.num_heads, padded.num_heads),
-            "num_kv_heads": (config.num_kv_heads, padded.num_kv_heads)}
+            "num_kv_heads": (config.num_kv_heads, padded.num_kv_heads),
+            "intermediate_size": (config.intermediate_size, padded.intermediate_size),
+            "moe_intermediate_size": (config.moe_intermediate_size, padded.moe_intermediate_size)}
 
 
 # ---- loading straight into shards ---------------------------------------------------------------------------------

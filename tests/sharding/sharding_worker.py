@@ -5,8 +5,9 @@ process has one CPU device). Prints one JSON object on the last line of stdout.
 
 For each model and (TP, DP): greedy tokens, prompt logprobs and sample logprobs of a small batch (plus an n=2 seeded
 sampled request, whose pages are shared and copied on write), per-device bytes of parameters and KV caches, the
-partition specs, the devices and load of each data-parallel replica, and for TP 2 the collectives in the compiled
-decode step. Also an orbax checkpoint restored straight into a TP-2 layout. Results are keyed "TP" for one replica
+partition specs, the devices and load of each data-parallel replica, and for TP 2 (TP 8 for the MoE models) the
+collectives in the compiled decode step; for the MoE models also the routed experts' bytes per device. Also an
+orbax checkpoint restored straight into a TP-2 layout. Results are keyed "TP" for one replica
 and "dpD-tpT" for D replicas.
 """
 
@@ -45,6 +46,9 @@ MODEL_PRESETS["tiny-llama-9q3kv"] = get_model_config("tiny-llama").replace(
 MODEL_PRESETS["tiny-odd"] = get_model_config("tiny-llama").replace(
     name="tiny-odd", num_heads=9, num_kv_heads=3, head_dim=16, vocab_size=500, intermediate_size=100,
     tie_word_embeddings=True)
+# DeepSeek-V2 in miniature with an expert width TP 8 does not divide (20 -> 24 per routed expert, shared 40 -> 48).
+MODEL_PRESETS["tiny-deepseek-odd"] = get_model_config("tiny-deepseek-v2").replace(
+    name="tiny-deepseek-odd", moe_intermediate_size=20)
 # Multi-head attention (as many KV heads as query heads).
 MODEL_PRESETS["tiny-mha"] = get_model_config("tiny-llama").replace(name="tiny-mha", num_kv_heads=4)
 
@@ -66,6 +70,16 @@ def collectives(llm: LLM) -> dict[str, int]:
                          text):
         counts[f"{m.group(2)} {m.group(1).split('{')[0]}"] += 1
     return dict(counts)
+
+
+def expert_bytes(runner) -> dict:
+    """Bytes of the routed experts' [E, D, F] / [E, F, D] weights: the largest any device holds, and the (padded)
+    arrays counted once."""
+    experts = [leaf for name, leaf in zip(_leaf_names(runner), runner.param_leaves)
+               if re.search(r"\.mlp\.(gate|up|down)_proj\.value$", name) and leaf.ndim == 3]
+    per_device = bytes_per_device(experts)
+    return {"per_device": max(per_device.values()), "global": sum(x.nbytes for x in experts),
+            "shapes": sorted({",".join(map(str, x.shape)) for x in experts})}
 
 
 def run(model: str, tp: int, dp: int = 1) -> dict:
@@ -116,8 +130,10 @@ def run(model: str, tp: int, dp: int = 1) -> dict:
         result["replica_param_bytes_per_device"] = [max(params.values()) for params, _ in per_replica]
         result["replica_kv_bytes_per_device"] = [max(kv.values()) for _, kv in per_replica]
         result["replica_requests"] = list(llm.engine.num_assigned)
-    if tp == 2 and dp == 1 and model == "tiny-llama":
+    if (tp == 2 and dp == 1 and model == "tiny-llama") or (tp == 8 and model.startswith("tiny-deepseek")):
         result["collectives"] = collectives(llm)
+    if model.startswith("tiny-deepseek"):
+        result["expert_bytes"] = expert_bytes(runner)
     return result
 
 
@@ -207,7 +223,8 @@ DP2 = ((1, 2), (2, 2), (4, 2))
 # session's one-device SmolLM2, and tiny-llama-9q3kv covers its grouping at every size.
 PLAN = {"tiny-llama": ((1, 1), (2, 1)), "tiny-llama-9q3kv": TP_ALL + DP2, "tiny-odd": ((1, 1), (8, 1)),
         "tiny-mha": TP_ALL + ((4, 2),), "tiny-mistral": TP_ALL + ((4, 2),), "smollm2-135m": ((4, 2),),
-        "tiny-deepseek-v2": ((1, 1), (2, 1), (8, 1), (4, 2))}  # MLA: 4 heads padded to 8 at TP 8; MoE layers
+        "tiny-deepseek-v2": ((1, 1), (2, 1), (8, 1), (4, 2)),  # MLA: 4 heads padded to 8 at TP 8; MoE layers
+        "tiny-deepseek-odd": ((1, 1), (8, 1))}  # and the experts' width padded
 
 
 def key(tp: int, dp: int) -> str:

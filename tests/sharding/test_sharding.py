@@ -1,5 +1,5 @@
-"""Tensor and data parallelism: mesh, partition rules, exact head/vocab/MLP padding (here, on one device), and the
-sharded engine, data-parallel replicas and an orbax restore into shards on 8 virtual CPU devices
+"""Tensor and data parallelism: mesh, partition rules, exact head/vocab/MLP/expert padding (here, on one device),
+and the sharded engine, data-parallel replicas and an orbax restore into shards on 8 virtual CPU devices
 (tests/sharding/sharding_worker.py in a subprocess, since this process has one device)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 from configs.presets import get_model_config
 from models.decoder import build_decoder
 from sharding import make_mesh, pad_heads, padding_report
-from sharding.partition import export_weights, kv_cache_sharding, pad_for_tensor_parallel, partition_spec
+from sharding.partition import (export_weights, kv_cache_sharding, needs_padding, pad_for_tensor_parallel,
+                                partition_spec)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH8 = AbstractMesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -52,6 +53,17 @@ def test_make_mesh_is_auto_data_by_model():
     ("layers.0.attn.q_proj.kernel", (64, 144), P(None, "model")),
     ("layers.0.attn.q_proj.kernel", (64, 36), P(None, None)),  # 36 % 8: not divisible -> that dim replicated
     ("layers.0.attn.q_proj.kernel.scale", (144,), P()),  # unknown leaves (e.g. quantization scales): replicated
+    # Routed experts [E, D, F] / [E, F, D], canonical name and NNX path: F on "model", E whole (no expert parallelism).
+    ("layers.1.experts.gate_proj", (8, 64, 32), P(None, None, "model")),
+    ("layers.1.mlp.up_proj", (8, 64, 32), P(None, None, "model")),
+    ("layers.1.experts.down_proj", (8, 32, 64), P(None, "model", None)),
+    ("layers.1.mlp.down_proj", (8, 32, 64), P(None, "model", None)),
+    ("layers.1.mlp.gate_proj", (8, 64, 20), P(None, None, None)),  # 20 % 8 (unpadded): replicated
+    ("layers.1.shared.gate_proj", (64, 64), P(None, "model")),  # shared experts: the dense MLP's rules
+    ("layers.1.mlp.shared.down_proj.kernel", (64, 64), P("model", None)),
+    ("layers.1.mlp.shared.up_proj.kernel.scale", (64,), P()),
+    ("layers.1.mlp.router", (64, 8), P()),
+    ("layers.1.router", (64, 8), P()),
 ])
 def test_partition_rules(name, shape, spec):
     assert partition_spec(name, shape, MESH8) == spec
@@ -88,6 +100,27 @@ def test_padding_is_exact(preset, changes, tp):
     np.testing.assert_allclose(np.asarray(got[..., :config.vocab_size]), np.asarray(want), atol=1e-5, rtol=0)
 
 
+def test_expert_padding_is_exact():
+    """An expert width TP 8 does not divide (20 -> 24, shared experts 40 -> 48): zero columns / rows only, the same
+    logits, and the width reported."""
+    config = get_model_config("tiny-deepseek-v2").replace(moe_intermediate_size=20)
+    assert needs_padding(config, 8) and not needs_padding(config, 4)
+    weights = export_weights(build_decoder(config, seed=3))
+    padded_config, padded = pad_for_tensor_parallel(config, weights, 8)
+    assert padded_config.moe_intermediate_size == 24 and padded_config.intermediate_size == 96
+    gate, down = padded["layers.1.experts.gate_proj"], padded["layers.1.experts.down_proj"]
+    assert gate.shape == (8, 64, 24) and down.shape == (8, 24, 64) and padded["layers.1.shared.up_proj"].shape == (
+        64, 48) and padded["layers.1.shared.down_proj"].shape == (48, 64)
+    assert np.array_equal(gate[..., :20], weights["layers.1.experts.gate_proj"]) and not gate[..., 20:].any()
+    assert not down[:, 20:].any() and not padded["layers.1.shared.gate_proj"][:, 40:].any()
+    assert padded["layers.0.gate_proj"].shape == (64, 96)  # the dense first layer divides already
+    assert padding_report(config, padded_config)["moe_intermediate_size"] == (20, 24)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, config.vocab_size, (2, 13)))
+    want = jax.jit(build_decoder(config, weights).forward)(tokens)
+    got = jax.jit(build_decoder(padded_config, padded).forward)(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
 def test_pad_heads_keeps_gqa_grouping_and_reports_cost():
     weights = export_weights(build_decoder(SMOL_GROUPING, seed=0))
     config, padded = pad_heads(SMOL_GROUPING, weights, 8)
@@ -107,8 +140,8 @@ def test_pad_heads_keeps_gqa_grouping_and_reports_cost():
 @pytest.fixture(scope="module")
 def worker() -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharding", "sharding_worker.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    worker = os.path.join(ROOT, "tests", "sharding", "sharding_worker.py")
+    proc = subprocess.run([sys.executable, worker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8
@@ -183,6 +216,27 @@ def test_mla_tensor_and_data_parallel_equal_one_device(worker):
         run = runs[str(tp)]
         assert run["kv_devices"] == tp and run["kv_bytes_per_device"] == ref["kv_bytes_total"]  # replicated
         assert run["param_bytes_per_device"] < ref["param_bytes_total"]
+
+
+@pytest.mark.parametrize("model, widths", [("tiny-deepseek-v2", (32, 32)), ("tiny-deepseek-odd", (20, 24))])
+def test_moe_experts_split_over_model_axis(worker, model, widths):
+    """The routed experts at TP 8: each device holds 1/8 of their (padded) bytes, the outputs equal one device's
+    (with the expert width zero-padded where TP does not divide it), and the compiled decode step never gathers an
+    expert weight (its only all-gathers are of activations)."""
+    runs = worker["results"][model]
+    ref, run = runs["1"], runs["8"]
+    assert run["tokens"] == ref["tokens"] and run["sampled"] == ref["sampled"]
+    for got, want in zip(run["prompt_logprobs"], ref["prompt_logprobs"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    real, padded = widths
+    assert ref["expert_bytes"]["global"] * padded == run["expert_bytes"]["global"] * real
+    assert run["expert_bytes"]["per_device"] * 8 == run["expert_bytes"]["global"]
+    assert run["specs"]["layers.1.mlp.gate_proj.value"] == str(P(None, None, "model"))
+    assert run["specs"]["layers.1.mlp.down_proj.value"] == str(P(None, "model", None))
+    assert run["specs"]["layers.1.mlp.router.value"] == str(P())
+    gathered = {k.split("[", 1)[1].rstrip("]") for k in run["collectives"] if k.startswith("all-gather")}
+    assert not gathered & set(run["expert_bytes"]["shapes"]), run["collectives"]
+    assert any(k.startswith("all-reduce") for k in run["collectives"])  # row-parallel down_proj partial sums
 
 
 def test_decode_never_compiles_after_warmup_under_tensor_parallelism(worker):
