@@ -130,6 +130,12 @@ def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
     return targets
 
 
+def export_weights(model: Decoder) -> dict[str, np.ndarray]:
+    """The model's parameters under their canonical names (models/weights.py), as host numpy arrays: the inverse of
+    `load_weights`, e.g. to save a random-weight preset or to prune a built model into a draft."""
+    return {name: np.asarray(param.get_value()) for name, param in weight_targets(model).items()}
+
+
 def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "checkpoint") -> None:
     """Copy canonical weights into the model in place, cast to each parameter's dtype."""
     check_weights(model.config, weights, source)

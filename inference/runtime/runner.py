@@ -159,7 +159,7 @@ class ModelRunner:
         else:
             from sharding.partition import kv_cache_sharding, param_shardings, replicated
             self.param_shardings = param_shardings(params, mesh)
-            self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
+            self.param_leaves = self._place(self.param_leaves)
             # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
             if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
@@ -251,7 +251,11 @@ class ModelRunner:
             if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
                                  f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
+        self.param_leaves = self._place(leaves)
+
+    def _place(self, leaves: list) -> list[jax.Array]:
+        """Parameter leaves on the runner's devices: each into its NamedSharding under a mesh (every device gets
+        only its slice), else onto the default device. The one copy path of the constructor and `update_weights`."""
         if self.param_shardings is None:
-            self.param_leaves = [jnp.asarray(x) for x in leaves]
-        else:
-            self.param_leaves = [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]
+            return [jnp.asarray(x) for x in leaves]
+        return [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]

@@ -44,7 +44,7 @@ from inference.sampling.rejection import probs_from_logits
 from inference.spec_decode.proposer import DraftModelProposer, DraftProposal
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
-from models.decoder import Decoder, build_decoder, weight_targets
+from models.decoder import Decoder, build_decoder, export_weights
 
 #: Folded into every request's seed key to derive its draft-sampling keys: independent of the verification keys.
 DRAFT_KEY_SALT = 0x5D2AF7
@@ -114,9 +114,8 @@ def prune_layers(config: ModelConfig, weights: dict[str, np.ndarray], keep: Sequ
     return pruned_config, pruned
 
 
-def decoder_weights(model: Decoder) -> dict[str, np.ndarray]:
-    """The canonical weight dict (models/weights.py) of a built float decoder, e.g. one with random weights."""
-    return {name: np.asarray(param.get_value()) for name, param in weight_targets(model).items()}
+#: The canonical weight dict of a built float decoder (the name the draft tools and tests use).
+decoder_weights = export_weights
 
 
 def save_draft(path: str, base: str, keep: Sequence[int] | None, weights: dict[str, np.ndarray]) -> None:
