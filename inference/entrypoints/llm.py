@@ -28,7 +28,7 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.engine.scheduler import SchedulerConfig
-from inference.spec_decode.ngram import NgramProposer
+from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
 from models.decoder import build_decoder
@@ -359,7 +359,7 @@ def _proposer(method: str | None, k: int, draft=None, **draft_kwargs):
     if method is None:
         return None
     if method == "ngram":
-        return NgramProposer(k=k)
+        return PromptLookupProposer(NgramProposer(k=k))
     from inference.spec_decode.draft import make_draft_proposer
     return make_draft_proposer(draft, k=k, **draft_kwargs)
 

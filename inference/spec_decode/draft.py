@@ -41,7 +41,7 @@ from inference.runtime.runner import ModelRunner
 from inference.sampling.sampler import SamplingTensors, needs_filters, sample
 from inference.engine.scheduler import ScheduledBatch
 from inference.sampling.rejection import probs_from_logits
-from inference.spec_decode.proposer import DraftModelProposer, DraftProposal
+from inference.spec_decode.proposer import DraftModelProposer, DraftProposal, check_num_drafts
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.decoder import Decoder, build_decoder, export_weights
@@ -289,14 +289,12 @@ class PagedDraftProposer(DraftModelProposer):
     """
 
     def __init__(self, model: Decoder, *, k: int, num_pages: int, page_size: int, kv_dtype=jnp.float32):
-        if k < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-        self.k = k
+        self.k = check_num_drafts(k)
         self.config = model.config
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
         self.page_size = page_size
-        self.limits: BucketLimits | None = None  # the engine's buckets, set by Engine.__init__
-        self.vary_steps = False  # set by the engine under adaptive k: see _num_steps
+        self.limits: BucketLimits | None = None  # the engine's buckets: `bind`
+        self.vary_steps = False  # adaptive k (`bind`): see _num_steps
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         static = ("num_steps", "k_max", "out_size", "use_filters", "want_probs")
         self._step = jax.jit(functools.partial(_propose_step, self.runner.graphdef, self.runner.param_treedef),
@@ -347,12 +345,18 @@ class PagedDraftProposer(DraftModelProposer):
             return self.k
         return min(1 << (most - 1).bit_length(), self.k)
 
+    def bind(self, limits: BucketLimits, *, vary_steps: bool) -> None:
+        """The draft runs on the target's page tables, so in the engine's own buckets; under adaptive k it runs as
+        few draft steps as the batch's longest proposal needs (`_num_steps`)."""
+        self.limits = limits
+        self.vary_steps = vary_steps
+
     def forget(self, seq) -> None:
         self._state.pop(seq, None)
 
     def propose(self, seqs: Sequence, pad_to: int | None = None) -> DraftProposal:
         if self.limits is None:
-            raise ValueError("PagedDraftProposer.limits is unset; the engine sets it when it takes the proposer")
+            raise ValueError("PagedDraftProposer is not bound; the engine calls bind(limits, ...) when it takes it")
         pad_to = len(seqs) if pad_to is None else pad_to
         rows = [i for i, s in enumerate(seqs) if s.spec_tokens]
         token_ids: list[list[int]] = [[] for _ in seqs]
