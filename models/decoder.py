@@ -34,10 +34,11 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block; with `post_norms` (Gemma 2/3) the attention and MLP outputs are normed again before each
     residual add: x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x)))."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str,
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         self.attn_norm = _norm(config, dtype)
         attention = MLAttention if config.is_mla else Attention
-        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
         self.post_attn_norm = _norm(config, dtype) if config.post_norms else None
         self.mlp_norm = _norm(config, dtype)
         self.mlp = MoE(config, dtype=dtype, rngs=rngs) if config.is_moe(layer) else GatedMLP(config, dtype=dtype,
@@ -63,10 +64,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto",
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+        """`mesh`: tensor parallelism over its "model" axis; every attention layer then runs per head shard under
+        shard_map. A build-time argument (not set on the layers later), so a built module never changes."""
         self.config = config
         self.embed = Embed(config.vocab_size, config.hidden_size, scale=config.embed_scale, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
                                 for i in range(config.num_layers)])
         self.final_norm = _norm(config, dtype)
         self.lm_head = (None if config.tie_word_embeddings

@@ -228,7 +228,7 @@ def shard_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None, me
         weights = export_weights(build_decoder(config, dtype=dtype, attn_impl=attn_impl, seed=seed))
     check_weights(config, weights, source)
     padded, weights = pad_for_tensor_parallel(config, weights, mesh.shape[MODEL_AXIS])
-    model = nnx.eval_shape(lambda: Decoder(padded, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
+    model = nnx.eval_shape(lambda: Decoder(padded, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=nnx.Rngs(seed)))
     for name, param in weight_targets(model).items():
         value, want = weights[name], param.get_value().dtype
         # Arrays already on devices (an orbax restore into `checkpoint_shardings`) stay there: device_put to the

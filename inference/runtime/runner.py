@@ -144,9 +144,11 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
-        if mesh is not None:  # attention runs per head shard under shard_map (models/attention.py)
-            for layer in model.layers:
-                layer.attn.mesh = mesh
+        if any(layer.attn.mesh != mesh for layer in model.layers):
+            # Attention runs per head shard under shard_map only if the model was built for this mesh
+            # (`Decoder(mesh=)`, `sharding.shard_decoder`); the runner does not rewrite a built module.
+            raise ValueError(f"the model's attention was built for mesh {model.layers[0].attn.mesh}, the runner got "
+                             f"mesh={mesh}; build it with sharding.shard_decoder(..., mesh) (or Decoder(mesh=...))")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost ~5 ms of host time per step (Python-level Variable flattening), a list costs microseconds.
