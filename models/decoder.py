@@ -21,8 +21,8 @@ from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.mla import MLAttention
 from models.moe import MoE
 from models.quantization.awq import AWQConfig, apply_awq
-from models.quantization.modes import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
-                                       quantize_linear)
+from models.quantization.modes import (QUANTIZATION_MODES, check_quantization_args, int4_group_size, is_quantized,
+                                       quantize_embedding, quantize_linear)
 from models.weights import check_weights, expected_shapes
 
 
@@ -167,8 +167,9 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     (`models.quantization.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
     (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and biases stay float.
     """
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+    if mode is None:
+        raise ValueError(f"quantize_decoder needs a mode, one of {QUANTIZATION_MODES}")
+    check_quantization_args(mode, None)
     if mode == "int4-awq":
         if calibration_tokens is None:
             raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.loading.shipped_text.calibration_token_ids)")
@@ -207,8 +208,7 @@ def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = N
                   quantization_group_size: int | None = None, calibration_tokens=None) -> Decoder:
     """A decoder with random weights, or with `weights` when given (random init is then skipped); `quantization`
     ("int8", "int4", "int4-awq", "gguf"; see `quantize_decoder`) quantizes it after loading."""
-    if quantization_group_size is not None and quantization not in ("int4", "int4-awq"):
-        raise ValueError(f"quantization_group_size applies to quantization='int4' or 'int4-awq', not {quantization!r}")
+    check_quantization_args(quantization, quantization_group_size)
     if weights is None:
         model = Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
     else:
