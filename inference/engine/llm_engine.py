@@ -20,7 +20,8 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner, StepOutput
 from inference.sampling.sampler import SamplingTensors, needs_filters
 from inference.sampling.params import SamplingParams
-from inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
+from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
@@ -55,34 +56,39 @@ def reads_padded_pages(config) -> bool:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
-                 enable_prefix_caching: bool = True, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0, speculative_adaptive: bool = False):
-        """`proposer` and `num_speculative_tokens` turn on speculative decoding: each decoding sequence verifies up
-        to that many proposed tokens per step in one target pass. `speculative_adaptive`: each sequence's draft
-        count follows its acceptance rate (`AdaptiveK`), at most `num_speculative_tokens`."""
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *,
+                 cache_config: CacheConfig | None = None, proposer: Proposer | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
+        """`scheduler_config.max_model_len`: the context the engine admits (None: the model's
+        max_position_embeddings; `LLM` passes the value its page pool allows). `cache_config`: the prefix cache
+        switch (the runner already holds the pages). `proposer` turns on speculative decoding: each decoding
+        sequence verifies up to `proposer.k` proposed tokens per step in one target pass; with
+        `speculative_config.adaptive` each sequence's draft count follows its acceptance rate (`AdaptiveK`)."""
+        cache_config = cache_config or CacheConfig()
+        speculative_config = speculative_config or SpeculativeConfig()
         self.runner = runner
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
         # One page pool and page table per KV cache group (one group unless the model has sliding windows).
         self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
-                                            enable_prefix_caching=enable_prefix_caching)
+                                            enable_prefix_caching=cache_config.enable_prefix_caching)
         self.proposer = proposer
-        self.num_spec = num_speculative_tokens if proposer is not None else 0
-        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_adaptive and self.num_spec else None
+        self.num_spec = proposer.k if proposer is not None else 0
+        if proposer is not None and speculative_config.enabled and \
+                speculative_config.num_speculative_tokens != proposer.k:
+            raise ValueError(f"the proposer drafts k={proposer.k} tokens but num_speculative_tokens="
+                             f"{speculative_config.num_speculative_tokens}; build the proposer with the same count")
+        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None)
-        self.max_model_len = max_model_len
+        self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
-                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
+                                   max_pages_per_seq=self.block_manager.pages_needed(self.max_model_len),
                                    fine_pages=reads_padded_pages(runner.config))
-        if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
-            raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
-                             f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "
-                             f"max_num_batched_tokens={self.limits.max_tokens}; raise max_num_batched_tokens or lower "
-                             "max_num_seqs or num_speculative_tokens")
+        if self.num_spec:
+            check_speculative_budget(scheduler_config.max_num_seqs, self.limits.max_tokens, self.num_spec)
         if proposer is not None:
             proposer.bind(self.limits, vary_steps=self.adaptive_k is not None)
         self.requests: dict[str, Request] = {}
