@@ -67,7 +67,7 @@ class Attention(nnx.Module):
     projections: it attends over the cache the first layer of its run wrote in the same step."""
 
     def __init__(self, config: ModelConfig, layer: int = 0, *, dtype=jnp.float32, attn_impl: str = "auto",
-                 rngs: nnx.Rngs):
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
@@ -85,9 +85,9 @@ class Attention(nnx.Module):
         self.sm_scale = config.attn_scale
         self.sliding_window = config.layer_window(layer)
         self.kv_group = config.kv_group(layer)  # static: which page table of the metadata this layer reads
-        # Set by the runner under tensor parallelism: attention then runs one head shard per device through
-        # shard_map (kernels_pallas/sharded.py), since XLA cannot partition a Pallas kernel itself.
-        self.mesh = None
+        # Tensor parallelism (given at build time, sharding.shard_decoder): attention then runs one head shard per
+        # device through shard_map (kernels_pallas/sharded.py), since XLA cannot partition a Pallas kernel itself.
+        self.mesh = mesh
         self.soft_cap = config.attn_logit_softcap
         self.attn_impl = attn_impl
 

@@ -21,8 +21,8 @@ from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.mla import MLAttention
 from models.moe import MoE
 from models.quantization.awq import AWQConfig, apply_awq
-from models.quantization.modes import (QUANTIZATION_MODES, int4_group_size, is_quantized, quantize_embedding,
-                                       quantize_linear)
+from models.quantization.modes import (QUANTIZATION_MODES, check_quantization_args, int4_group_size, is_quantized,
+                                       quantize_embedding, quantize_linear)
 from models.weights import check_weights, expected_shapes
 
 
@@ -34,10 +34,11 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block; with `post_norms` (Gemma 2/3) the attention and MLP outputs are normed again before each
     residual add: x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x)))."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str,
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         self.attn_norm = _norm(config, dtype)
         attention = MLAttention if config.is_mla else Attention
-        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
         self.post_attn_norm = _norm(config, dtype) if config.post_norms else None
         self.mlp_norm = _norm(config, dtype)
         self.mlp = MoE(config, dtype=dtype, rngs=rngs) if config.is_moe(layer) else GatedMLP(config, dtype=dtype,
@@ -63,10 +64,13 @@ class DecoderLayer(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto",
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+        """`mesh`: tensor parallelism over its "model" axis; every attention layer then runs per head shard under
+        shard_map. A build-time argument (not set on the layers later), so a built module never changes."""
         self.config = config
         self.embed = Embed(config.vocab_size, config.hidden_size, scale=config.embed_scale, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, attn_impl=attn_impl, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
                                 for i in range(config.num_layers)])
         self.final_norm = _norm(config, dtype)
         self.lm_head = (None if config.tie_word_embeddings
@@ -130,6 +134,12 @@ def weight_targets(model: Decoder) -> dict[str, nnx.Param]:
     return targets
 
 
+def export_weights(model: Decoder) -> dict[str, np.ndarray]:
+    """The model's parameters under their canonical names (models/weights.py), as host numpy arrays: the inverse of
+    `load_weights`, e.g. to save a random-weight preset or to prune a built model into a draft."""
+    return {name: np.asarray(param.get_value()) for name, param in weight_targets(model).items()}
+
+
 def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "checkpoint") -> None:
     """Copy canonical weights into the model in place, cast to each parameter's dtype."""
     check_weights(model.config, weights, source)
@@ -158,8 +168,9 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and
     biases stay float.
     """
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+    if mode is None:
+        raise ValueError(f"quantize_decoder needs a mode, one of {QUANTIZATION_MODES}")
+    check_quantization_args(mode, None)
     if mode == "int4-awq":
         if calibration_tokens is None:
             raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.loading.shipped_text.calibration_token_ids)")
@@ -198,8 +209,7 @@ def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = N
                   quantization_group_size: int | None = None, calibration_tokens=None) -> Decoder:
     """A decoder with random weights, or with `weights` when given (random init is then skipped); `quantization`
     ("int8", "int4", "int4-awq", "gguf"; see `quantize_decoder`) quantizes it after loading."""
-    if quantization_group_size is not None and quantization not in ("int4", "int4-awq"):
-        raise ValueError(f"quantization_group_size applies to quantization='int4' or 'int4-awq', not {quantization!r}")
+    check_quantization_args(quantization, quantization_group_size)
     if weights is None:
         model = Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed))
     else:

@@ -29,7 +29,7 @@ LORA_NORM_EPS = 1e-6
 
 class MLAttention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int = 0, *, dtype=jnp.float32, attn_impl: str = "auto",
-                 rngs: nnx.Rngs):
+                 mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         d, heads = config.hidden_size, config.num_heads
         self.num_heads = heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
@@ -55,7 +55,7 @@ class MLAttention(nnx.Module):
         self.sliding_window = config.layer_window(layer)
         self.soft_cap = config.attn_logit_softcap
         self.attn_impl = attn_impl
-        self.mesh = None  # set by the runner under tensor parallelism (see models/attention.py)
+        self.mesh = mesh  # tensor parallelism, given at build time (see models/attention.py)
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         return apply_rope(x, positions, rope_inv_freq(*self.rope), interleaved=self.rope_interleaved,

@@ -288,7 +288,6 @@ def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
 def compile_step(chip: str, case: StepCase) -> dict:
     """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from configs import get_model_config
     from inference.runtime.batch import ModelInput
@@ -306,10 +305,8 @@ def compile_step(chip: str, case: StepCase) -> dict:
     rep = replicated(mesh)
     backend = CHIPS[chip][0]
     with compiling_for(backend):
-        model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.bfloat16, attn_impl="auto", rngs=nnx.Rngs(0)))
-    if case.num_chips > 1:
-        for layer in model.layers:
-            layer.attn.mesh = mesh
+        model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.bfloat16, attn_impl="auto",
+                                               mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     if case.num_chips > 1:

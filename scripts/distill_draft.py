@@ -157,8 +157,9 @@ def offline_agreement(target, draft, tokens: np.ndarray, mask: np.ndarray) -> di
 def engine_acceptance(llm: LLM, draft, prompts: list[list[int]], k: int, max_tokens: int) -> dict[str, float]:
     """Greedy speculative decoding with `draft` on the target's runner: acceptance rate and tokens per pass."""
     proposer = PagedDraftProposer(draft, k=k, num_pages=llm.runner.num_pages, page_size=llm.runner.page_size)
-    engine = Engine(llm.runner, llm.tokenizer, SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512),
-                    max_model_len=llm.engine.max_model_len, proposer=proposer, num_speculative_tokens=k)
+    engine = Engine(llm.runner, llm.tokenizer, SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512,
+                                                               max_model_len=llm.engine.max_model_len),
+                    proposer=proposer)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
-from models.decoder import Decoder, build_decoder, weight_targets
+from models.decoder import Decoder, build_decoder, export_weights, weight_targets
 from models.weights import check_weights, expected_shapes, num_params
 
 MODEL_AXIS = "model"
@@ -257,11 +257,6 @@ def padding_report(config: ModelConfig, padded: ModelConfig, bytes_per_element: 
 
 
 # ---- loading straight into shards ---------------------------------------------------------------------------------
-def export_weights(model: Decoder) -> dict[str, np.ndarray]:
-    """The model's parameters under their canonical names, as host numpy arrays."""
-    return {name: np.asarray(param.get_value()) for name, param in weight_targets(model).items()}
-
-
 def shard_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None, mesh: Mesh, *, dtype=jnp.float32,
                   attn_impl: str = "auto", seed: int = 0, source: str = "checkpoint") -> Decoder:
     """A decoder padded for the mesh's model axis whose parameters are placed shard by shard.
@@ -276,7 +271,7 @@ def shard_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None, me
         weights = export_weights(build_decoder(config, dtype=dtype, attn_impl=attn_impl, seed=seed))
     check_weights(config, weights, source)
     padded, weights = pad_for_tensor_parallel(config, weights, mesh.shape[MODEL_AXIS])
-    model = nnx.eval_shape(lambda: Decoder(padded, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
+    model = nnx.eval_shape(lambda: Decoder(padded, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=nnx.Rngs(seed)))
     for name, param in weight_targets(model).items():
         value, want = weights[name], param.get_value().dtype
         # Arrays already on devices (an orbax restore into `checkpoint_shardings`) stay there: device_put to the

@@ -56,6 +56,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("configs",),
     ("sharding",),
     # inference
+    ("inference.engine.config",),  # plain-data configs: validated arguments, no engine code
     ("inference.sampling.params",),
     ("inference.sampling.sampler",),
     ("inference.sampling",),

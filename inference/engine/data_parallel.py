@@ -47,7 +47,8 @@ class _Requests(Mapping):
 
 
 class DataParallelEngine:
-    """`Engine`'s interface over several replicas (see the module docstring)."""
+    """The `EngineClient` interface (inference/engine/client.py) over several `Engine` replicas (see the module
+    docstring)."""
 
     def __init__(self, engines: list[Engine]):
         if not engines:

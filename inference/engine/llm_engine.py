@@ -20,11 +20,11 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner, StepOutput
 from inference.sampling.sampler import SamplingTensors, needs_filters
 from inference.sampling.params import SamplingParams
-from inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
+from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
-from inference.spec_decode.ngram import NgramProposer
-from inference.spec_decode.proposer import DraftModelProposer
+from inference.spec_decode.proposer import Proposer
 from inference.engine.stop import check_stop, flush_text
 from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
@@ -63,37 +63,41 @@ def reads_padded_pages(config, page_size: int) -> bool:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *, max_model_len: int,
-                 enable_prefix_caching: bool = True, proposer: NgramProposer | DraftModelProposer | None = None,
-                 num_speculative_tokens: int = 0, speculative_adaptive: bool = False):
-        """`proposer` and `num_speculative_tokens` turn on speculative decoding: each decoding sequence verifies up
-        to that many proposed tokens per step in one target pass. `speculative_adaptive`: each sequence's draft
-        count follows its acceptance rate (`AdaptiveK`), at most `num_speculative_tokens`."""
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *,
+                 cache_config: CacheConfig | None = None, proposer: Proposer | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
+        """`scheduler_config.max_model_len`: the context the engine admits (None: the model's
+        max_position_embeddings; `LLM` passes the value its page pool allows). `cache_config`: the prefix cache
+        switch (the runner already holds the pages). `proposer` turns on speculative decoding: each decoding
+        sequence verifies up to `proposer.k` proposed tokens per step in one target pass; with
+        `speculative_config.adaptive` each sequence's draft count follows its acceptance rate (`AdaptiveK`)."""
+        cache_config = cache_config or CacheConfig()
+        speculative_config = speculative_config or SpeculativeConfig()
         self.runner = runner
         self.tokenizer = tokenizer
         self.page_size = runner.page_size
         # One page pool and page table per KV cache group (one group unless the model has sliding windows).
         self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
-                                            enable_prefix_caching=enable_prefix_caching)
+                                            enable_prefix_caching=cache_config.enable_prefix_caching)
         self.proposer = proposer
-        self.num_spec = num_speculative_tokens if proposer is not None else 0
-        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_adaptive and self.num_spec else None
+        self.num_spec = proposer.k if proposer is not None else 0
+        if proposer is not None and speculative_config.enabled and \
+                speculative_config.num_speculative_tokens != proposer.k:
+            raise ValueError(f"the proposer drafts k={proposer.k} tokens but num_speculative_tokens="
+                             f"{speculative_config.num_speculative_tokens}; build the proposer with the same count")
+        self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
-                                   on_preempt=proposer.forget if isinstance(proposer, DraftModelProposer) else None)
-        self.max_model_len = max_model_len
+                                   on_preempt=proposer.forget if proposer is not None else None)
+        self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
-                                   max_pages_per_seq=self.block_manager.pages_needed(max_model_len),
+                                   max_pages_per_seq=self.block_manager.pages_needed(self.max_model_len),
                                    fine_pages=reads_padded_pages(runner.config, runner.page_size))
-        if self.num_spec and scheduler_config.max_num_seqs * (self.num_spec + 1) > self.limits.max_tokens:
-            raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = "
-                             f"{scheduler_config.max_num_seqs * (self.num_spec + 1)} tokens in one step, more than "
-                             f"max_num_batched_tokens={self.limits.max_tokens}; raise max_num_batched_tokens or lower "
-                             "max_num_seqs or num_speculative_tokens")
-        if isinstance(proposer, DraftModelProposer):
-            proposer.limits = self.limits  # the draft runs on the target's page tables, in the same buckets
-            proposer.vary_steps = self.adaptive_k is not None
+        if self.num_spec:
+            check_speculative_budget(scheduler_config.max_num_seqs, self.limits.max_tokens, self.num_spec)
+        if proposer is not None:
+            proposer.bind(self.limits, vary_steps=self.adaptive_k is not None)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.eos_token_ids = set(runner.config.eos_token_ids)
@@ -180,9 +184,7 @@ class Engine:
         if room <= 0 or seq.params.logprobs is not None:
             return []
         k = min(self.adaptive_k.k(seq) if self.adaptive_k is not None else self.num_spec, room)
-        if isinstance(self.proposer, DraftModelProposer):
-            return [0] * k  # reserved slots (and pages); the draft model fills them for the whole batch in _execute
-        return self.proposer.propose(seq.token_ids)[:k]
+        return self.proposer.reserve(seq, k)  # the slots (and pages) to reserve; `_run_draft` fills them
 
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -218,10 +220,8 @@ class Engine:
                                    logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
 
     def _run_draft(self, batch: ScheduledBatch):
-        """Fill the reserved draft slots with the draft model's proposals, batched over the speculating sequences;
+        """Fill the reserved draft slots with the proposer's tokens, batched over the speculating sequences;
         returns their probabilities in the step's row layout (None: deterministic or greedy drafts)."""
-        if not isinstance(self.proposer, DraftModelProposer):
-            return None
         proposal = self.proposer.propose(batch.seqs, pad_to=bucket(len(batch.seqs), maximum=self.limits.max_seqs))
         for seq, tokens in zip(batch.seqs, proposal.token_ids):
             if seq.spec_tokens:
@@ -231,6 +231,7 @@ class Engine:
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
         now = time.perf_counter()
         touched: dict[str, Request] = {}
+        verified: list[tuple[Sequence, int]] = []  # (sequence, drafts accepted) for the proposer's hook
         offset = 0
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             request = self.requests[seq.request_id]
@@ -238,6 +239,7 @@ class Engine:
             first_row, offset = offset, offset + count
             try:
                 if seq.spec_tokens:
+                    verified.append((seq, int(out.num_accepted[i])))
                     self._accept_speculation(seq, request, out, i, now)
                     continue
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
@@ -253,6 +255,8 @@ class Engine:
                 log.exception("request %s failed", seq.request_id)
                 request.error = f"{type(exc).__name__}: {exc}"
                 self._finish(seq, "error")
+        if verified:
+            self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
         return [self._output(r) for r in touched.values()]
 
     def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:

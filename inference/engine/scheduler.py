@@ -22,27 +22,9 @@ import bisect
 import dataclasses
 from typing import Callable
 
+from inference.engine.config import POLICIES, SchedulerConfig  # noqa: F401 - defined with the other configs
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.sequence import Sequence, SequenceStatus
-
-POLICIES = ("mixed", "prefill_first")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    policy: str = "prefill_first"
-    max_prefill_streak: int = 4
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_prefill_streak < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and max_prefill_streak must be positive")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {self.policy!r}; expected one of {POLICIES}")
-        if self.max_num_batched_tokens < self.max_num_seqs and self.policy == "mixed":
-            raise ValueError("with the mixed policy max_num_batched_tokens must be at least max_num_seqs, so every "
-                             "running sequence can decode in each step")
 
 
 @dataclasses.dataclass

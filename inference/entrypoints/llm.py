@@ -20,23 +20,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inference.runtime.compile_cache import enable_compilation_cache
+from inference.runtime.compile_cache import apply_cache_setting
 from inference.engine.data_parallel import DataParallelEngine
 from inference.engine.llm_engine import Engine
 from inference.loading.model_loader import load_model
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
-from inference.engine.scheduler import SchedulerConfig
-from inference.spec_decode.ngram import NgramProposer
+from inference.engine.client import EngineClient
+from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig,
+                                     QuantizationConfig, SpeculativeConfig)
+from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
+from inference.spec_decode.proposer import Proposer
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
 from models.decoder import build_decoder
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
 DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a fraction of it instead
 
 
@@ -45,9 +46,7 @@ def resolve_dtype(dtype: str) -> str:
     has no fast bf16 path, and where results are exact)."""
     if dtype == "auto":
         return "float32" if target_backend() == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
-    return dtype
+    return dtype  # a name EngineConfig has checked
 
 
 def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -> int:
@@ -58,6 +57,24 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
     if "bytes_limit" in stats:
         return int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * memory_fraction)
     return DEFAULT_CPU_KV_BUDGET
+
+
+def _num_pages(cache: CacheConfig, kv_dtype, configs: list) -> int:
+    """KV pages of `cache.page_size` tokens that the budget holds for every model in `configs` (the target, and a
+    draft model, whose cache has a slot for every target page since it runs on the target's page tables)."""
+    # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py).
+    scale_bytes = 4 if cache.kv_cache_dtype == "int8" else 0
+    bytes_per_token = sum(c.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize, scale_bytes=scale_bytes) for c in configs)
+    budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction)
+    page_size = cache.page_size
+    num_pages = int(budget // (bytes_per_token * page_size))
+    while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
+        num_pages -= 1  # the layout's padding (an int8 cache's scale rows) costs a few pages at most
+    if num_pages < 1:
+        raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
+                         f"({bytes_per_token} bytes per token{' with the draft model' if len(configs) > 1 else ''}); "
+                         "raise kv_cache_memory_bytes")
+    return num_pages
 
 
 class LLM:
@@ -73,8 +90,11 @@ class LLM:
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
 
-        `compilation_cache_dir`: where JAX keeps compiled steps across runs ("default": $PAGEJAX_CACHE_DIR or
-        ~/.cache/pagejax/xla; None leaves JAX's cache settings alone).
+        `compilation_cache_dir`: where JAX keeps compiled steps across runs. JAX's cache is process-wide
+        configuration, so: None leaves jax.config untouched; a path points the cache there (overriding any earlier
+        setting: you asked for it); "default" (vLLM's behaviour: a second start loads its compiled steps from disk)
+        enables $PAGEJAX_CACHE_DIR or ~/.cache/pagejax/xla only if no cache is configured yet, so an application's
+        own cache setting is kept (inference/runtime/compile_cache.py: apply_cache_setting).
 
         `quantization`: None (weights in `dtype`), "int8" (per-channel int8 weights, W8A8 matmuls), "int4" (grouped
         int4 layer linears, int8 LM head) or "gguf" (a .gguf model keeps its Q8_0/Q4_0/Q4_1 blocks); see
@@ -91,65 +111,46 @@ class LLM:
 
         Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
         `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
-        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
-        step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
-        if compilation_cache_dir is not None:
-            enable_compilation_cache(None if compilation_cache_dir == "default" else compilation_cache_dir)
-        dtype = resolve_dtype(dtype)
-        loaded = load_model(model)
+        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per step;
+        `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
+        # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
+        config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
+        self.engine_config = config
+        apply_cache_setting(config.compilation_cache_dir)
+        cache, spec, quant, parallel = config.cache, config.speculative, config.quantization, config.parallel
+        dtype = resolve_dtype(config.dtype)
+        loaded = load_model(config.model)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_source = loaded.source
-        self.quantization = quantization
-        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
-                             f"{sorted(KV_CACHE_DTYPES)} or None (the model dtype)")
-        if kv_cache_dtype == "int8" and loaded.config.is_mla:
+        self.quantization = quant.mode
+        if cache.kv_cache_dtype == "int8" and loaded.config.is_mla:
             raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use the model dtype")
-        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype or dtype]
-        check_speculative(speculative_method, num_speculative_tokens, speculative_model,
-                          tensor_parallel_size * data_parallel_size)
+        kv_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype or dtype]
         draft = None
-        if speculative_method == "draft":
+        if spec.method == "draft":
             from inference.spec_decode.draft import load_draft
-            draft = load_draft(speculative_model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
-                               seed=seed)
-        # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py). A draft
-        # model's cache has a slot for every target page (it runs on the target's page tables), so it shares the budget.
-        kv_bytes = lambda config: config.kv_bytes_per_token(  # noqa: E731
-            jnp.dtype(kv_dtype).itemsize, scale_bytes=4 if kv_cache_dtype == "int8" else 0)
-        bytes_per_token = kv_bytes(loaded.config) + (kv_bytes(draft.config) if draft is not None else 0)
-        budget = kv_cache_budget(kv_cache_memory_bytes, memory_fraction)
-        num_pages = int(budget // (bytes_per_token * page_size))
-        configs = [loaded.config] + ([draft.config] if draft is not None else [])
-        while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
-            num_pages -= 1  # the layout's padding (an int8 cache's scale rows) costs a few pages at most
-        if num_pages < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no page of {page_size} tokens "
-                             f"({bytes_per_token} bytes per token{' with the draft model' if draft else ''}); raise "
-                             "kv_cache_memory_bytes")
-        context = max_model_len or loaded.config.max_position_embeddings
+            draft = load_draft(spec.model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
+                               seed=config.seed)
+        num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []))
+        page_size = cache.page_size
+        context = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
             context = min(context, num_pages * page_size)
+        scheduler = dataclasses.replace(config.scheduler, max_model_len=context)
         engines = []
-        for mesh in _replica_meshes(tensor_parallel_size, data_parallel_size, quantization):
-            decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=attn_impl, seed=seed,
-                                             quantization=quantization, group_size=quantization_group_size)
+        for mesh in _replica_meshes(parallel):
+            decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=config.attn_impl,
+                                             seed=config.seed, quantization=quant)
             runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                  config=loaded.config)
-            engines.append(Engine(runner, self.tokenizer,
-                                  SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                  max_num_batched_tokens=max_num_batched_tokens,
-                                                  policy=scheduling_policy),
-                                  max_model_len=context, enable_prefix_caching=enable_prefix_caching,
-                                  proposer=_proposer(speculative_method, num_speculative_tokens, draft,
-                                                     num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
-                                                     kv_dtype=kv_dtype, attn_impl=attn_impl),
-                                  num_speculative_tokens=num_speculative_tokens,
-                                  speculative_adaptive=speculative_adaptive))
+            proposer = _proposer(spec, draft, num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
+                                 kv_dtype=kv_dtype, attn_impl=config.attn_impl)
+            engines.append(Engine(runner, self.tokenizer, scheduler, cache_config=cache, proposer=proposer,
+                                  speculative_config=spec))
         self.runners = [e.runner for e in engines]  # one per data-parallel replica
         self.runner = self.runners[0]
-        self.engine = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
+        self.engine: EngineClient = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -296,25 +297,19 @@ def _calibration_tokens(quantization: str | None, loaded):
     return calibration_token_ids(loaded.tokenizer, loaded.config.vocab_size, AWQConfig().num_tokens)
 
 
-def _replica_meshes(tensor_parallel: int, data_parallel: int, quantization: str | None) -> list:
+def _replica_meshes(parallel: ParallelConfig) -> list:
     """One mesh per data-parallel replica, each `1 x tensor_parallel` over this process's own devices; [None] for a
     single replica on one device (the plain path, no mesh)."""
-    if tensor_parallel < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tensor_parallel}")
-    if data_parallel < 1:
-        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel}")
-    if tensor_parallel == 1 and data_parallel == 1:
+    if parallel.num_devices == 1:
         return [None]
-    if quantization is not None:
-        raise ValueError("tensor_parallel_size or data_parallel_size > 1 with quantization is not supported yet")
     from sharding.mesh import make_mesh, replica_meshes
     # Local devices: under jax.distributed every process runs its own replicas (scripts/generate.py splits the
     # input across processes), so a replica never spans hosts.
-    return replica_meshes(make_mesh(data=data_parallel, model=tensor_parallel, devices=jax.local_devices()))
+    return replica_meshes(make_mesh(data=parallel.data_parallel_size, model=parallel.tensor_parallel_size,
+                                    devices=jax.local_devices()))
 
 
-def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, quantization: str | None,
-                           group_size: int | None = None):
+def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, quantization: QuantizationConfig):
     """The decoder of one replica: on one device (mesh None) or padded for `mesh` and placed shard by shard."""
     weights = loaded.weights
     if loaded.checkpoint is not None:  # an orbax folder: restored straight into the mesh layout where it can be
@@ -324,44 +319,24 @@ def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, qu
         weights = restore_weights(loaded.checkpoint, loaded.config, shardings)
     if mesh is None:
         return build_decoder(loaded.config, weights, dtype=dtype, attn_impl=attn_impl, seed=seed,
-                             source=loaded.source, quantization=quantization,
-                             gguf_weights=_gguf_weights(quantization, loaded), quantization_group_size=group_size,
-                             calibration_tokens=_calibration_tokens(quantization, loaded))
+                             source=loaded.source, quantization=quantization.mode,
+                             gguf_weights=_gguf_weights(quantization.mode, loaded),
+                             quantization_group_size=quantization.group_size,
+                             calibration_tokens=_calibration_tokens(quantization.mode, loaded))
     from sharding.partition import shard_decoder
     return shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
                          source=loaded.source)
 
 
-def check_speculative(method: str | None, k: int, speculative_model: str | None, num_devices: int) -> None:
-    """Reject an inconsistent speculative-decoding setup before anything is loaded (`num_devices`: tensor times
-    data parallel size)."""
-    if method is None:
-        if speculative_model is not None:
-            raise ValueError("speculative_model is set but speculative_method is not; pass speculative_method='draft'")
-        return
-    if method not in ("ngram", "draft"):
-        raise ValueError(f"unknown speculative_method {method!r}; supported: 'ngram' (prompt lookup), 'draft' (a "
-                         "draft model, with speculative_model=...)")
-    if k < 1:
-        raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-    if method == "ngram" and speculative_model is not None:
-        raise ValueError("speculative_model is only used with speculative_method='draft'")
-    if method == "draft" and speculative_model is None:
-        raise ValueError("speculative_method='draft' needs speculative_model, e.g. 'smollm2-135m:layers=0:30:3,29'")
-    if method == "draft" and num_devices > 1:
-        raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "
-                         "use speculative_method='ngram' or one device")
-
-
-def _proposer(method: str | None, k: int, draft=None, **draft_kwargs):
+def _proposer(spec: SpeculativeConfig, draft=None, **draft_kwargs) -> Proposer | None:
     """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages
-    (arguments already checked by `check_speculative`)."""
-    if method is None:
+    (`spec` already validated)."""
+    if spec.method is None:
         return None
-    if method == "ngram":
-        return NgramProposer(k=k)
+    if spec.method == "ngram":
+        return PromptLookupProposer(NgramProposer(k=spec.num_speculative_tokens))
     from inference.spec_decode.draft import make_draft_proposer
-    return make_draft_proposer(draft, k=k, **draft_kwargs)
+    return make_draft_proposer(draft, k=spec.num_speculative_tokens, **draft_kwargs)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import queue
 import threading
 from typing import Iterator
 
-from inference.engine.llm_engine import Engine
+from inference.engine.client import EngineClient
 from inference.engine.outputs import RequestOutput
 from inference.sampling.params import SamplingParams
 
@@ -102,7 +102,7 @@ class RequestStream:
 class EngineLoop:
     """Steps `engine` on a background thread whenever it has work."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
         self._streams: dict[str, tuple[RequestStream, DeltaTracker]] = {}
         self._ids = itertools.count()

@@ -144,9 +144,11 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.mesh = mesh
-        if mesh is not None:  # attention runs per head shard under shard_map (models/attention.py)
-            for layer in model.layers:
-                layer.attn.mesh = mesh
+        if any(layer.attn.mesh != mesh for layer in model.layers):
+            # Attention runs per head shard under shard_map only if the model was built for this mesh
+            # (`Decoder(mesh=)`, `sharding.shard_decoder`); the runner does not rewrite a built module.
+            raise ValueError(f"the model's attention was built for mesh {model.layers[0].attn.mesh}, the runner got "
+                             f"mesh={mesh}; build it with sharding.shard_decoder(..., mesh) (or Decoder(mesh=...))")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
@@ -160,7 +162,7 @@ class ModelRunner:
         else:
             from sharding.partition import kv_cache_sharding, param_shardings, replicated
             self.param_shardings = param_shardings(params, mesh)
-            self.param_leaves = [jax.device_put(x, s) for x, s in zip(self.param_leaves, self.param_shardings)]
+            self.param_leaves = self._place(self.param_leaves)
             # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
             if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
@@ -252,7 +254,11 @@ class ModelRunner:
             if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
                                  f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
+        self.param_leaves = self._place(leaves)
+
+    def _place(self, leaves: list) -> list[jax.Array]:
+        """Parameter leaves on the runner's devices: each into its NamedSharding under a mesh (every device gets
+        only its slice), else onto the default device. The one copy path of the constructor and `update_weights`."""
         if self.param_shardings is None:
-            self.param_leaves = [jnp.asarray(x) for x in leaves]
-        else:
-            self.param_leaves = [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]
+            return [jnp.asarray(x) for x in leaves]
+        return [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import weakref
 
+from inference.engine.config import check_num_drafts
+
 
 class AdaptiveK:
     """Per-sequence draft length from an exponential moving average of the sequence's acceptance rate.
@@ -20,8 +22,7 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, *, decay: float = 0.5) -> None:
-        if not (isinstance(k_max, int) and k_max >= 1):
-            raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+        check_num_drafts(k_max, "k_max")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         self.k_max = k_max

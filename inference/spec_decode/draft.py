@@ -41,10 +41,11 @@ from inference.runtime.runner import ModelRunner
 from inference.sampling.sampler import PRNG_IMPL, SamplingTensors, needs_filters, sample
 from inference.engine.scheduler import ScheduledBatch
 from inference.sampling.rejection import probs_from_logits
+from inference.engine.config import check_num_drafts
 from inference.spec_decode.proposer import DraftModelProposer, DraftProposal
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
-from models.decoder import Decoder, build_decoder, weight_targets
+from models.decoder import Decoder, build_decoder, export_weights
 
 #: Folded into every request's seed key to derive its draft-sampling keys: independent of the verification keys.
 DRAFT_KEY_SALT = 0x5D2AF7
@@ -114,9 +115,8 @@ def prune_layers(config: ModelConfig, weights: dict[str, np.ndarray], keep: Sequ
     return pruned_config, pruned
 
 
-def decoder_weights(model: Decoder) -> dict[str, np.ndarray]:
-    """The canonical weight dict (models/weights.py) of a built float decoder, e.g. one with random weights."""
-    return {name: np.asarray(param.get_value()) for name, param in weight_targets(model).items()}
+#: The canonical weight dict of a built float decoder (the name the draft tools and tests use).
+decoder_weights = export_weights
 
 
 def save_draft(path: str, base: str, keep: Sequence[int] | None, weights: dict[str, np.ndarray]) -> None:
@@ -290,14 +290,12 @@ class PagedDraftProposer(DraftModelProposer):
     """
 
     def __init__(self, model: Decoder, *, k: int, num_pages: int, page_size: int, kv_dtype=jnp.float32):
-        if k < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {k}")
-        self.k = k
+        self.k = check_num_drafts(k)
         self.config = model.config
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
         self.page_size = page_size
-        self.limits: BucketLimits | None = None  # the engine's buckets, set by Engine.__init__
-        self.vary_steps = False  # set by the engine under adaptive k: see _num_steps
+        self.limits: BucketLimits | None = None  # the engine's buckets: `bind`
+        self.vary_steps = False  # adaptive k (`bind`): see _num_steps
         self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         static = ("num_steps", "k_max", "out_size", "use_filters", "want_probs")
         self._step = jax.jit(functools.partial(_propose_step, self.runner.graphdef, self.runner.param_treedef),
@@ -348,12 +346,18 @@ class PagedDraftProposer(DraftModelProposer):
             return self.k
         return min(1 << (most - 1).bit_length(), self.k)
 
+    def bind(self, limits: BucketLimits, *, vary_steps: bool) -> None:
+        """The draft runs on the target's page tables, so in the engine's own buckets; under adaptive k it runs as
+        few draft steps as the batch's longest proposal needs (`_num_steps`)."""
+        self.limits = limits
+        self.vary_steps = vary_steps
+
     def forget(self, seq) -> None:
         self._state.pop(seq, None)
 
     def propose(self, seqs: Sequence, pad_to: int | None = None) -> DraftProposal:
         if self.limits is None:
-            raise ValueError("PagedDraftProposer.limits is unset; the engine sets it when it takes the proposer")
+            raise ValueError("PagedDraftProposer is not bound; the engine calls bind(limits, ...) when it takes it")
         pad_to = len(seqs) if pad_to is None else pad_to
         rows = [i for i, s in enumerate(seqs) if s.spec_tokens]
         token_ids: list[list[int]] = [[] for _ in seqs]

@@ -6,6 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
+from inference.engine.config import check_num_drafts
+from inference.spec_decode.proposer import DraftProposal, Proposer
+
 
 class NgramProposer:
     """Prompt-lookup decoding: guess that the text continues as it did after the last time its tail occurred.
@@ -29,8 +32,7 @@ class NgramProposer:
     def __init__(self, n_max: int = 3, n_min: int = 1, k: int = 4, *, extend_periodic: bool = False) -> None:
         if not (isinstance(n_min, int) and isinstance(n_max, int) and 1 <= n_min <= n_max):
             raise ValueError(f"need integers 1 <= n_min <= n_max, got n_min={n_min!r}, n_max={n_max!r}")
-        if not (isinstance(k, int) and k >= 1):
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        check_num_drafts(k, "k")
         self.n_max = n_max
         self.n_min = n_min
         self.k = k
@@ -76,3 +78,22 @@ class NgramProposer:
     def propose_batch(self, token_lists: Sequence[Sequence[int] | np.ndarray]) -> list[list[int]]:
         """`propose` for each sequence (e.g. `[seq.token_ids for seq in seqs]`)."""
         return [self.propose(t) for t in token_lists]
+
+
+class PromptLookupProposer(Proposer):
+    """`NgramProposer` behind the engine's `Proposer` interface (`LLM(speculative_method="ngram")`).
+
+    Prompt lookup needs no model, so its proposal is made at scheduling time (`reserve`: the scheduler then reserves
+    exactly as many slots as there are tokens, none when nothing matches), and `propose` only hands the step's
+    already-placed tokens back, with no probabilities (deterministic drafts).
+    """
+
+    def __init__(self, ngram: NgramProposer) -> None:
+        self.ngram = ngram
+        self.k = ngram.k
+
+    def reserve(self, seq, k: int) -> list[int]:
+        return self.ngram.propose(seq.token_ids)[:k]
+
+    def propose(self, seqs: Sequence, pad_to: int | None = None) -> DraftProposal:
+        return DraftProposal([list(s.spec_tokens) for s in seqs], None)

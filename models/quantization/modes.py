@@ -52,6 +52,20 @@ QUANTIZATION_MODES = ("int8", "int4", "int4-awq", "gguf")
 DEQUANT_MAX_ELEMENTS = 8 << 20
 
 
+def check_quantization_args(mode: str | None, group_size: int | None) -> None:
+    """Reject a quantization mode or int4 group size that can never work, before any weight is touched: the one
+    check behind `LLM(quantization=, quantization_group_size=)` (inference/engine/config.py), `build_decoder` and
+    `quantize_decoder`."""
+    if mode is not None and mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} or None, got {mode!r}")
+    if group_size is None:
+        return
+    if mode not in ("int4", "int4-awq"):
+        raise ValueError(f"quantization_group_size applies to quantization='int4' or 'int4-awq', not {mode!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"quantization_group_size must be a positive integer (32, 64 or 128), got {group_size!r}")
+
+
 def is_quantized(value: Any) -> bool:
     return isinstance(value, QuantizedWeight)
 

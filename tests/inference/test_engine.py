@@ -193,3 +193,39 @@ def test_abort_frees_pages(llm):
 def test_unknown_model_lists_presets():
     with pytest.raises(ValueError, match="unknown model preset 'no-such-model'.*smollm2-135m"):
         LLM("no-such-model")
+
+
+def test_llm_touches_jax_compilation_cache_only_as_documented(tmp_path, monkeypatch):
+    """None leaves jax.config alone; "default" keeps a cache already configured (conftest.py's) and enables
+    $PAGEJAX_CACHE_DIR only where none is; an explicit path always wins."""
+    from inference.runtime.compile_cache import CACHE_OPTIONS, apply_cache_setting
+
+    def options() -> dict:
+        return {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+
+    before = options()
+    tiny_llm(compilation_cache_dir=None)
+    assert options() == before
+    if before["jax_compilation_cache_dir"]:
+        tiny_llm(compilation_cache_dir="default")
+        assert options() == before
+    try:
+        assert apply_cache_setting(str(tmp_path / "explicit")) == str(tmp_path / "explicit")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "explicit")
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("PAGEJAX_CACHE_DIR", str(tmp_path / "default"))
+        assert apply_cache_setting("default") == str(tmp_path / "default")
+        assert apply_cache_setting(None) is None
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "default")
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
+def test_engine_and_data_parallel_engine_are_engine_clients(llm):
+    """LLM and EngineLoop type against EngineClient; both engines must keep every member of it."""
+    from inference.engine.client import EngineClient
+    from inference.engine.data_parallel import DataParallelEngine
+
+    assert isinstance(llm.engine, EngineClient)
+    assert isinstance(DataParallelEngine([llm.engine]), EngineClient)

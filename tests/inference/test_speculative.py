@@ -15,6 +15,7 @@ Notation as in the lecture: q = target, p = draft.
 from __future__ import annotations
 
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,9 @@ from scipy import stats
 from inference.sampling import sampler as S
 from inference.sampling.params import SamplingParams
 from inference.sampling.rejection import probs_from_logits, rejection_sample
-from inference.spec_decode.ngram import NgramProposer
-from inference.spec_decode.proposer import DraftModelProposer, DraftProposal
+from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
+from inference.engine.config import check_num_drafts
+from inference.spec_decode.proposer import DraftModelProposer, DraftProposal, Proposer
 
 N_DRAWS = 200_000
 ALPHA = 1e-3
@@ -552,6 +554,22 @@ def test_ngram_matches_brute_force(toks: list[int], n_max: int, n_min: int, k: i
     assert len(got) <= k
 
 
+def test_prompt_lookup_proposer_is_the_engine_interface():
+    """The n-gram proposer behind `Proposer`: its proposal is made at scheduling (`reserve`, capped at k), and
+    `propose` hands back the placed tokens without probabilities."""
+    ng = PromptLookupProposer(NgramProposer(k=3))
+    assert isinstance(ng, Proposer) and ng.k == 3
+    seq = types.SimpleNamespace(token_ids=[1, 2, 3, 4, 1, 2], spec_tokens=[])
+    assert ng.reserve(seq, 3) == [3, 4, 1] and ng.reserve(seq, 1) == [3]
+    seq.spec_tokens = [3, 4]
+    other = types.SimpleNamespace(token_ids=[9], spec_tokens=[])
+    assert ng.propose([seq, other], pad_to=4) == DraftProposal([[3, 4], []], None)
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
+            check_num_drafts(bad)
+    assert check_num_drafts(4) == 4
+
+
 def test_ngram_fast_on_long_sequences():
     rng = np.random.default_rng(18)
     toks = rng.integers(0, 200, size=4000).tolist()
@@ -575,9 +593,10 @@ def test_draft_model_proposer_interface():
     class Fixed(DraftModelProposer):
         k = 2
 
-        def propose(self, seqs):
+        def propose(self, seqs, pad_to=None):
             return DraftProposal(token_ids=[[1, 2] for _ in seqs], draft_probs=jnp.full((len(seqs), 2, 4), 0.25))
 
     out = Fixed().propose([object(), object()])
     assert out.token_ids == [[1, 2], [1, 2]] and out.draft_probs.shape == (2, 2, 4)
     Fixed().on_accepted([], [])
+    assert Fixed().reserve(object(), 2) == [0, 0]  # model-backed: placeholders, filled by propose

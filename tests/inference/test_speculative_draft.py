@@ -65,8 +65,8 @@ def test_smollm2_greedy_with_pruned_draft_is_token_identical(smollm2):
     config, weights = prune_layers(llm.runner.config, target_weights, parse_layers("0:30:5,29", 30))
     draft = PagedDraftProposer(build_decoder(config, weights), k=3, num_pages=llm.runner.num_pages,
                                page_size=llm.runner.page_size)
-    engine = Engine(llm.runner, llm.tokenizer, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-                    max_model_len=llm.engine.max_model_len, proposer=draft, num_speculative_tokens=3)
+    engine = Engine(llm.runner, llm.tokenizer, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                                               max_model_len=llm.engine.max_model_len), proposer=draft)
     prompts = [load_reference()["prompts"][i] for i in (0, 2, 3)]  # 37, 35 and 5 prompt tokens
     saved, llm.engine = llm.engine, engine
     try:

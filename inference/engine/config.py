@@ -1,0 +1,226 @@
+"""The engine's configuration: plain frozen dataclasses, each validating its own fields (vLLM's and MaxText's shape).
+
+Why one place: `LLM(**kwargs)` keeps vLLM's flat keyword signature, but an argument value that can never work
+(a negative page size, an unknown policy, a draft method without a draft model) should fail before any weight is
+loaded, with the parameter named and the fix said, and the same rule should hold for code that builds an `Engine`
+directly. `EngineConfig.from_kwargs` maps `LLM`'s keywords onto the parts; checks that need the loaded model (an
+int8 KV cache for MLA, a KV budget that holds no page) stay where the model is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from models.quantization.modes import check_quantization_args
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
+POLICIES = ("mixed", "prefill_first")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+def check_num_drafts(value: object, name: str = "num_speculative_tokens") -> int:
+    """`value` if it is an integer >= 1, else a ValueError naming `name`: the one check of every draft count (the
+    engine's num_speculative_tokens, a proposer's k, AdaptiveK's k_max)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (at least 1 draft token per step), got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value: object, fix: str = "") -> None:
+    """ValueError naming `name` unless `value` is an integer >= 1 (bools are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}{'; ' + fix if fix else ''}")
+
+
+def check_speculative_budget(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> None:
+    """Every running sequence may verify k drafts plus one token in one step: the step's token budget must hold that."""
+    need = max_num_seqs * (num_speculative_tokens + 1)
+    if need > max_num_batched_tokens:
+        raise ValueError(f"speculative decoding verifies up to max_num_seqs * (num_speculative_tokens + 1) = {need} "
+                         f"tokens in one step, more than max_num_batched_tokens={max_num_batched_tokens}; raise "
+                         "max_num_batched_tokens or lower max_num_seqs or num_speculative_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. `kv_cache_dtype` None follows the model dtype; `kv_cache_memory_bytes` None takes
+    `memory_fraction` of the device's free memory (1 GiB where the device reports none)."""
+
+    page_size: int = 16
+    kv_cache_dtype: str | None = None
+    kv_cache_memory_bytes: int | None = None
+    memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive_int("page_size", self.page_size, "tokens per KV page, e.g. 16")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{sorted(KV_CACHE_DTYPES)} or None (the model dtype)")
+        if self.kv_cache_memory_bytes is not None:
+            check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes,
+                               "give a byte count, or None to use memory_fraction of free device memory")
+        if not (isinstance(self.memory_fraction, (int, float)) and 0.0 < self.memory_fraction <= 1.0):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}; it is the share of "
+                             "free device memory the KV cache takes when kv_cache_memory_bytes is None")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and the prefill/decode policy (inference/engine/scheduler.py). `max_model_len` None: the
+    model's context (capped by the page pool); the engine is given the resolved value."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    policy: str = "prefill_first"
+    max_prefill_streak: int = 4
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("max_num_seqs", self.max_num_seqs, "the most sequences running at once")
+        check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, "the token budget of one step")
+        check_positive_int("max_prefill_streak", self.max_prefill_streak)
+        if self.max_model_len is not None:
+            check_positive_int("max_model_len", self.max_model_len, "or None for the model's context")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r} (scheduling_policy); expected one of "
+                             f"{POLICIES}")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.policy == "mixed":
+            raise ValueError("with the mixed policy max_num_batched_tokens must be at least max_num_seqs, so every "
+                             "running sequence can decode in each step")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `method` None (off), "ngram" (prompt lookup) or "draft" (the draft model `model`);
+    `num_speculative_tokens` drafts per step, adapted per request to its acceptance rate when `adaptive`."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            if self.model is not None:
+                raise ValueError("speculative_model is set but speculative_method is not; pass "
+                                 "speculative_method='draft'")
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative_method {self.method!r}; supported: 'ngram' (prompt lookup), "
+                             "'draft' (a draft model, with speculative_model=...)")
+        check_num_drafts(self.num_speculative_tokens)
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_model is only used with speculative_method='draft'")
+        if self.method == "draft" and self.model is None:
+            raise ValueError("speculative_method='draft' needs speculative_model, e.g. 'smollm2-135m:layers=0:30:3,29'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight quantization (models/quantization/modes.py): `mode` None, "int8", "int4", "int4-awq" or "gguf";
+    `group_size` the int4 group (None: 32 where it divides every input dimension, else 64)."""
+
+    mode: str | None = None
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_quantization_args(self.mode, self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """`tensor_parallel_size` devices per replica, `data_parallel_size` independent replicas."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size, "1 runs on one device")
+        check_positive_int("data_parallel_size", self.data_parallel_size, "1 runs one replica")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM` is configured with: the model and its numerics at the top, one part per concern.
+
+    `dtype`: "auto" (bfloat16 on TPU and GPU, float32 on CPU) or a name of `DTYPES`; `attn_impl`: an attention
+    implementation name (kernels_pallas/attention/dispatch.py); `compilation_cache_dir`: see
+    inference/runtime/compile_cache.py `apply_cache_setting`.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    attn_impl: str = "auto"
+    seed: int = 0
+    compilation_cache_dir: str | None = "default"
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        from kernels_pallas.attention.dispatch import IMPLEMENTATIONS
+
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        if self.attn_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; expected one of {IMPLEMENTATIONS}")
+        if self.parallel.num_devices > 1 and self.quantization.mode is not None:
+            raise ValueError("tensor_parallel_size or data_parallel_size > 1 with quantization is not supported yet")
+        spec = self.speculative
+        if spec.method == "draft" and self.parallel.num_devices > 1:
+            raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "
+                             "use speculative_method='ngram' or one device")
+        if spec.enabled:
+            check_speculative_budget(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens,
+                                     spec.num_speculative_tokens)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The config of `LLM(**kwargs)`: each of LLM's keyword arguments goes to its part (unknown: TypeError)."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in _KWARG_FIELDS:
+                part, field = _KWARG_FIELDS[key]
+                parts[part][field] = value
+            elif key in _TOP_FIELDS:
+                top[key] = value
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        return cls(**top, **{name: kind(**parts[name]) for name, kind in _PARTS.items()})
+
+
+_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
+          "quantization": QuantizationConfig, "parallel": ParallelConfig}
+_TOP_FIELDS = ("model", "dtype", "attn_impl", "seed", "compilation_cache_dir")
+#: LLM keyword -> (part, field), where the names differ from or do not say the part.
+_KWARG_FIELDS = {
+    **{name: ("cache", name) for name in ("page_size", "kv_cache_dtype", "kv_cache_memory_bytes", "memory_fraction",
+                                          "enable_prefix_caching")},
+    **{name: ("scheduler", name) for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")},
+    "scheduling_policy": ("scheduler", "policy"),
+    "speculative_method": ("speculative", "method"),
+    "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
+    "speculative_model": ("speculative", "model"), "speculative_adaptive": ("speculative", "adaptive"),
+    "quantization": ("quantization", "mode"), "quantization_group_size": ("quantization", "group_size"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+}
+
+__all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "ParallelConfig", "QuantizationConfig",
+           "SchedulerConfig", "SpeculativeConfig", "check_positive_int", "check_speculative_budget"]
