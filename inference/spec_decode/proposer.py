@@ -89,4 +89,4 @@ class DraftModelProposer(Proposer):
     """
 
 
-__all__ = ["DraftModelProposer", "DraftProposal", "Proposer", "check_num_drafts"]
+__all__ = ["DraftModelProposer", "DraftProposal", "Proposer"]
