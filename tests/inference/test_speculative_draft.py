@@ -125,8 +125,9 @@ def test_sampling_with_a_draft_model_follows_the_target_distribution():
     different distribution (the target's logits x5 against x10); it must follow the target's softmax given the prompt
     and the first token (chi-square at p = 0.001). Verifying a sampled draft as if it were deterministic would bias it
     towards the draft."""
-    spec = sharpened(TINY_SPEC.build(speculative_method="draft", speculative_model="tiny-llama", num_speculative_tokens=2,
-                                     max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_bytes=16 << 20))
+    spec = sharpened(TINY_SPEC.build(speculative_method="draft", speculative_model="tiny-llama",
+                                     num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=4096,
+                                     kv_cache_memory_bytes=16 << 20))
     draft = spec.engine.proposer.runner  # the target's own weights, half as sharp: same ranking, other probabilities
     params = draft.params
     params["final_norm"]["weight"].set_value(params["final_norm"]["weight"].get_value() * 5.0)
