@@ -35,7 +35,7 @@ from flax import nnx
 from inference import LLM, SamplingParams
 from inference.spec_decode.draft import PagedDraftProposer, decoder_weights, parse_layers, prune_layers, save_draft
 from inference.engine.llm_engine import Engine
-from inference.engine.scheduler import SchedulerConfig
+from inference.engine.config import SchedulerConfig
 from models.decoder import build_decoder
 
 FLAGS = flags.FLAGS

@@ -1,4 +1,4 @@
-"""Shared test setup: a project-local persistent compilation cache, and the default model loaded once."""
+"""Shared test setup: a project-local persistent compilation cache, and the common `LLM`s built once a session."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__))
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The default model (SmolLM2-135M-Instruct from its GGUF), float32, shared by the tests that need it."""
-    from inference import LLM
+    """The default model (SmolLM2-135M-Instruct from its GGUF), float32, shared by the tests that need it
+    (tests/llm_configs.py: SMOLLM2). Tests must leave its weights as they found them."""
+    from tests.llm_configs import SMOLLM2
 
-    return LLM("smollm2-135m", kv_cache_memory_bytes=256 << 20, max_num_seqs=16, max_num_batched_tokens=256,
-               compilation_cache_dir=None)
+    return SMOLLM2.build()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """The random tiny Llama (tests/llm_configs.py: TINY_SPEC, no speculation), shared by the tests that only
+    generate with it. Tests must not change its weights, and call `engine.reset_stats()` before reading its counters."""
+    from tests.llm_configs import TINY_SPEC
+
+    return TINY_SPEC.build()

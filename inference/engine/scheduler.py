@@ -22,7 +22,7 @@ import bisect
 import dataclasses
 from typing import Callable
 
-from inference.engine.config import POLICIES, SchedulerConfig  # noqa: F401 - defined with the other configs
+from inference.engine.config import SchedulerConfig
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.sequence import Sequence, SequenceStatus
 

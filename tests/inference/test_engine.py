@@ -7,24 +7,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from inference import LLM, SamplingParams
 from inference.runtime.batch import bucket, bucket_ladder
 from kernels_pallas.attention.dispatch import resolve_impl
+from tests.llm_configs import TINY_ENGINE, merged_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def tiny_llm(**kw) -> LLM:
-    args = dict(kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                compilation_cache_dir=None)
-    args.update(kw)
-    return LLM("tiny-llama", **args)
+tiny_llm = TINY_ENGINE.build
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    """Shared by this module's tests; test_update_weights_changes_outputs_without_compiling puts its weights back."""
     return tiny_llm()
 
 
@@ -34,7 +29,7 @@ def prompts(seed: int, count: int, low: int = 1, high: int = 40) -> list[list[in
 
 
 def dense_logprobs(llm: LLM, ids: list[int]) -> np.ndarray:
-    model = nnx.merge(llm.runner.graphdef, llm.runner.params)
+    model = merged_model(llm)
     return np.asarray(jax.nn.log_softmax(model.forward(jnp.asarray([ids]))[0], axis=-1))
 
 
@@ -105,15 +100,14 @@ def test_n_samples_stop_tokens_and_max_tokens(llm):
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_at
 
 
-def test_preemption_under_a_small_page_pool_keeps_outputs_exact():
+def test_preemption_under_a_small_page_pool_keeps_outputs_exact(llm):
     small = tiny_llm(kv_cache_memory_bytes=40 * 4 * 2 * 2 * 2 * 16 * 4, max_num_seqs=8)  # 40 pages of 4 tokens
     assert small.runner.num_pages == 40
     batch = prompts(7, 8, 10, 30)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     constrained = small.generate(prompt_token_ids=batch, sampling_params=params)
     assert small.engine.scheduler.num_preemptions > 0, "the pool should have been too small for all at once"
-    roomy = tiny_llm()
-    free = roomy.generate(prompt_token_ids=batch, sampling_params=params)
+    free = llm.generate(prompt_token_ids=batch, sampling_params=params)  # a 1 MiB pool: room for all eight at once
     for a, b in zip(constrained, free):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert small.engine.block_manager.num_free_pages == small.runner.num_pages

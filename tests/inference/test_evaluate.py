@@ -7,11 +7,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from inference import LLM
 from inference.loading.shipped_text import CALIBRATION_TEXT, shipped_text
 from inference.tools.evaluate import engine_perplexity, perplexity, window_spans
+from tests.llm_configs import merged_model
 
 # A bigram "model" over 4 tokens: row = current token, column = next token. The text 0 1 2 3 0 1 uses the
 # transitions 0->1 (1/2), 1->2 (1/4), 2->3 (1/2), 3->0 (1/8), 0->1 (1/2).
@@ -67,10 +66,10 @@ def test_shipped_texts_are_packaged_and_differ():
         shipped_text("nope.txt")
 
 
-def test_engine_perplexity_equals_the_cache_free_forward():
-    llm = LLM("tiny-llama", kv_cache_memory_bytes=4 << 20, max_num_seqs=8, compilation_cache_dir=None)
+def test_engine_perplexity_equals_the_cache_free_forward(tiny_llama):
+    llm = tiny_llama  # prompt logprobs: the shared engine's prefix cache is not read
     ids = np.random.default_rng(0).integers(0, llm.config.vocab_size, 40)
-    want = perplexity(nnx.merge(llm.runner.graphdef, llm.runner.params), ids, window=16, stride=8)
+    want = perplexity(merged_model(llm), ids, window=16, stride=8)
     got = engine_perplexity(llm, ids, window=16, stride=8)
     assert got.num_tokens == want.num_tokens == 39
     assert got.nll == pytest.approx(want.nll, rel=1e-4)

@@ -11,18 +11,24 @@ import numpy as np
 import pytest
 
 from configs import get_model_config
-from inference import LLM, SamplingParams
+from inference import SamplingParams
 from models.attention import QuantizedKV
+from tests.llm_configs import SMALL_POOL, SMOLLM2
 from tests.reference_fixtures import load_reference
 
-KW = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, compilation_cache_dir=None)
+INT8 = SMALL_POOL.replace(kv_cache_dtype="int8")
 
 
-def test_int8_cache_holds_pages_and_scales_and_costs_about_half_of_bf16():
+@pytest.fixture(scope="module")
+def llm():
+    """The tiny Llama on an int8 cache of 1/4 MiB in 4-token pages, shared by the two tests that use it."""
+    return INT8.build()
+
+
+def test_int8_cache_holds_pages_and_scales_and_costs_about_half_of_bf16(llm):
     smollm2 = get_model_config("smollm2-135m")
     # D = 64: 64 int8 values + one float32 scale for each of K and V, against 2 bytes per value in bf16.
     assert smollm2.kv_bytes_per_token(1, scale_bytes=4) / smollm2.kv_bytes_per_token(2) == pytest.approx(68 / 128)
-    llm = LLM("tiny-llama", kv_cache_dtype="int8", kv_cache_memory_bytes=1 << 18, **KW)
     cache = llm.runner.kv_caches[0]
     pages, scales = llm.config.kv_cache_spec(llm.runner.num_pages, 4, "int8")
     assert isinstance(cache, QuantizedKV) and cache.pages.dtype == np.int8
@@ -32,15 +38,14 @@ def test_int8_cache_holds_pages_and_scales_and_costs_about_half_of_bf16():
     assert llm.runner.num_pages * 4 * per_token <= llm.runner.kv_cache_bytes <= 1 << 18
     assert llm.runner.kv_cache_bytes < (llm.runner.num_pages + 8) * 4 * per_token
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM("tiny-llama", kv_cache_dtype="int4", kv_cache_memory_bytes=1 << 18, **KW)
+        INT8.build(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="MLA"):
-        LLM("tiny-deepseek-v2", kv_cache_dtype="int8", kv_cache_memory_bytes=1 << 18, **KW)
+        INT8.replace("tiny-deepseek-v2").build()
 
 
-def test_prefix_sharing_and_copy_on_write_work_on_an_int8_cache():
+def test_prefix_sharing_and_copy_on_write_work_on_an_int8_cache(llm):
     """n=3 samples fork one prompt (shared pages, copy-on-write of the partial page, scales copied with it): each
     greedy sample equals the single greedy generation, and a repeated prompt hits the prefix cache."""
-    llm = LLM("tiny-llama", kv_cache_dtype="int8", kv_cache_memory_bytes=1 << 18, **KW)
     prompt = list(range(7, 21))  # 14 tokens: 3 full pages and a partial one
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].outputs[0].token_ids
@@ -54,8 +59,7 @@ def test_smollm2_with_an_int8_cache_stays_close_to_transformers():
     """Teacher-forced logprobs of the six fixture prompts (prompt + transformers' greedy continuation) and greedy
     continuations of two prompts, with every K/V quantized per token and head."""
     prompts = load_reference()["prompts"]
-    llm = LLM("smollm2-135m", kv_cache_dtype="int8", kv_cache_memory_bytes=32 << 20, max_num_seqs=8,
-              max_num_batched_tokens=256, compilation_cache_dir=None)
+    llm = SMOLLM2.build(kv_cache_dtype="int8", kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
     seqs = [np.concatenate([p["prompt_ids"], p["greedy_ids"]]).tolist() for p in prompts]
     outs = llm.generate(prompt_token_ids=seqs, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))
     diffs = np.concatenate([

@@ -9,18 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from inference import LLM, SamplingParams
+from tests.llm_configs import TINY_SPEC, merged_model
 
 MAX_LEN = 384
+SERVING = TINY_SPEC.replace(kv_cache_memory_bytes=2 << 20, max_model_len=MAX_LEN)
 
 
 def make_llm(**kw) -> LLM:
-    args = dict(kv_cache_memory_bytes=2 << 20, page_size=16, max_num_seqs=16, max_num_batched_tokens=256,
-                max_model_len=MAX_LEN, compilation_cache_dir=None)
-    args.update(kw)
-    llm = LLM("tiny-llama", **args)
+    llm = SERVING.build(**kw)
     # Sharpen the random model's logits (x8 on the LM head) so greedy choices are far from ties.
     params = llm.get_params()
     params["embed"]["embedding"].set_value(params["embed"]["embedding"].get_value() * 8.0)
@@ -30,13 +28,14 @@ def make_llm(**kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    """Shared by this module's tests (prefill_first, prefix caching on); they leave its weights as they were."""
     return make_llm()
 
 
 def dense_greedy(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
     """Greedy continuations by teacher forcing the cache-free forward (padded to one shape; causal, so padding
     after a sequence cannot change its logits)."""
-    model = nnx.merge(llm.runner.graphdef, llm.runner.params)
+    model = merged_model(llm)
     forward = jax.jit(lambda t: jnp.argmax(model.forward(t), axis=-1))
     results = []
     for prompt, n in zip(prompts, lengths):
@@ -114,12 +113,13 @@ def test_forked_samples_share_the_prompt_and_copy_on_write(llm):
     assert forked.outputs[0].token_ids != forked.outputs[1].token_ids
 
 
-def test_mixed_policy_gives_the_same_outputs():
+def test_mixed_policy_gives_the_same_outputs(llm):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 512, int(rng.integers(5, 200))).tolist() for _ in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     mixed = make_llm(scheduling_policy="mixed", max_num_batched_tokens=64)
-    first = make_llm(scheduling_policy="prefill_first")
+    first = llm  # the module's engine: the default prefill_first policy (none of its cached prefixes starts these)
+    first.engine.reset_stats()
     a = mixed.generate(prompt_token_ids=prompts, sampling_params=params)
     b = first.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -6,18 +6,18 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from inference import LLM, SamplingParams
+from inference import SamplingParams
 from inference.spec_decode.draft import (DraftSpec, PagedDraftProposer, decoder_weights, load_draft_weights,
                                          parse_layers, prune_layers, save_draft)
 from inference.engine.llm_engine import Engine
-from inference.engine.scheduler import SchedulerConfig
+from inference.engine.config import SchedulerConfig
 from inference.spec_decode.adaptive_k import AdaptiveK
 from models.decoder import build_decoder
 from configs.presets import get_model_config
+from tests.llm_configs import TINY_SPEC, engine_swapped, merged_model
 from tests.reference_fixtures import load_reference
-from tests.inference.test_speculative_engine import KW, assert_second_token_follows_target, sharpened
+from tests.inference.test_speculative_engine import assert_second_token_follows_target, sharpened
 
 DRAFT = "tiny-llama:layers=1"  # the second layer of the random tiny target: a poor draft, so rejections happen
 
@@ -49,11 +49,11 @@ def test_prune_layers_renumbers_and_validates(tmp_path):
     np.testing.assert_array_equal(loaded["final_norm"], weights["final_norm"] + 1.0)
     np.testing.assert_array_equal(loaded["layers.0.q_proj"], weights["layers.0.q_proj"])
     with pytest.raises(ValueError, match="speculative_model"):
-        LLM("tiny-llama", speculative_method="draft", **KW)
+        TINY_SPEC.build(speculative_method="draft")
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM("tiny-llama", speculative_method="draft", speculative_model="smollm2-135m:layers=0", **KW)
+        TINY_SPEC.build(speculative_method="draft", speculative_model="smollm2-135m:layers=0")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):  # 64 * (4 + 1) verification tokens > 256
-        LLM("tiny-llama", speculative_method="ngram", num_speculative_tokens=4, **{**KW, "max_num_seqs": 64})
+        TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=4, max_num_seqs=64)
 
 
 def test_smollm2_greedy_with_pruned_draft_is_token_identical(smollm2):
@@ -61,21 +61,16 @@ def test_smollm2_greedy_with_pruned_draft_is_token_identical(smollm2):
     continuations (which plain greedy decoding reproduces, tests/models/test_smollm2.py) of three prompts, token for
     token. The draft runs on the fixture's runner (its KV cache; the fixture's prefix cache is dropped afterwards)."""
     llm = smollm2
-    target_weights = decoder_weights(nnx.merge(llm.runner.graphdef, llm.runner.params))
+    target_weights = decoder_weights(merged_model(llm))
     config, weights = prune_layers(llm.runner.config, target_weights, parse_layers("0:30:5,29", 30))
     draft = PagedDraftProposer(build_decoder(config, weights), k=3, num_pages=llm.runner.num_pages,
                                page_size=llm.runner.page_size)
     engine = Engine(llm.runner, llm.tokenizer, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                                                max_model_len=llm.engine.max_model_len), proposer=draft)
     prompts = [load_reference()["prompts"][i] for i in (0, 2, 3)]  # 37, 35 and 5 prompt tokens
-    saved, llm.engine = llm.engine, engine
-    try:
-        llm.engine.reset_prefix_cache()
+    with engine_swapped(llm, engine):
         outs = llm.generate(prompt_token_ids=[p["prompt_ids"].tolist() for p in prompts],
                             sampling_params=SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    finally:
-        llm.engine = saved
-        saved.reset_prefix_cache()  # the draft run wrote pages the fixture's prefix cache may have registered
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == p["greedy_ids"].tolist(), p["prompt"]
     # A pruned, undistilled draft agrees with SmolLM2 almost never (BENCHMARKS.md), so this checks the plumbing and
@@ -84,12 +79,12 @@ def test_smollm2_greedy_with_pruned_draft_is_token_identical(smollm2):
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_draft_and_plain_sequences_share_a_step_and_match_plain_greedy():
+def test_draft_and_plain_sequences_share_a_step_and_match_plain_greedy(tiny_llama):
     """Requests asking for logprobs do not speculate; they share steps with speculating ones, and every request's
     greedy output equals plain decoding. Under adaptive k the poor draft's rejections shrink each request's k."""
-    plain = LLM("tiny-llama", **KW)
-    spec = LLM("tiny-llama", speculative_method="draft", speculative_model=DRAFT, num_speculative_tokens=4,
-               speculative_adaptive=True, **KW)
+    plain = tiny_llama
+    spec = TINY_SPEC.build(speculative_method="draft", speculative_model=DRAFT, num_speculative_tokens=4,
+                           speculative_adaptive=True)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, n).tolist() for n in (5, 17, 40, 3)]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1 if i % 2 else None)
@@ -118,9 +113,8 @@ def test_draft_cache_shares_the_kv_budget():
     """The draft's cache has a slot for every target page, so the budget pays for both: half the pages for a draft
     of the target's own shape, and the two caches together stay within kv_cache_memory_bytes."""
     budget = 8 << 20
-    plain = LLM("tiny-llama", **{**KW, "kv_cache_memory_bytes": budget})
-    spec = LLM("tiny-llama", speculative_method="draft", speculative_model="tiny-llama",
-               **{**KW, "kv_cache_memory_bytes": budget})
+    plain = TINY_SPEC.build(kv_cache_memory_bytes=budget)
+    spec = TINY_SPEC.build(speculative_method="draft", speculative_model="tiny-llama", kv_cache_memory_bytes=budget)
     assert spec.runner.num_pages == plain.runner.num_pages // 2
     cache_bytes = lambda runner: sum(x.nbytes for x in jax.tree.leaves(runner.kv_caches))  # noqa: E731
     assert cache_bytes(spec.runner) + cache_bytes(spec.engine.proposer.runner) <= budget < 2 * cache_bytes(plain.runner)
@@ -131,9 +125,9 @@ def test_sampling_with_a_draft_model_follows_the_target_distribution():
     different distribution (the target's logits x5 against x10); it must follow the target's softmax given the prompt
     and the first token (chi-square at p = 0.001). Verifying a sampled draft as if it were deterministic would bias it
     towards the draft."""
-    spec = sharpened(LLM("tiny-llama", speculative_method="draft", speculative_model="tiny-llama",
-                         num_speculative_tokens=2, **{**KW, "max_num_seqs": 256, "max_num_batched_tokens": 4096,
-                                                              "kv_cache_memory_bytes": 16 << 20}))
+    spec = sharpened(TINY_SPEC.build(speculative_method="draft", speculative_model="tiny-llama",
+                                     num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=4096,
+                                     kv_cache_memory_bytes=16 << 20))
     draft = spec.engine.proposer.runner  # the target's own weights, half as sharp: same ranking, other probabilities
     params = draft.params
     params["final_norm"]["weight"].set_value(params["final_norm"]["weight"].get_value() * 5.0)

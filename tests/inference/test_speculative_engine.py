@@ -7,13 +7,13 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from inference import LLM, SamplingParams
+from inference.engine.llm_engine import Engine
+from inference.engine.config import SchedulerConfig
+from inference.spec_decode.ngram import PromptLookupProposer
+from tests.llm_configs import TINY_SPEC, engine_swapped, merged_model
 from tests.reference_fixtures import load_reference
-
-KW = dict(kv_cache_memory_bytes=4 << 20, page_size=16, max_num_seqs=16, max_num_batched_tokens=256,
-          compilation_cache_dir=None)
 
 
 def sharpened(llm: LLM) -> LLM:
@@ -30,9 +30,10 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
     return [rng.integers(1, 60, 8).tolist() * 5 for _ in range(count)]
 
 
-def test_greedy_speculation_is_token_identical_and_saves_passes():
-    plain = LLM("tiny-llama", **KW)
-    spec = LLM("tiny-llama", speculative_method="ngram", num_speculative_tokens=4, **KW)
+def test_greedy_speculation_is_token_identical_and_saves_passes(tiny_llama):
+    plain = tiny_llama
+    plain.engine.reset_stats()  # the shared engine's counters: this test's decode steps only
+    spec = TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=4)
     prompts = repetitive_prompts(6, 0) + [[5, 9, 2]]  # the last one has nothing to look up at first
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -44,9 +45,9 @@ def test_greedy_speculation_is_token_identical_and_saves_passes():
     assert spec.engine.block_manager.num_free_pages == spec.runner.num_pages  # rolled-back pages came back
 
 
-def test_max_tokens_and_stop_tokens_are_respected_inside_accepted_drafts():
-    spec = LLM("tiny-llama", speculative_method="ngram", num_speculative_tokens=5, **KW)
-    plain = LLM("tiny-llama", **KW)
+def test_max_tokens_and_stop_tokens_are_respected_inside_accepted_drafts(tiny_llama):
+    spec = TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=5)
+    plain = tiny_llama
     prompts = repetitive_prompts(4, 1)
     free = plain.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=30, ignore_eos=True))
@@ -63,7 +64,7 @@ def test_max_tokens_and_stop_tokens_are_respected_inside_accepted_drafts():
 def test_sampling_with_speculation_follows_the_target_distribution():
     """2,000 seeds, one prompt: the second generated token (produced by a verification step) is distributed as the
     target model's softmax given the prompt and the first token (chi-square, p = 0.001)."""
-    spec = sharpened(LLM("tiny-llama", speculative_method="ngram", num_speculative_tokens=3, **KW))
+    spec = sharpened(TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=3))
     # Every vocabulary id occurs in the prompt, so whatever the first token is, prompt lookup finds it and proposes.
     prompt = np.random.default_rng(2).permutation(512).tolist()
     n = 2000
@@ -78,7 +79,7 @@ def assert_second_token_follows_target(llm: LLM, prompt: list[int], outs) -> Non
     prompt and that first token (cells with expected count < 5 pooled)."""
     pairs = collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
     firsts = collections.Counter(t1 for t1, _ in pairs.elements())
-    model = nnx.merge(llm.runner.graphdef, llm.runner.params)
+    model = merged_model(llm)
     stat, df = 0.0, 0
     for t1, count in firsts.items():
         q = np.asarray(jax.nn.softmax(model.forward(jnp.asarray([prompt + [t1]]))[0, -1]))
@@ -98,21 +99,25 @@ def assert_second_token_follows_target(llm: LLM, prompt: list[int], outs) -> Non
     assert stat < critical, (stat, critical, df)
 
 
-def test_smollm2_greedy_speculation_matches_transformers():
-    """Prompt lookup on SmolLM2: the fixtures' 32-token greedy continuations, token for token."""
+def test_smollm2_greedy_speculation_matches_transformers(smollm2):
+    """Prompt lookup on SmolLM2: the fixtures' 32-token greedy continuations, token for token. The speculating
+    engine runs on the session's SmolLM2 runner, as LLM(speculative_method="ngram", num_speculative_tokens=4) builds
+    it (the tiny tests above go through LLM itself)."""
     prompts = load_reference()["prompts"]
-    llm = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=4,
-              kv_cache_memory_bytes=128 << 20, max_num_seqs=8, max_num_batched_tokens=256,
-              compilation_cache_dir=None)
+    engine = Engine(smollm2.runner, smollm2.tokenizer,
+                    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                    max_model_len=smollm2.engine.max_model_len), proposer=PromptLookupProposer(k=4))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=[p["prompt_ids"].tolist() for p in prompts], sampling_params=params)
+    with engine_swapped(smollm2, engine):
+        outs = smollm2.generate(prompt_token_ids=[p["prompt_ids"].tolist() for p in prompts], sampling_params=params)
     for p, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == p["greedy_ids"].tolist(), p["prompt"]
-    assert llm.engine.stats.spec_passes > 0
+    assert engine.stats.spec_passes > 0
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
 def test_a_seeded_request_without_drafts_is_unaffected_by_speculating_batch_mates():
-    spec = LLM("tiny-llama", speculative_method="ngram", num_speculative_tokens=3, **KW)
+    spec = TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=3)
     lone = [7, 300, 41, 99]  # no repeats: prompt lookup proposes nothing for it
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     alone = spec.generate(prompt_token_ids=[lone], sampling_params=seeded)[0].outputs[0].token_ids

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from configs.presets import PRESET_WEIGHTS
-from inference.loading.model_loader import packaged_file
-
 from inference.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from models.loaders.gguf_file import load_gguf_info
+from tests.reference_fixtures import gguf_path
 
 SYSTEM_PROMPT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 ROUND_TRIP_TEXTS = [
@@ -34,14 +32,9 @@ LLAMA_CPP_CHKTXT = (
 SMOLLM_CHKHSH = "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"
 
 
-def _smollm_gguf() -> Path:
-    """The default model's GGUF, found the way the library finds it (a required part of the test install)."""
-    return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
-
-
 @pytest.fixture(scope="module")
 def info():
-    return load_gguf_info(_smollm_gguf())
+    return load_gguf_info(gguf_path())
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +192,7 @@ def test_matches_transformers_gguf_tokenizer(tok):
     """transformers' own GGUF tokenizer conversion; it ignores `tokenizer.ggml.pre` (plain GPT-2 ByteLevel), so
     texts with whitespace runs before digits are left out: there it differs from the real SmolLM2 tokenizer."""
     transformers = pytest.importorskip("transformers")
-    path = _smollm_gguf()
+    path = gguf_path()
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in ROUND_TRIP_TEXTS[:2] + ROUND_TRIP_TEXTS[3:] + [LLAMA_CPP_CHKTXT]:
         assert tok.encode(text) == hf.encode(text), text

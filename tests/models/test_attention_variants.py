@@ -16,6 +16,7 @@ from models.config import ModelConfig
 from models.decoder import build_decoder, weight_targets
 from models.moe import MoE
 from models.weights import expected_shapes
+from tests.llm_configs import SMALL_POOL
 from tests.models.test_model import run_paged
 
 DSV2 = get_model_config("tiny-deepseek-v2")
@@ -47,10 +48,9 @@ def test_absorbed_paged_attention_equals_materialized_keys_and_values():
 
 
 def test_engine_runs_mla_with_a_latent_cache_of_576_style_width():
-    from inference import LLM, SamplingParams
+    from inference import SamplingParams
 
-    llm = LLM("tiny-deepseek-v2", kv_cache_memory_bytes=1 << 18, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=32, compilation_cache_dir=None)
+    llm = SMALL_POOL.replace("tiny-deepseek-v2").build()
     runner = llm.engine.runner
     assert len(runner.kv_caches) == DSV2.num_layers
     assert all(c.shape[1:] == (4, DSV2.kv_lora_rank + DSV2.qk_rope_head_dim) for c in runner.kv_caches)
@@ -147,11 +147,9 @@ def test_cla_shares_one_cache_per_run_and_stays_exact():
 
 
 def test_engine_cache_bytes_drop_by_the_sharing_factor():
-    from inference import LLM, SamplingParams
+    from inference import SamplingParams
 
-    kwargs = dict(kv_cache_memory_bytes=1 << 18, page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
-                  compilation_cache_dir=None)
-    llm = LLM("tiny-cla", **kwargs)
+    llm = SMALL_POOL.replace("tiny-cla").build(max_num_seqs=2)
     assert len(llm.engine.runner.kv_caches) == 2
     # The byte budget holds twice the pages (so twice the tokens) it would hold without sharing.
     unshared_pages = (1 << 18) // (4 * CLA.replace(cla_factor=1).kv_bytes_per_token(4))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs.presets import get_model_config
 from inference import LLM
@@ -15,6 +14,7 @@ from inference.loading.shipped_text import calibration_token_ids
 from models.quantization.awq import AWQConfig, apply_awq, calibration_dataset
 from models.quantization.formats import QuantizedWeight
 from models.decoder import build_decoder, quantize_decoder
+from tests.llm_configs import merged_model
 
 CONFIG = AWQConfig(num_tokens=128, seq_len=32, batch_size=2)
 
@@ -91,7 +91,7 @@ def test_llm_int4_awq_builds_and_rejects_bad_input():
     weights of the scaled model; the engine path is the int4 one (same shapes and matmuls), tested elsewhere."""
     llm = LLM("tiny-llama", quantization="int4-awq", kv_cache_memory_bytes=4 << 20, max_num_seqs=2,
               compilation_cache_dir=None)
-    model = nnx.merge(llm.runner.graphdef, llm.runner.params)
+    model = merged_model(llm)
     assert isinstance(model.layers[0].attn.q_proj.kernel.get_value(), QuantizedWeight)
     assert model.layers[0].attn.q_proj.kernel.get_value().bits == 4
     assert not np.allclose(np.asarray(model.layers[0].mlp_norm.weight.get_value()), 1.0)  # 1/s folded in

@@ -20,6 +20,7 @@ from models.config import RopeScaling
 from models.decoder import build_decoder, weight_targets
 from models.loaders.hf_checkpoint import config_from_hf, load_hf_folder
 from models.weights import expected_shapes
+from tests.llm_configs import SMALL_POOL
 from tests.models.test_model import run_paged
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "families"
@@ -229,10 +230,9 @@ def test_layer_kinds_match_transformers_config_classes(model_type, extra, fixtur
 def test_llm_loads_a_folder_without_tokenizer_and_generates_through_the_engine(family):
     """LLM(model=folder) on a freshly saved model (no tokenizer files): token ids work, text is a clear error, and
     the paged engine's 32-token greedy continuation (to 52 tokens, several windows long) is transformers'."""
-    from inference import LLM, SamplingParams
+    from inference import SamplingParams
 
-    llm = LLM(str(FIXTURES / family), kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=32, compilation_cache_dir=None)
+    llm = SMALL_POOL.replace(str(FIXTURES / family)).build(kv_cache_memory_bytes=1 << 20)
     _, _, ids, _ = _load(family)
     prompt = ids[0, :20].tolist()
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(

@@ -11,8 +11,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from configs.presets import PRESET_WEIGHTS
-from inference.loading.model_loader import packaged_file
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save_file
 
@@ -24,16 +22,12 @@ from models.loaders.gguf_file import (dequantize, fit_llama3_rope_scaling, llama
                                       permute_qk_llamacpp, unpermute_qk)
 from models.loaders.hf_checkpoint import load_hf_folder, read_safetensors_raw
 from models.weights import expected_shapes
-
-
-def _smollm_gguf() -> Path:
-    """The default model's GGUF, found the way the library finds it (a required part of the test install)."""
-    return Path(packaged_file(*PRESET_WEIGHTS["smollm2-135m"]))
+from tests.reference_fixtures import gguf_path
 
 
 @pytest.fixture(scope="module")
 def smollm():
-    path = _smollm_gguf()
+    path = gguf_path()
     start = time.perf_counter()
     config, weights, info = load_gguf(path)
     return config, weights, info, time.perf_counter() - start
@@ -42,7 +36,7 @@ def smollm():
 @pytest.fixture(scope="module")
 def smollm_reader():
     """The raw tensors, read once; the loader's fast reader subclass (plain GGUFReader parses 3x slower)."""
-    return gguf_loader._ArrayReader(_smollm_gguf())
+    return gguf_loader._ArrayReader(gguf_path())
 
 
 def _random_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -309,7 +303,7 @@ def test_missing_gguf_file(tmp_path):
 @pytest.mark.parametrize("n_bytes", [0, 100, 1 << 20])
 def test_truncated_gguf(tmp_path, n_bytes):
     path = tmp_path / "cut.gguf"
-    with open(_smollm_gguf(), "rb") as f:
+    with open(gguf_path(), "rb") as f:
         path.write_bytes(f.read(n_bytes))
     with pytest.raises(ValueError, match="truncated or not a GGUF file"):
         load_gguf(path)

