@@ -39,7 +39,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.tools.evaluate import llm_perplexity, target_logprobs  # noqa: E402
+from inference.tools.evaluate import llm_perplexity  # noqa: E402
 from inference.entrypoints.llm import LLM  # noqa: E402
 from inference.sampling.params import SamplingParams  # noqa: E402
 from models.quantization.modes import param_bytes  # noqa: E402

@@ -11,7 +11,7 @@ import numpy as np
 from inference import LLM, SamplingParams
 from inference.engine.llm_engine import Engine
 from inference.engine.config import SchedulerConfig
-from inference.spec_decode.ngram import PromptLookupProposer
+from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from tests.llm_configs import TINY_SPEC, engine_swapped, merged_model
 from tests.reference_fixtures import load_reference
 
@@ -104,9 +104,8 @@ def test_smollm2_greedy_speculation_matches_transformers(smollm2):
     engine runs on the session's SmolLM2 runner, as LLM(speculative_method="ngram", num_speculative_tokens=4) builds
     it (the tiny tests above go through LLM itself)."""
     prompts = load_reference()["prompts"]
-    engine = Engine(smollm2.runner, smollm2.tokenizer,
-                    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                    max_model_len=smollm2.engine.max_model_len), proposer=PromptLookupProposer(k=4))
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=smollm2.engine.max_model_len)
+    engine = Engine(smollm2.runner, smollm2.tokenizer, scheduler, proposer=PromptLookupProposer(NgramProposer(k=4)))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     with engine_swapped(smollm2, engine):
         outs = smollm2.generate(prompt_token_ids=[p["prompt_ids"].tolist() for p in prompts], sampling_params=params)
