@@ -84,17 +84,18 @@ def test_kv_dtypes_and_options(kv_dtype, options):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def poisoned_pool_case(rng, *, head_dim, sliding_window):
+def poisoned_pool_case(rng, *, head_dim, sliding_window, q_lens=(1, 9, 3, 0, 2), kv_lens=(21, 9, 30, 12, 6),
+                       page_size=4, pages_per_seq=9, num_q_heads=4, num_kv_heads=2, num_pages=30):
     """A batch whose pool holds stale data everywhere no query may look: returns (args, seen) with `seen[page, t]`
     True where some query of a valid sequence sees slot t of that page (every KV head alike).
 
     Sequences: decode, a prefill longer than the kernel's 8-token block, a chunked prefill, one with cached tokens
     but no query this step (none of its keys is seen) and a short one; two padding sequences beyond num_seqs with
     stale kv_lens. Every padding entry of page_indices points at page 0, which no sequence owns; a few pages are
-    owned by nobody; each table row has spare entries past its kv_len."""
-    q_lens, kv_lens = [1, 9, 3, 0, 2], [21, 9, 30, 12, 6]
-    page_size, pages_per_seq, num_q_heads, num_kv_heads = 4, 9, 4, 2
-    max_seqs, num_pages = len(q_lens) + 2, 30
+    owned by nobody; each table row has spare entries past its kv_len. The defaults fit a 4-token page; the keywords
+    let a kernel with other page constraints (the Mosaic GPU kernel: multiples of 8) build the same kind of case."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    max_seqs = len(q_lens) + 2
     owned = 1 + rng.permutation(num_pages - 1)  # page 0: the padding page
     page_indices = np.zeros((max_seqs, pages_per_seq), np.int32)
     used = 0

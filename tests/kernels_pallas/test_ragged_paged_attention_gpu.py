@@ -53,16 +53,18 @@ CASES = {
 }
 
 
-def build(name):
-    """(q, kv_pages, [kv_lens, page_indices, cu_q_lens, num_seqs], dtype, kw, safe page_indices for the loop)."""
-    q_lens, kv_lens, (hq, hkv), head_dim, page_size, pps, max_seqs, dtype, kw = CASES[name]
+def build(name, cases=None, *, garbage_case="decode_g3_p8_d64"):
+    """(q, kv_pages, [kv_lens, page_indices, cu_q_lens, num_seqs], dtype, kw, safe page_indices for the loop) of
+    case `name` of `cases` (this module's CASES by default); `garbage_case` also gets a NaN page nobody uses,
+    page-table tails far out of the pool and padding tokens (the Mosaic GPU tests name their own)."""
+    q_lens, kv_lens, (hq, hkv), head_dim, page_size, pps, max_seqs, dtype, kw = (cases or CASES)[name]
     rng = np.random.default_rng(sum(map(ord, name)))
     num_pages = pps * max_seqs + 2
     q, kv, lens, pages, cu, ns = make_case(rng, q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
                                            page_size=page_size, pages_per_seq=pps, num_pages=num_pages,
                                            max_seqs=max_seqs)
     safe = pages.copy()
-    if name == "decode_g3_p8_d64":
+    if name == garbage_case:
         unused = sorted(set(range(num_pages)) - set(pages[:len(q_lens)].ravel()))[0]
         kv[:, unused] = np.nan  # a real out-of-range read could return anything
         for s in range(max_seqs):  # table entries past each sequence's pages point far out of the pool

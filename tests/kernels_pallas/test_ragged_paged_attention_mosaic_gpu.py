@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention.mosaic_gpu import is_hopper, ragged_paged_attention_mosaic_gpu, supports
-from kernels_pallas.kv_cache.layout import kv_cache_spec
 from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
-from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison
+from tests.kernels_pallas.test_ragged_paged_attention_gpu import build as build_case
+from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison, poisoned_pool_case
 from tests.kernels_pallas.test_ragged_paged_attention_tpu import assert_close, run_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,22 +54,8 @@ CASES = {
 
 
 def build(name):
-    """(q, kv_pages, [kv_lens, page_indices, cu_q_lens, num_seqs], dtype, kw, safe page_indices for the loop)."""
-    q_lens, kv_lens, (hq, hkv), head_dim, page_size, pps, max_seqs, dtype, kw = CASES[name]
-    rng = np.random.default_rng(sum(map(ord, name)))
-    num_pages = pps * max_seqs + 2
-    q, kv, lens, pages, cu, ns = make_case(rng, q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
-                                           page_size=page_size, pages_per_seq=pps, num_pages=num_pages,
-                                           max_seqs=max_seqs)
-    safe = pages.copy()
-    if name == "decode_g3_p16_d64":
-        unused = sorted(set(range(num_pages)) - set(pages[:len(q_lens)].ravel()))[0]
-        kv[:, unused] = np.nan
-        for s in range(max_seqs):
-            pages[s, -(-lens[s] // page_size) if s < len(q_lens) else 0:] = num_pages + 1000
-        safe = np.where(pages >= num_pages, 0, pages)
-        q = np.concatenate([q, rng.standard_normal((3, hq, head_dim)).astype(np.float32)])  # padding tokens
-    return q, kv, [lens, pages, cu, ns], dtype, kw, safe
+    """`test_ragged_paged_attention_gpu.build` over this module's CASES."""
+    return build_case(name, CASES, garbage_case="decode_g3_p16_d64")
 
 
 def run_mosaic(args, **kw):
@@ -94,39 +80,10 @@ def test_matches_reference(name):
 
 
 def poisoned_case(rng, *, sliding_window):
-    """Like test_ragged_paged_attention_cpu.poisoned_pool_case with 16-token pages (the kernel's TMA needs page_size
-    a multiple of 8): returns (args, seen), `seen[page, t]` True where some query of a valid sequence sees slot t.
-    Sequences: decode, a 30-token prefill (two tiles at group 2, different window starts), a chunked prefill,
-    one with cached tokens but no query, a short one; two padding sequences with stale kv_lens; padding table
-    entries point at page 0, owned by nobody; some pages owned by nobody."""
-    q_lens, kv_lens = [1, 40, 3, 0, 2], [21, 40, 80, 12, 6]
-    page_size, pages_per_seq, num_q_heads, num_kv_heads, head_dim = 16, 6, 4, 2, 64
-    max_seqs, num_pages = len(q_lens) + 2, 16
-    owned = 1 + rng.permutation(num_pages - 1)
-    page_indices = np.zeros((max_seqs, pages_per_seq), np.int32)
-    used = 0
-    for i, kv_len in enumerate(kv_lens):
-        n = -(-kv_len // page_size)
-        page_indices[i, :n] = owned[used:used + n]
-        used += n
-    assert used < num_pages - 1
-    kv = np.zeros(max_seqs, np.int32)
-    kv[:len(kv_lens)] = kv_lens
-    kv[len(kv_lens):] = 7
-    cu = np.zeros(max_seqs + 1, np.int32)
-    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    cu[len(q_lens) + 1:] = cu[len(q_lens)]
-    seen = np.zeros((num_pages, page_size), bool)
-    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        if q_len == 0:
-            continue
-        first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
-        for j in range(first, kv_len):
-            seen[page_indices[i, j // page_size], j % page_size] = True
-    assert not seen[0].any() and seen.any() and not seen.all()
-    q = rng.standard_normal((sum(q_lens) + 2, num_q_heads, head_dim)).astype(np.float32)
-    kv_pages = rng.standard_normal(kv_cache_spec(num_pages, page_size, num_kv_heads, head_dim).shape)
-    return (q, kv_pages.astype(np.float32), kv, page_indices, cu, np.array([len(q_lens)], np.int32)), seen
+    """`poisoned_pool_case` with 16-token pages (the kernel's TMA needs page_size a multiple of 8) and a 40-token
+    prefill (two tiles at group 2, different window starts)."""
+    return poisoned_pool_case(rng, head_dim=64, sliding_window=sliding_window, q_lens=(1, 40, 3, 0, 2),
+                              kv_lens=(21, 40, 80, 12, 6), page_size=16, pages_per_seq=6, num_pages=16)
 
 
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "soft_cap": 3.0, "num_kv_splits": 2}])
