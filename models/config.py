@@ -231,23 +231,27 @@ class ModelConfig:
     def kv_cache_spec(self, num_pages: int, page_size: int, dtype="float32"):
         """One caching layer's paged cache as `jax.ShapeDtypeStruct`s: `kernels_pallas.kv_cache_spec`'s layout
         (a `(pages, scales)` pair for an int8 cache), or MLA's latent pages `[pages, page_size, kv_lora_rank +
-        qk_rope_head_dim]`, which have no head axis."""
+        qk_rope_head_dim]`, which have no head axis (flat pages on TPU, which lays that shape out pages-minor:
+        `kernels_pallas/mla/layout.py`)."""
         import jax
         import jax.numpy as jnp
 
         from kernels_pallas.kv_cache.layout import kv_cache_spec
+        from kernels_pallas.mla.layout import latent_cache_shape
 
         dtype = jnp.dtype(dtype)
         if self.is_mla:
             if dtype == jnp.int8:
                 raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache")
-            return jax.ShapeDtypeStruct((num_pages, page_size, self.kv_width), dtype)
+            return jax.ShapeDtypeStruct(latent_cache_shape(num_pages, page_size, self.kv_width), dtype)
         return kv_cache_spec(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype)
 
     def kv_cache_page_size(self, cache) -> int:
         """The page size of a cache built from `kv_cache_spec` (an array, or an int8 cache's pages + scales)."""
+        from kernels_pallas.mla.layout import latent_page_size
+
         shape = cache.shape
-        return shape[1] if self.is_mla else shape[2]
+        return latent_page_size(shape, self.kv_width) if self.is_mla else shape[2]
 
     def kv_cache_bytes(self, num_pages: int, page_size: int, dtype="float32") -> int:
         """Bytes of the whole paged cache (every caching layer) as `kv_cache_spec` lays it out, padding included."""

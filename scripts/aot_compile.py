@@ -86,12 +86,13 @@ def abstract(tree, sharding):
 
 
 def hlo_report(compiled, cache_shapes: tuple[tuple[int, ...], ...] = ()) -> dict:
-    """Custom calls, CPU-only calls and copies of a KV cache (an array of a cache's shape) in the optimized HLO."""
+    """Custom calls, CPU-only calls and copies of a KV cache (an array of a cache's size, in any shape: a relayout
+    into a reshaped view copies it as much as one of its own shape) in the optimized HLO."""
     text = compiled.as_text()
     targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
-    wanted = {",".join(map(str, s)) for s in cache_shapes}
+    wanted = {int(np.prod(s)) for s in cache_shapes}
     copies = [f"{m.group(1)}[{m.group(2)}]" for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", text)
-              if m.group(2) in wanted]
+              if m.group(2) and int(np.prod([int(d) for d in m.group(2).split(",")])) in wanted]
     return {"custom_calls": targets, "cpu_only_calls": [t for t in targets if t.startswith(CPU_ONLY_CALLS)],
             "cache_copies": copies}
 
@@ -216,18 +217,21 @@ def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
 
 
 def compile_mla(chip: str, kind: str) -> dict:
-    """MLA over DeepSeek-V2-Lite's latent cache (16 heads, latent 512 + RoPE key 64, bf16): the Pallas Triton
-    kernel on GPU; on TPU the pure-JAX reference (there is no TPU MLA kernel yet)."""
+    """MLA over DeepSeek-V2-Lite's latent cache (16 heads, latent 512 + RoPE key 64, bf16) in the shape the
+    backend keeps it (`mla/layout.py`): the Pallas Triton kernel on GPU; on TPU the pure-JAX reference (there is no
+    TPU MLA kernel yet)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
+    from kernels_pallas.mla.layout import latent_cache_shape
 
     num_seqs, q_len = (64, 1) if kind == "decode" else (4, 512)
     page_size, context, heads = 16, 2048, 16
     pages_per_seq = context // page_size
     sharding = NamedSharding(_mesh(chip, 1), P())
     bf16, s32 = jnp.bfloat16, jnp.int32
-    latent = (num_seqs * pages_per_seq + 1, page_size, 576)
+    with compiling_for(CHIPS[chip][0]):
+        latent = latent_cache_shape(num_seqs * pages_per_seq + 1, page_size, 576)
     shapes = [((num_seqs * q_len, heads, 512), bf16), ((num_seqs * q_len, heads, 64), bf16), (latent, bf16),
               ((num_seqs,), s32), ((num_seqs, pages_per_seq), s32), ((num_seqs + 1,), s32), ((1,), s32)]
     args = tuple(jax.ShapeDtypeStruct(sh, d, sharding=sharding) for sh, d in shapes)
@@ -316,7 +320,8 @@ def compile_step(chip: str, case: StepCase) -> dict:
     tokens, seqs, max_q = case.shape
     pages_per_seq = -(-case.context // case.page_size)
     num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1)
-    spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
+    with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/mla/layout.py)
+        spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
               for _ in range(config.num_kv_layers)]

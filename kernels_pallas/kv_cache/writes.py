@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from kernels_pallas.backend import target_backend
 from kernels_pallas.kv_cache.layout import (SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages,
                                             split_kv)
+from kernels_pallas.mla.layout import latent_page_size
 from kernels_pallas.native import gate
 
 INT8_MAX = 127.0
@@ -108,7 +109,8 @@ def write_rows(arrays: Sequence[jax.Array], writes: Sequence[Sequence[Write]], *
 
 def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
     """`write_rows` for one array as scatters (TPU, GPU): each write's runs fill the last axis whole (W = its
-    size) or are single elements (W = 1). Offsets outside the slab index past axis 1 and are dropped.
+    size), tile it (its size a multiple of W, offsets multiples of W: a flat latent page) or are single elements
+    (W = 1). Offsets outside the slab index past axis 1 and are dropped.
 
     One index per (head, token), so a scatter's window is at most the last axis: with a `[heads, W]` window
     XLA:TPU laid a prefill's cache out heads-minor and copied it whole before and after the scatter."""
@@ -125,9 +127,15 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
             array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:
             array = array.at[(head, *idx)].set(values[:, 0], mode="drop")
+        elif array.shape[-1] % width == 0:  # runs of a flat TPU latent page (mla/layout.py): a window of W
+            dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,),
+                                                   inserted_window_dims=tuple(range(array.ndim - 1)),
+                                                   scatter_dims_to_operand_dims=tuple(range(array.ndim)))
+            array = jax.lax.scatter(array, jnp.stack([head, *idx], axis=-1), values, dims,
+                                    mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
         else:
-            raise ValueError(f"rows of width {width} neither fill the last axis ({array.shape[-1]}) nor are single "
-                             "elements")
+            raise ValueError(f"rows of width {width} neither fill the last axis ({array.shape[-1]}), tile it nor are "
+                             "single elements")
     return array
 
 
@@ -197,9 +205,12 @@ def quantize_cache(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
 def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.Array, *,
                  sharded: bool = False) -> jax.Array:
     """Write the new latent rows `[T, Dl + Dr]` of T tokens into their slots; slots < 0 are padding and skipped.
+    `latent_pages` in either form of `mla/layout.py` (a slot's row is at `slot * (Dl + Dr)` of both).
     `sharded`: the pages are partitioned over a mesh (see `kv_cache.write_rows`)."""
-    if latent.shape[-1] != latent_pages.shape[-1]:
-        raise ValueError(f"latent rows of width {latent.shape[-1]} do not fit latent_pages {latent_pages.shape}")
+    try:
+        latent_page_size(latent_pages.shape, latent.shape[-1])
+    except ValueError as e:
+        raise ValueError(f"latent rows of width {latent.shape[-1]} do not fit: {e}") from None
     slots = slot_mapping.astype(jnp.int32)
     offsets = jnp.where(slots >= 0, slots * latent.shape[-1], -1)
     # The latent has no head axis: one "head" (a leading axis of 1 is free on every backend).

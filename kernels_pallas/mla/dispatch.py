@@ -8,6 +8,7 @@ import jax
 from kernels_pallas.attention.gpu import tiles_ok
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.gpu import ragged_paged_mla_attention_gpu
+from kernels_pallas.mla.layout import latent_page_size
 from kernels_pallas.mla.reference import ragged_paged_mla_attention_reference
 
 MLA_IMPLEMENTATIONS = ("auto", "reference", "gpu")
@@ -31,7 +32,8 @@ def ragged_paged_mla_attention(q_latent, q_rope, latent_pages, kv_lens, page_ind
     """MLA over a paged latent cache (see the module docstring). `impl`: "reference", "gpu" (Pallas Triton; off
     GPU only with interpret=True) or "auto" (the GPU kernel on the gpu backend when the sizes are powers of two,
     else the reference: there is no TPU MLA kernel yet)."""
-    impl = resolve_mla_impl(impl, latent_pages.shape[1], q_latent.shape[-1], q_rope.shape[-1])
+    page_size = latent_page_size(latent_pages.shape, q_latent.shape[-1] + q_rope.shape[-1])
+    impl = resolve_mla_impl(impl, page_size, q_latent.shape[-1], q_rope.shape[-1])
     args = (q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, max_q_len=max_q_len)
     if impl == "gpu":

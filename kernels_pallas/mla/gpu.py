@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 from jax.experimental import pallas as pl
 
+from kernels_pallas.mla.layout import latent_page_size
 from kernels_pallas.mla.reference import check_mla_shapes
 from kernels_pallas.attention.gpu import paged_flash_attention
 
@@ -22,7 +23,7 @@ from kernels_pallas.attention.gpu import paged_flash_attention
 def ragged_paged_mla_attention_gpu(
     q_latent: jax.Array,  # [T, H, Dl]
     q_rope: jax.Array,  # [T, H, Dr]
-    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr]
+    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr] (or flat pages: mla/layout.py)
     kv_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
@@ -48,7 +49,9 @@ def ragged_paged_mla_attention_gpu(
     if rope_dim > latent_dim:
         raise ValueError(f"the GPU MLA kernel needs Dr <= Dl (k_rope is read as column block Dl / Dr), got "
                          f"Dl={latent_dim}, Dr={rope_dim}")
-    num_pages, page_size, _ = latent_pages.shape
+    page_size = latent_page_size(latent_pages.shape, latent_dim + rope_dim)
+    num_pages = latent_pages.shape[0]
+    latent_pages = latent_pages.reshape(num_pages, page_size, latent_dim + rope_dim)  # row-major on GPU: free
     num_tokens, num_heads, _ = q_latent.shape
     c_spec = pl.BlockSpec((num_pages, page_size, latent_dim), lambda s, h, j: (0, 0, 0))
     rope_spec = pl.BlockSpec((num_pages, page_size, rope_dim), lambda s, h, j: (0, 0, latent_dim // rope_dim))

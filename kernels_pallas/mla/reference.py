@@ -1,9 +1,10 @@
 """Ragged paged MLA (multi-head latent attention, DeepSeek-V2) over a latent cache: the pure-JAX reference.
 
-MLA caches one latent row per token instead of per-head K/V: `latent_pages[num_pages, page_size, Dl + Dr]`, each
-row `[c (Dl) | k_rope (Dr)]` (Dl=512, Dr=64 for DeepSeek-V2; any sizes work here). With the key and value
-up-projections absorbed into the query and output projections (the model's job), attention runs in latent space
-as multi-query attention with one shared "KV head":
+MLA caches one latent row per token instead of per-head K/V: `latent_pages[num_pages, page_size, Dl + Dr]`, or
+`[num_pages, page_size * (Dl + Dr)]` as TPU keeps it (`mla/layout.py`), each row `[c (Dl) | k_rope (Dr)]`
+(Dl=512, Dr=64 for DeepSeek-V2; any sizes work here). With the key and value up-projections absorbed into the
+query and output projections (the model's job), attention runs in latent space as multi-query attention with one
+shared "KV head":
 
     score[t, h, j] = (q_latent[t, h] . c[j] + q_rope[t, h] . k_rope[j]) * sm_scale
     out[t, h]      = softmax_j(score[t, h, :]) @ c          -> [T, H, Dl], still in latent space
@@ -21,22 +22,21 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention.reference import (DEFAULT_MASK_VALUE, gather_queries, masked_softmax, query_blocks,
                                                 scatter_queries, visible_keys)
+from kernels_pallas.mla.layout import latent_page_size
 
 def check_mla_shapes(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> tuple[int, int]:
-    """Shared validation; returns (Dl, Dr)."""
+    """Shared validation; returns (Dl, Dr). `latent_pages` in either form of `mla/layout.py`."""
     if q_latent.ndim != 3 or q_rope.ndim != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_latent {q_latent.shape} and q_rope {q_rope.shape} must be [T, H, Dl] and [T, H, Dr]")
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
-    if latent_pages.ndim != 3 or latent_pages.shape[-1] != latent_dim + rope_dim:
-        raise ValueError(f"latent_pages {latent_pages.shape} must be [num_pages, page_size, Dl + Dr] = "
-                         f"[..., {latent_dim} + {rope_dim}]")
+    latent_page_size(latent_pages.shape, latent_dim + rope_dim)
     return latent_dim, rope_dim
 
 
 def ragged_paged_mla_attention_reference(
     q_latent: jax.Array,  # [T, H, Dl] (absorbed queries)
     q_rope: jax.Array,  # [T, H, Dr]
-    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr]
+    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr] or [num_pages, page_size * (Dl + Dr)]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S + 1]
@@ -49,14 +49,16 @@ def ragged_paged_mla_attention_reference(
     max_q_len: int | None = None,
 ) -> jax.Array:
     """MLA attention in latent space; returns `[T, H, Dl]` in q_latent's dtype (zeros for rows of no sequence)."""
-    latent_dim, _ = check_mla_shapes(q_latent, q_rope, latent_pages)
+    latent_dim, rope_dim = check_mla_shapes(q_latent, q_rope, latent_pages)
     num_tokens = q_latent.shape[0]
     max_seqs, pages_per_seq = page_indices.shape
     q_block = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
-    kv_len_max = pages_per_seq * latent_pages.shape[1]
+    kv_len_max = pages_per_seq * latent_page_size(latent_pages.shape, latent_dim + rope_dim)
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
 
-    rows = latent_pages[page_indices].reshape(max_seqs, kv_len_max, -1).astype(jnp.float32)
+    # Gather whole pages in the cache's own shape and split them into rows after: reshaping a flat TPU cache
+    # first would relayout (copy) all of it.
+    rows = latent_pages[page_indices].reshape(max_seqs, kv_len_max, latent_dim + rope_dim).astype(jnp.float32)
     c, k_rope = rows[..., :latent_dim], rows[..., latent_dim:]
     blocks = query_blocks(kv_lens, cu_q_lens, num_seqs, num_tokens, q_block)
     ql, qr = gather_queries(q_latent, blocks), gather_queries(q_rope, blocks)  # [S, Qb, H, D*]

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.backend import compiling_for
 from kernels_pallas.mla.gpu import ragged_paged_mla_attention_gpu
 from kernels_pallas.kv_cache.writes import write_latent
 from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
+from kernels_pallas.mla.layout import latent_cache_shape, latent_page_size
+from configs import get_model_config
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from tests.kernels_pallas.test_ragged_paged_attention import make_case
 from tests.kernels_pallas.test_ragged_paged_attention_gpu import export_for_cuda
@@ -95,6 +98,45 @@ def test_write_latent_places_rows_and_skips_padding():
     assert np.all(out[~written] == 0)
     with pytest.raises(ValueError, match="latent rows"):
         write_latent(pages, latent[:, :5], jnp.array([0, 1, 2], jnp.int32))
+
+
+def test_flat_pages_as_tpu_keeps_them_read_and_write_the_same_rows():
+    """TPU's cache shape `[P, page_size * W]` (mla/layout.py): the reference, the GPU kernel and both forms of
+    write_latent (the CPU loop, and the windowed scatter TPU traces) agree with `[P, page_size, W]` exactly."""
+    rng = np.random.default_rng(3)
+    ql, qr, latent, *rest = mla_case(rng, [1, 4], [13, 4], heads=4, latent_dim=64, rope_dim=16, page_size=8,
+                                     pages_per_seq=2)
+    num_pages, page_size, width = latent.shape
+    with compiling_for("tpu"):
+        assert latent_cache_shape(num_pages, page_size, width) == (num_pages, page_size * width)
+    assert latent_cache_shape(num_pages, page_size, width) == latent.shape  # CPU (and GPU) keep pages 3-D
+    flat = latent.reshape(num_pages, -1)
+    assert latent_page_size(flat.shape, width) == latent_page_size(latent.shape, width) == page_size
+    kw = dict(sm_scale=0.1, max_q_len=4)
+    args = [jnp.asarray(a) for a in (ql, qr)], [jnp.asarray(a) for a in rest]
+    for fn in (lambda *a: ragged_paged_mla_attention(*a, **kw),
+               lambda *a: ragged_paged_mla_attention_gpu(*a, interpret=True, **kw)):
+        want, got = (np.asarray(jax.jit(fn)(*args[0], jnp.asarray(x), *args[1])) for x in (latent, flat))
+        np.testing.assert_array_equal(got, want)
+    rows, slots = jnp.asarray(rng.standard_normal((3, width)), jnp.float32), jnp.array([5, -1, 17], jnp.int32)
+    want = np.asarray(jax.jit(write_latent)(jnp.asarray(latent), rows, slots))
+    np.testing.assert_array_equal(np.asarray(jax.jit(write_latent)(jnp.asarray(flat), rows, slots)),
+                                  want.reshape(flat.shape))
+    with compiling_for("tpu"):  # a fresh function: jit's trace cache does not look at the target backend
+        lowered = jax.jit(lambda *a: write_latent(*a)).lower(jnp.asarray(flat), rows, slots)
+    assert "scatter" in lowered.as_text()
+    np.testing.assert_array_equal(np.asarray(lowered.compile()(jnp.asarray(flat), rows, slots)),
+                                  want.reshape(flat.shape))
+    with pytest.raises(ValueError, match="latent_pages"):
+        latent_page_size((num_pages, page_size * width + 1), width)
+
+
+def test_model_config_builds_and_reads_the_backends_latent_cache():
+    config = get_model_config("tiny-deepseek-v2")  # latent 32 + RoPE key 8
+    assert config.kv_cache_spec(5, 4).shape == (5, 4, 40)
+    with compiling_for("tpu"):
+        spec = config.kv_cache_spec(5, 4)
+    assert spec.shape == (5, 160) and config.kv_cache_page_size(spec) == 4
 
 
 def test_dispatch_and_lowering():

@@ -86,13 +86,14 @@ def test_real_size_step_compiles_with_the_cost_models_memory(chip, tp, kind, ste
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize("chip", list(CHIPS))
 def test_mla_compiles(chip, kind, kernel_rows):
-    """DeepSeek-V2-Lite's latent attention: the Triton kernel on GPU (no bf16 spills, no cache copy). On TPU there
-    is no MLA kernel yet and the pure-JAX reference runs; it compiles, but with jax 0.12 XLA copies the 576-lane
-    latent cache around its gather in decode (docs/accelerators.md), which this test records, not hides."""
+    """DeepSeek-V2-Lite's latent attention over 8193 pages: the Triton kernel on GPU (no bf16 spills), the pure-JAX
+    reference on TPU (no TPU MLA kernel yet), and no copy of the latent cache on either. At this page count
+    XLA:TPU lays a `[pages, 16, 576]` cache out pages-minor and copied it whole around the reference's gather
+    (every layer of a real-size decode step: docs/accelerators.md); TPU's flat pages (kernels_pallas/mla/layout.py)
+    keep it in place, and this cheap kernel-level compile is the case that showed the copy."""
     row = _row(kernel_rows, chip, f"mla_{kind}_bfloat16_deepseek-v2-lite")
-    assert row.get("memory"), row.get("error")  # the compiler accepted it (memory is read from the executable)
+    assert row["status"] == "compiled" and not row["cache_copies"], row.get("error")
     assert not row["cpu_only_calls"]
     if CHIPS[chip][0] == "gpu":
-        assert row["status"] == "compiled" and not row["cache_copies"], row.get("error")
         kernels = {k: v for k, v in row["ptxas"]["kernels"].items() if "paged" in k}  # the shared Triton kernel
         assert kernels and all(v["spill_stores"] == 0 for v in kernels.values()), row["ptxas"]["kernels"]
