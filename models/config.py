@@ -232,12 +232,12 @@ class ModelConfig:
         """One caching layer's paged cache as `jax.ShapeDtypeStruct`s: `kernels_pallas.kv_cache_spec`'s layout
         (a `(pages, scales)` pair for an int8 cache), or MLA's latent pages `[pages, page_size, kv_lora_rank +
         qk_rope_head_dim]`, which have no head axis (flat pages on TPU, which lays that shape out pages-minor:
-        `kernels_pallas/mla/layout.py`)."""
+        `kernels_pallas/kv_cache/latent_layout.py`)."""
         import jax
         import jax.numpy as jnp
 
         from kernels_pallas.kv_cache.layout import kv_cache_spec
-        from kernels_pallas.mla.layout import latent_cache_shape
+        from kernels_pallas.kv_cache.latent_layout import latent_cache_shape
 
         dtype = jnp.dtype(dtype)
         if self.is_mla:
@@ -248,7 +248,7 @@ class ModelConfig:
 
     def kv_cache_page_size(self, cache) -> int:
         """The page size of a cache built from `kv_cache_spec` (an array, or an int8 cache's pages + scales)."""
-        from kernels_pallas.mla.layout import latent_page_size
+        from kernels_pallas.kv_cache.latent_layout import latent_page_size
 
         shape = cache.shape
         return latent_page_size(shape, self.kv_width) if self.is_mla else shape[2]

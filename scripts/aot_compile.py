@@ -218,12 +218,12 @@ def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
 
 def compile_mla(chip: str, kind: str) -> dict:
     """MLA over DeepSeek-V2-Lite's latent cache (16 heads, latent 512 + RoPE key 64, bf16) in the shape the
-    backend keeps it (`mla/layout.py`): the Pallas Triton kernel on GPU; on TPU the pure-JAX reference (there is no
+    backend keeps it (`kv_cache/latent_layout.py`): the Pallas Triton kernel on GPU; on TPU the pure-JAX reference (there is no
     TPU MLA kernel yet)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
-    from kernels_pallas.mla.layout import latent_cache_shape
+    from kernels_pallas.kv_cache.latent_layout import latent_cache_shape
 
     num_seqs, q_len = (64, 1) if kind == "decode" else (4, 512)
     page_size, context, heads = 16, 2048, 16
@@ -320,7 +320,7 @@ def compile_step(chip: str, case: StepCase) -> dict:
     tokens, seqs, max_q = case.shape
     pages_per_seq = -(-case.context // case.page_size)
     num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1)
-    with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/mla/layout.py)
+    with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/kv_cache/latent_layout.py)
         spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)

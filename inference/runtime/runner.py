@@ -21,7 +21,7 @@ from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_
                                         sample_with_logprobs)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
-from kernels_pallas.kv_cache.writes import copy_pages
+from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from models.attention import QuantizedKV
 from models.decoder import Decoder
 
@@ -128,8 +128,12 @@ def _new_cache(spec):
 
 
 def _copy_cache_pages(cache, src, dst):
+    """Copy-on-write of pages src -> dst in one cache: a per-head KV cache `[Hkv, pages, ...]` (int8 with its scales)
+    or an MLA latent cache, whose pages lead (`[pages, ...]`)."""
     if isinstance(cache, QuantizedKV):
         return QuantizedKV(*copy_pages(cache.pages, src, dst, cache.scales))
+    if cache.ndim < 4:
+        return copy_latent_pages(cache, src, dst)
     return copy_pages(cache, src, dst)
 
 

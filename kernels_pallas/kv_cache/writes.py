@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from kernels_pallas.backend import target_backend
 from kernels_pallas.kv_cache.layout import (SCALE_LANES, cache_dims, check_kv_scales, pack_kv, scales_from_pages,
                                             split_kv)
-from kernels_pallas.mla.layout import latent_page_size
+from kernels_pallas.kv_cache.latent_layout import latent_page_size
 from kernels_pallas.native import gate
 
 INT8_MAX = 127.0
@@ -127,7 +127,7 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
             array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:
             array = array.at[(head, *idx)].set(values[:, 0], mode="drop")
-        elif array.shape[-1] % width == 0:  # runs of a flat TPU latent page (mla/layout.py): a window of W
+        elif array.shape[-1] % width == 0:  # runs of a flat TPU latent page (kv_cache/latent_layout.py): a window of W
             dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,),
                                                    inserted_window_dims=tuple(range(array.ndim - 1)),
                                                    scatter_dims_to_operand_dims=tuple(range(array.ndim)))
@@ -202,10 +202,23 @@ def quantize_cache(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
     return pack_kv(kq, vq), scales_from_pages(jnp.stack([ks, vs], axis=2))
 
 
+def copy_latent_pages(latent_pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """`copy_pages` for an MLA latent cache, whose pages are its leading axis in either form
+    (`[num_pages, page_size, Dl + Dr]`, or flat `[num_pages, page_size * (Dl + Dr)]` on TPU: latent_layout.py);
+    a per-head cache's pages are axis 1, so the two cannot share one copy."""
+    trip_count = jax.lax.optimization_barrier(jnp.int32(src.shape[0]))
+
+    def copy_one(i, pages):
+        page = jax.lax.dynamic_slice_in_dim(pages, src[i], 1, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(pages, page, dst[i], axis=0)
+
+    return jax.lax.fori_loop(0, trip_count, copy_one, latent_pages)
+
+
 def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.Array, *,
                  sharded: bool = False) -> jax.Array:
     """Write the new latent rows `[T, Dl + Dr]` of T tokens into their slots; slots < 0 are padding and skipped.
-    `latent_pages` in either form of `mla/layout.py` (a slot's row is at `slot * (Dl + Dr)` of both).
+    `latent_pages` in either form of `kv_cache/latent_layout.py` (a slot's row is at `slot * (Dl + Dr)` of both).
     `sharded`: the pages are partitioned over a mesh (see `kv_cache.write_rows`)."""
     try:
         latent_page_size(latent_pages.shape, latent.shape[-1])

@@ -8,7 +8,7 @@ import jax
 from kernels_pallas.attention.gpu import tiles_ok
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.gpu import ragged_paged_mla_attention_gpu
-from kernels_pallas.mla.layout import latent_page_size
+from kernels_pallas.kv_cache.latent_layout import latent_page_size
 from kernels_pallas.mla.reference import ragged_paged_mla_attention_reference
 
 MLA_IMPLEMENTATIONS = ("auto", "reference", "gpu")

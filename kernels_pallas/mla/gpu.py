@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.mla.layout import latent_page_size
+from kernels_pallas.kv_cache.latent_layout import latent_page_size
 from kernels_pallas.mla.reference import check_mla_shapes
 from kernels_pallas.attention.gpu import paged_flash_attention
 
@@ -23,7 +23,7 @@ from kernels_pallas.attention.gpu import paged_flash_attention
 def ragged_paged_mla_attention_gpu(
     q_latent: jax.Array,  # [T, H, Dl]
     q_rope: jax.Array,  # [T, H, Dr]
-    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr] (or flat pages: mla/layout.py)
+    latent_pages: jax.Array,  # [num_pages, page_size, Dl + Dr] (or flat pages: kv_cache/latent_layout.py)
     kv_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,

@@ -1,7 +1,7 @@
 """Ragged paged MLA (multi-head latent attention, DeepSeek-V2) over a latent cache: the pure-JAX reference.
 
 MLA caches one latent row per token instead of per-head K/V: `latent_pages[num_pages, page_size, Dl + Dr]`, or
-`[num_pages, page_size * (Dl + Dr)]` as TPU keeps it (`mla/layout.py`), each row `[c (Dl) | k_rope (Dr)]`
+`[num_pages, page_size * (Dl + Dr)]` as TPU keeps it (`kv_cache/latent_layout.py`), each row `[c (Dl) | k_rope (Dr)]`
 (Dl=512, Dr=64 for DeepSeek-V2; any sizes work here). With the key and value up-projections absorbed into the
 query and output projections (the model's job), attention runs in latent space as multi-query attention with one
 shared "KV head":
@@ -22,10 +22,10 @@ import jax.numpy as jnp
 
 from kernels_pallas.attention.reference import (DEFAULT_MASK_VALUE, gather_queries, masked_softmax, query_blocks,
                                                 scatter_queries, visible_keys)
-from kernels_pallas.mla.layout import latent_page_size
+from kernels_pallas.kv_cache.latent_layout import latent_page_size
 
 def check_mla_shapes(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array) -> tuple[int, int]:
-    """Shared validation; returns (Dl, Dr). `latent_pages` in either form of `mla/layout.py`."""
+    """Shared validation; returns (Dl, Dr). `latent_pages` in either form of `kv_cache/latent_layout.py`."""
     if q_latent.ndim != 3 or q_rope.ndim != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
         raise ValueError(f"q_latent {q_latent.shape} and q_rope {q_rope.shape} must be [T, H, Dl] and [T, H, Dr]")
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]

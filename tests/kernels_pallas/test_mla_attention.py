@@ -12,7 +12,7 @@ from kernels_pallas.backend import compiling_for
 from kernels_pallas.mla.gpu import ragged_paged_mla_attention_gpu
 from kernels_pallas.kv_cache.writes import write_latent
 from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
-from kernels_pallas.mla.layout import latent_cache_shape, latent_page_size
+from kernels_pallas.kv_cache.latent_layout import latent_cache_shape, latent_page_size
 from configs import get_model_config
 from kernels_pallas.attention.reference import ragged_paged_attention_reference
 from tests.kernels_pallas.test_ragged_paged_attention import make_case
@@ -101,7 +101,7 @@ def test_write_latent_places_rows_and_skips_padding():
 
 
 def test_flat_pages_as_tpu_keeps_them_read_and_write_the_same_rows():
-    """TPU's cache shape `[P, page_size * W]` (mla/layout.py): the reference, the GPU kernel and both forms of
+    """TPU's cache shape `[P, page_size * W]` (kv_cache/latent_layout.py): the reference, the GPU kernel and both forms of
     write_latent (the CPU loop, and the windowed scatter TPU traces) agree with `[P, page_size, W]` exactly."""
     rng = np.random.default_rng(3)
     ql, qr, latent, *rest = mla_case(rng, [1, 4], [13, 4], heads=4, latent_dim=64, rope_dim=16, page_size=8,
@@ -152,3 +152,17 @@ def test_dispatch_and_lowering():
     args[:3] = [a.astype(jnp.bfloat16) for a in args[:3]]
     fn = jax.jit(lambda *a: ragged_paged_mla_attention_gpu(*a, sm_scale=0.1, num_kv_splits=2))
     assert "xla.gpu.triton" in export_for_cuda(fn, *args).mlir_module()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_copy_latent_pages_copies_whole_pages(flat):
+    """Copy-on-write of a latent cache moves whole pages (its leading axis, in both forms) and nothing else."""
+    from kernels_pallas.kv_cache.writes import copy_latent_pages
+
+    pages = np.arange(6 * 4 * 5, dtype=np.float32).reshape(6, 4, 5)
+    cache = pages.reshape(6, -1) if flat else pages
+    got = np.asarray(jax.jit(copy_latent_pages)(jnp.asarray(cache), jnp.array([1, 4], jnp.int32),
+                                                jnp.array([3, 0], jnp.int32)))
+    want = cache.copy()
+    want[3], want[0] = cache[1], cache[4]
+    np.testing.assert_array_equal(got, want)

@@ -63,6 +63,14 @@ def test_engine_runs_mla_with_a_latent_cache_of_576_style_width():
         tokens = out.outputs[0].token_ids
         argmax = _forward(model, np.array(prompt + tokens)).argmax(-1)
         assert tokens == argmax[len(prompt) - 1:-1].tolist()
+    # n=2 forks the request after its prefill: the two samples share the prompt's partial last page until the first
+    # decode writes it, which copies the page (copy-on-write). Greedy, both must be the single sample's tokens; a
+    # latent cache's pages lead its shape, so a copy along the per-head cache's page axis would corrupt one of them.
+    prompt = list(range(5, 11))  # 6 tokens on 4-token pages: the second page is partial
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [single] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**greedy))
+    [forked] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(n=2, **greedy))
+    assert [o.token_ids for o in forked.outputs] == [single.outputs[0].token_ids] * 2
 
 
 # ------------------------------------------------------------------------------------------------------- MoE
