@@ -173,7 +173,8 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     check_quantization_args(mode, None)
     if mode == "int4-awq":
         if calibration_tokens is None:
-            raise ValueError("quantization='int4-awq' needs calibration_tokens (inference.loading.shipped_text.calibration_token_ids)")
+            raise ValueError("quantization='int4-awq' needs calibration_tokens "
+                             "(inference.loading.shipped_text.calibration_token_ids)")
         apply_awq(model, calibration_tokens, AWQConfig(group_size=group_size))
         mode = "int4"
     targets = weight_targets(model)

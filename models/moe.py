@@ -11,9 +11,9 @@ masked dense product, which is the dense dispatch the issue allows.
 Under tensor parallelism each expert is split Megatron-style over its width F (sharding/partition.py: gate/up
 `[E, D, F]` column parallel, down `[E, F, D]` row parallel) and GSPMD partitions the grouped matmuls along F by
 itself: every device runs all experts on 1/TP of their width and one all-reduce sums down_proj's partial outputs;
-no sharding constraint is needed here and no expert weight is gathered (tests/sharding/test_sharding.py checks the compiled
-step). Routing, the sort and the scatter run replicated. Expert parallelism (the E axis over a mesh axis) is not
-done.
+no sharding constraint is needed here and no expert weight is gathered (tests/sharding/test_sharding.py checks
+the compiled step). Routing, the sort and the scatter run replicated. Expert parallelism (the E axis over a mesh
+axis) is not done.
 """
 
 from __future__ import annotations

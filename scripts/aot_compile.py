@@ -218,8 +218,8 @@ def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
 
 def compile_mla(chip: str, kind: str) -> dict:
     """MLA over DeepSeek-V2-Lite's latent cache (16 heads, latent 512 + RoPE key 64, bf16) in the shape the
-    backend keeps it (`kv_cache/latent_layout.py`): the Pallas Triton kernel on GPU; on TPU the pure-JAX reference (there is no
-    TPU MLA kernel yet)."""
+    backend keeps it (`kv_cache/latent_layout.py`): the Pallas Triton kernel on GPU; on TPU the pure-JAX reference
+    (there is no TPU MLA kernel yet)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from kernels_pallas.mla.dispatch import ragged_paged_mla_attention

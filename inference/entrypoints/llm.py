@@ -111,8 +111,8 @@ class LLM:
 
         Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
         `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
-        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per step;
-        `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
+        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
+        step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
@@ -175,7 +175,8 @@ class LLM:
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it cannot render a chat; use generate(prompt_token_ids=...)")
+            raise ValueError("this model has no tokenizer, so it cannot render a chat; "
+                             "use generate(prompt_token_ids=...)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]

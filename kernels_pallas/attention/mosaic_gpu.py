@@ -130,9 +130,9 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
     """Whether this kernel handles the case (impl="auto" can route here, else to the Triton kernel).
 
     bf16 / f16 q and cache of the same dtype (no f32, no int8 yet), head_dim 64 or 128 (128-byte swizzled tiles;
-    the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the 255-register ceiling), page_size a multiple of 8 (TMA into (8, 64) tiles)
-    that divides the KV block (64 tokens, or the page itself up to 128), a group of at most 64 query heads per KV
-    head (one tile row per head)."""
+    the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the 255-register ceiling),
+    page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64 tokens, or the page itself up
+    to 128), a group of at most 64 query heads per KV head (one tile row per head)."""
     q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
     if kv_scales or q_dtype != kv_dtype or q_dtype.name not in SUPPORTED_DTYPES:
         return False

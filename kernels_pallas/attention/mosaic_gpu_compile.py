@@ -4,8 +4,8 @@ what the compiler said: ptxas registers / spills and Mosaic GPU's shared memory 
 Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [case ...]` (prints one JSON row per
 case). Mosaic GPU prints ptxas's report and its resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and
 `MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
-native stderr and stdout, collected with `gpu_compile_report.capture_native_fd`). Needs jax-cuda13-plugin (the GPU compiler) and
-`JAX_PLATFORMS=cpu`.
+native stderr and stdout, collected with `gpu_compile_report.capture_native_fd`). Needs jax-cuda13-plugin (the
+GPU compiler) and `JAX_PLATFORMS=cpu`.
 """
 
 from __future__ import annotations

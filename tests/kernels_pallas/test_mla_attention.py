@@ -101,8 +101,8 @@ def test_write_latent_places_rows_and_skips_padding():
 
 
 def test_flat_pages_as_tpu_keeps_them_read_and_write_the_same_rows():
-    """TPU's cache shape `[P, page_size * W]` (kv_cache/latent_layout.py): the reference, the GPU kernel and both forms of
-    write_latent (the CPU loop, and the windowed scatter TPU traces) agree with `[P, page_size, W]` exactly."""
+    """TPU's cache shape `[P, page_size * W]` (kv_cache/latent_layout.py): the reference, the GPU kernel and both
+    forms of write_latent (the CPU loop, and the windowed scatter TPU traces) agree with `[P, page_size, W]` exactly."""
     rng = np.random.default_rng(3)
     ql, qr, latent, *rest = mla_case(rng, [1, 4], [13, 4], heads=4, latent_dim=64, rope_dim=16, page_size=8,
                                      pages_per_seq=2)

@@ -89,8 +89,9 @@ def test_mla_compiles(chip, kind, kernel_rows):
     """DeepSeek-V2-Lite's latent attention over 8193 pages: the Triton kernel on GPU (no bf16 spills), the pure-JAX
     reference on TPU (no TPU MLA kernel yet), and no copy of the latent cache on either. At this page count
     XLA:TPU lays a `[pages, 16, 576]` cache out pages-minor and copied it whole around the reference's gather
-    (every layer of a real-size decode step: docs/accelerators.md); TPU's flat pages (kernels_pallas/kv_cache/latent_layout.py)
-    keep it in place, and this cheap kernel-level compile is the case that showed the copy."""
+    (every layer of a real-size decode step: docs/accelerators.md); TPU's flat pages
+    (kernels_pallas/kv_cache/latent_layout.py) keep it in place, and this cheap kernel-level compile is the case
+    that showed the copy."""
     row = _row(kernel_rows, chip, f"mla_{kind}_bfloat16_deepseek-v2-lite")
     assert row["status"] == "compiled" and not row["cache_copies"], row.get("error")
     assert not row["cpu_only_calls"]
