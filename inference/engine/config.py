@@ -22,6 +22,14 @@ POLICIES = ("mixed", "prefill_first")
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
+def check_dtype(dtype: object) -> str:
+    """`dtype` if it is "auto" or a name of `DTYPES`, else a ValueError listing the choices: the one check of a model
+    dtype name (EngineConfig, and `resolve_dtype` for callers such as the benchmark that skip the config)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+    return dtype
+
+
 def check_num_drafts(value: object, name: str = "num_speculative_tokens") -> int:
     """`value` if it is an integer >= 1, else a ValueError naming `name`: the one check of every draft count (the
     engine's num_speculative_tokens, a proposer's k, AdaptiveK's k_max)."""
@@ -175,8 +183,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from kernels_pallas.attention.dispatch import IMPLEMENTATIONS
 
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        check_dtype(self.dtype)
         if self.attn_impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown attn_impl {self.attn_impl!r}; expected one of {IMPLEMENTATIONS}")
         if self.parallel.num_devices > 1 and self.quantization.mode is not None:

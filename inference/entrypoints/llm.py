@@ -28,7 +28,7 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.engine.client import EngineClient
-from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig,
+from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig, check_dtype,
                                      QuantizationConfig, SpeculativeConfig)
 from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from inference.spec_decode.proposer import Proposer
@@ -44,9 +44,9 @@ DEFAULT_CPU_KV_BUDGET = 1 << 30  # bytes; devices that report their memory use a
 def resolve_dtype(dtype: str) -> str:
     """A dtype name, with "auto" made bfloat16 on TPU and GPU (what they compute in) and float32 on CPU (which
     has no fast bf16 path, and where results are exact)."""
-    if dtype == "auto":
+    if check_dtype(dtype) == "auto":
         return "float32" if target_backend() == "cpu" else "bfloat16"
-    return dtype  # a name EngineConfig has checked
+    return dtype
 
 
 def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -> int:
