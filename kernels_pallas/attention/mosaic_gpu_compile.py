@@ -1,9 +1,9 @@
 """Deviceless compile of the Mosaic GPU ragged paged attention kernel for H100 / H200 (sm_90a) at real shapes, with
 what the compiler said: ptxas registers / spills and Mosaic GPU's shared memory (scratch bytes, barriers).
 
-Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [case ...]` (prints one JSON row per
-case). Mosaic GPU prints ptxas's report and its resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and
-`MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
+Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [--triton] [case ...]` (prints one JSON
+row per case; `--triton`: the Triton kernel at the same shapes). Mosaic GPU prints ptxas's report and its
+resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and `MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
 native stderr and stdout, collected with `gpu_compile_report.capture_native_fd`). Needs jax-cuda13-plugin (the
 GPU compiler) and `JAX_PLATFORMS=cpu`.
 """
@@ -38,13 +38,16 @@ CASES = {
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
 
 
-def compile_case(chip: str, name: str) -> dict:
+def compile_case(chip: str, name: str, impl: str = "mosaic_gpu") -> dict:
+    """Compile case `name` for `chip` with the Mosaic GPU kernel, or with impl="gpu" the Triton kernel at the same
+    shapes (its block sizes from its per-chip table), so the two compilers' figures sit side by side."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
     from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
     from kernels_pallas.gpu_compile_report import capture_native_fd, parse_compile_log
     from kernels_pallas.kv_cache.layout import kv_cache_spec
@@ -59,23 +62,39 @@ def compile_case(chip: str, name: str) -> dict:
     shapes = [((sum(q_lens), hq, head_dim), jnp.bfloat16), (cache.shape, cache.dtype), ((seqs,), jnp.int32),
               ((seqs, pps), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
-    fn = lambda *a: ragged_paged_attention_mosaic_gpu(*a, sm_scale=head_dim ** -0.5, **kw)  # noqa: E731
+    if impl == "mosaic_gpu":
+        kernel = ragged_paged_attention_mosaic_gpu
+    else:  # the Triton kernel blocks its queries by max_q_len (static)
+        kernel, kw = ragged_paged_attention_gpu, {**kw, "max_q_len": max(q_lens)}
+    fn = lambda *a: kernel(*a, sm_scale=head_dim ** -0.5, **kw)  # noqa: E731
     with capture_native_fd(2) as err, capture_native_fd(1) as out:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             lowered = jax.jit(fn).lower(*args)
         lowered.compile()
     log = [err[0] + out[0]]
     report = parse_compile_log(log[0])
-    ptxas = next((v for k, v in report["kernels"].items() if KERNEL in k), None)
-    smem = [int(m) for m in _SMEM.findall(log[0])]
-    return dict(chip=chip, case=name, ptxas=ptxas, smem_scratch_bytes=max(smem) if smem else None)
+    if impl == "mosaic_gpu":
+        ptxas = next((v for k, v in report["kernels"].items() if KERNEL in k), None)
+        smem = [int(m) for m in _SMEM.findall(log[0])]
+    else:
+        ptxas = {k: v for k, v in report["kernels"].items() if "attention" in k} or report["kernels"]
+        smem = report["shared_memory"]
+    return dict(chip=chip, case=name, impl=impl, ptxas=ptxas, shared_memory_bytes=max(smem) if smem else None)
 
 
 def main(argv):
+    """argv: [chip] [--triton] [case ...]; --triton compiles the Triton kernel at the same shapes instead."""
+    impl = "gpu" if "--triton" in argv else "mosaic_gpu"
+    argv = [a for a in argv if a != "--triton"]
     chip = argv[0] if argv else "h100"
     for name in argv[1:] or list(CASES):
-        print(json.dumps(compile_case(chip, name)), flush=True)
+        print(json.dumps(compile_case(chip, name, impl)), flush=True)
 
 
 if __name__ == "__main__":
+    # XLA logs the Triton kernel's ptxas report only with these set when it loads (the package's import of jax
+    # already did), so the process restarts itself with them, as scripts/aot_compile.py does.
+    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2")
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], {**os.environ, **want})
     main(sys.argv[1:])

@@ -169,7 +169,7 @@ def test_compiles_for_hopper_without_spills(chip):
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["case"] for r in rows] == list(COMPILE_CASES)
     for r in rows:
-        ptxas, smem = r["ptxas"], r["smem_scratch_bytes"]
+        ptxas, smem = r["ptxas"], r["shared_memory_bytes"]
         where = f"{chip} {r['case']}: {ptxas}, shared memory {smem}"
         assert ptxas is not None and ptxas["arch"] == "sm_90a", where
         assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0, where
