@@ -3,9 +3,10 @@ what the compiler said: ptxas registers / spills and Mosaic GPU's shared memory 
 
 Run as `python -m kernels_pallas.attention.mosaic_gpu_compile [h100|h200] [--triton] [case ...]` (prints one JSON
 row per case; `--triton`: the Triton kernel at the same shapes). Mosaic GPU prints ptxas's report and its
-resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and `MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (this module sets them before jax loads; the log goes to the
-native stderr and stdout, collected with `gpu_compile_report.capture_native_fd`). Needs jax-cuda13-plugin (the
-GPU compiler) and `JAX_PLATFORMS=cpu`.
+resources only when `MOSAIC_GPU_DUMP_PTXAS=1` and `MOSAIC_GPU_DUMP_RESOURCES=1` are in the environment (set
+below, before any compile; XLA's own log settings for Triton's report are read at start-up, so `__main__` restarts
+the process with them). The logs go to the native stderr and stdout, collected with
+`gpu_compile_report.capture_native_fd`. Needs jax-cuda13-plugin (the GPU compiler) and `JAX_PLATFORMS=cpu`.
 """
 
 from __future__ import annotations
