@@ -112,9 +112,11 @@ def test_strong_repetition_penalty_never_repeats(llm):
     assert len(set(base)) < len(base)  # the random model repeats itself without the penalty: the test has teeth
 
 
-def test_greedy_tokens_follow_the_cache_free_forward_with_penalties(llm):
-    """Every generated token is the argmax of the dense forward's logits after the reference penalties."""
-    prompt = [5, 9, 5, 77, 3, 9, 120, 8]
+@pytest.mark.parametrize("prompt", [[5, 9, 5, 77, 3, 9, 120, 8], np.random.default_rng(3).integers(1, 60, 90).tolist()],
+                         ids=["short", "chunked-prefill"])
+def test_greedy_tokens_follow_the_cache_free_forward_with_penalties(llm, prompt):
+    """Every generated token is the argmax of the dense forward's logits after the reference penalties (the long
+    prompt is prefilled over two steps of at most 64 tokens and pads its token ids past one bucket)."""
     p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3,
                        presence_penalty=0.4, frequency_penalty=0.6)
     tokens = llm.generate(prompt_token_ids=[prompt], sampling_params=p)[0].outputs[0].token_ids
@@ -122,6 +124,14 @@ def test_greedy_tokens_follow_the_cache_free_forward_with_penalties(llm):
     for j, tok in enumerate(tokens):
         x = reference(logits[len(prompt) - 1 + j], prompt, tokens[:j], 1.3, 0.4, 0.6)
         assert tok == int(np.argmax(x)), j
+
+
+def test_seeded_sampling_with_penalties_and_filters_is_reproducible(llm):
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7, max_tokens=10, ignore_eos=True,
+                       presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.1)
+    first, again = (llm.generate(prompt_token_ids=[[3, 1, 4, 1, 5]], sampling_params=p)[0].outputs[0].token_ids
+                    for _ in range(2))
+    assert first == again and len(first) == 10
 
 
 def test_plain_rows_are_unchanged_next_to_a_penalised_row(llm):
