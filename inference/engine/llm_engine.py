@@ -18,7 +18,7 @@ from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, StepOutput
-from inference.sampling.sampler import SamplingTensors, needs_filters
+from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.params import SamplingParams
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
@@ -137,6 +137,10 @@ class Engine:
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if self.num_spec and params.uses_penalties:
+            # Verification would need the counts to grow along each row's draft positions; not built yet.
+            raise ValueError(f"request {request_id}: penalties are not supported with speculative decoding yet "
+                             "(repetition_penalty, presence_penalty, frequency_penalty)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
                              f"{self.max_model_len}; shorten the prompt or raise max_model_len")
@@ -211,9 +215,12 @@ class Engine:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
-        sampling = SamplingTensors.from_params(params, [s.seed for s in batch.seqs],
-                                               [s.num_output_tokens for s in batch.seqs],
-                                               pad_to=inp.logits_indices.shape[0])
+        pen = needs_penalties(params)  # only then the rows' token ids go to the device
+        sampling = SamplingTensors.from_params(
+            params, [s.seed for s in batch.seqs], [s.num_output_tokens for s in batch.seqs],
+            pad_to=inp.logits_indices.shape[0],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in batch.seqs] if pen else None,
+            output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None)
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),

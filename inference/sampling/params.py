@@ -60,6 +60,12 @@ class SamplingParams:
       logprobs_mode: "raw" = log-softmax of the model's logits (before temperature and filters); "processed" =
         log-softmax of the distribution actually sampled from (after temperature, min-p, top-k, top-p; filtered-out
         tokens get -inf). For greedy requests both are the raw logprobs.
+      repetition_penalty: (> 0; 1 = off) every token present in the prompt or the output so far has its logit
+        divided by it when positive and multiplied by it otherwise (vLLM / CTRL semantics).
+      presence_penalty: in [-2, 2] (0 = off); subtracted once from the logit of every token already in the output.
+      frequency_penalty: in [-2, 2] (0 = off); subtracted from each token's logit once per occurrence in the output.
+      The three penalties act on the raw logits before temperature and the filters (vLLM's order), greedy rows
+      included; "processed" logprobs include them, "raw" ones do not.
     """
 
     n: int = 1
@@ -77,6 +83,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs_mode: LogprobsMode = "raw"
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen dataclass)
@@ -130,6 +139,17 @@ class SamplingParams:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
+        # vLLM's ranges. NaN fails every comparison, so it is rejected too.
+        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        set_("repetition_penalty", float(self.repetition_penalty))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+            set_(name, float(value))
+
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax (temperature 0, or below `SAMPLING_EPS` as in vLLM)."""
@@ -143,6 +163,14 @@ class SamplingParams:
         need it because filters cannot change the argmax.
         """
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when this request needs the penalty pass (and so the rows' token counts on the device).
+
+        The engine ORs this over the batch; batches where it is False run the sampler exactly as without penalties.
+        """
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""

@@ -6,6 +6,10 @@ per-request `SamplingParams` into small per-row arrays once per step.
 
 Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
+0. Penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
+   `SamplingTensors.penalties`: a token present in the prompt or the output has its logit divided by the row's
+   repetition penalty if positive, else multiplied by it; then logit -= frequency * count_in_output
+   + presence * (count_in_output > 0). The counts are built inside the jit from the padded token ids.
 1. Greedy rows (temperature < 1e-5) take the argmax of the raw logits; filters never apply to them.
 2. Other rows: logits / temperature, then
    a. min-p: drop tokens with prob < min_p * max prob (vLLM applies min-p as an argmax-invariant logits processor
@@ -63,6 +67,92 @@ _U32_MASK = 0xFFFFFFFF
 #: run only when such a row exists.
 FILTER_CANDIDATES = 256
 
+#: Token-id arrays of `PenaltyTensors` are padded to a power of two at least this long, so a growing output
+#: recompiles the step only at each doubling of its length.
+MIN_PENALTY_TOKENS = 16
+
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+@flax.struct.dataclass
+class PenaltyTensors:
+    """Per-row penalty values and the token ids the penalties count, for a batch of S rows.
+
+    Attributes:
+      repetition: f32[S]; 1 = off.
+      presence: f32[S]; 0 = off.
+      frequency: f32[S]; 0 = off.
+      prompt_ids: i32[S, Lp]; the row's prompt tokens, padded with -1 (ignored).
+      output_ids: i32[S, Lo]; the tokens the row has generated so far, padded with -1.
+
+    Why token ids and not counts: an [S, V] count matrix would cross host -> device every step; the ids are small and
+    the counts are a scatter-add inside the jit. Lp and Lo are powers of two (>= MIN_PENALTY_TOKENS) so the step
+    compiles once per doubling, not once per token.
+    """
+
+    repetition: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    prompt_ids: jax.Array
+    output_ids: jax.Array
+
+    @classmethod
+    def from_params(
+        cls,
+        params_list: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        pad_to: int,
+    ) -> PenaltyTensors:
+        """Numpy per-row arrays; padding rows (and rows without penalties) get the no-op values 1, 0, 0."""
+        n = len(params_list)
+        if len(prompt_token_ids) != n or len(output_token_ids) != n:
+            raise ValueError(f"params_list, prompt_token_ids and output_token_ids must have equal lengths, got {n}, "
+                             f"{len(prompt_token_ids)}, {len(output_token_ids)}")
+        repetition = np.ones(pad_to, np.float32)
+        presence = np.zeros(pad_to, np.float32)
+        frequency = np.zeros(pad_to, np.float32)
+        lp = _pow2_at_least(max((len(t) for t in prompt_token_ids), default=0), MIN_PENALTY_TOKENS)
+        lo = _pow2_at_least(max((len(t) for t in output_token_ids), default=0), MIN_PENALTY_TOKENS)
+        prompt_ids = np.full((pad_to, lp), -1, np.int32)
+        output_ids = np.full((pad_to, lo), -1, np.int32)
+        for i, (p, prompt, output) in enumerate(zip(params_list, prompt_token_ids, output_token_ids)):
+            if not p.uses_penalties:
+                continue  # its row stays a no-op; the token ids are not needed
+            repetition[i] = p.repetition_penalty
+            presence[i] = p.presence_penalty
+            frequency[i] = p.frequency_penalty
+            prompt_ids[i, :len(prompt)] = prompt
+            output_ids[i, :len(output)] = output
+        return cls(repetition=repetition, presence=presence, frequency=frequency, prompt_ids=prompt_ids,
+                   output_ids=output_ids)
+
+
+def _token_counts(ids: jax.Array, v: int) -> jax.Array:
+    """i32[S, V] occurrences of each token in each row of ids i32[S, L]; ids outside [0, V) (padding) are ignored."""
+    s = ids.shape[0]
+    ids = jnp.where((ids >= 0) & (ids < v), ids, v).astype(jnp.int32)
+    rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    return jnp.zeros((s, v + 1), jnp.int32).at[rows, ids].add(1)[:, :v]
+
+
+def apply_penalties(logits: jax.Array, pen: PenaltyTensors) -> jax.Array:
+    """vLLM's `apply_penalties` on f32[S, V] logits (see the module docstring); rows with values 1, 0, 0 unchanged."""
+    x = logits.astype(jnp.float32)
+    v = x.shape[-1]
+    seen_in_prompt = _token_counts(jnp.asarray(pen.prompt_ids), v) > 0
+    out_counts = _token_counts(jnp.asarray(pen.output_ids), v)
+    out_seen = out_counts > 0
+    r = jnp.where(seen_in_prompt | out_seen, jnp.asarray(pen.repetition, jnp.float32)[:, None], 1.0)
+    x = jnp.where(x > 0, x / r, x * r)
+    x = x - jnp.asarray(pen.frequency, jnp.float32)[:, None] * out_counts.astype(jnp.float32)
+    return x - jnp.asarray(pen.presence, jnp.float32)[:, None] * out_seen.astype(jnp.float32)
+
 
 @flax.struct.dataclass
 class SamplingTensors:
@@ -77,6 +167,8 @@ class SamplingTensors:
         taken modulo 2**64, which equals `jax.random.key_data(jax.random.key(seed))` for 0 <= seed < 2**32.
       step: i32[S]; folded into the seed key to give this step's key (`keys()`).
       processed_logprobs: bool[S]; True where the request asked for logprobs_mode="processed".
+      penalties: PenaltyTensors, or None when no row uses a penalty. None is part of the pytree structure, so it acts
+        as a static flag: batches without penalties trace and compile exactly the step they did before penalties.
     """
 
     temperature: jax.Array
@@ -86,6 +178,7 @@ class SamplingTensors:
     seed_key: jax.Array
     step: jax.Array
     processed_logprobs: jax.Array
+    penalties: PenaltyTensors | None = None
 
     @classmethod
     def from_params(
@@ -94,6 +187,8 @@ class SamplingTensors:
         seeds: Sequence[int],
         steps: Sequence[int],
         pad_to: int,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -104,6 +199,8 @@ class SamplingTensors:
           steps: the index of the token each row is generating (0 for the first generated token). Keys depend only
             on (seed, step), which is what makes seeded requests reproducible across batch compositions.
           pad_to: total number of rows (>= len(params_list)); the jitted step's static batch size.
+          prompt_token_ids, output_token_ids: each row's prompt and generated tokens; required only when some row
+            uses a penalty (`needs_penalties`), and only then read: otherwise `penalties` is None.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -133,6 +230,12 @@ class SamplingTensors:
             seed_key[i, 1] = s & _U32_MASK
             processed[i] = p.logprobs_mode == "processed"
         step[:n] = steps
+        penalties = None
+        if needs_penalties(params_list):
+            if prompt_token_ids is None or output_token_ids is None:
+                raise ValueError("a row uses repetition/presence/frequency penalties: pass prompt_token_ids and "
+                                 "output_token_ids")
+            penalties = PenaltyTensors.from_params(params_list, prompt_token_ids, output_token_ids, pad_to)
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -141,6 +244,7 @@ class SamplingTensors:
             seed_key=seed_key,
             step=step,
             processed_logprobs=processed,
+            penalties=penalties,
         )
 
     @property
@@ -169,6 +273,11 @@ class SamplerOutput(NamedTuple):
 def needs_filters(params_list: Sequence[SamplingParams]) -> bool:
     """The static `use_filters` flag for a batch: True iff some non-greedy row uses top-k, top-p or min-p."""
     return any(p.uses_filters for p in params_list)
+
+
+def needs_penalties(params_list: Sequence[SamplingParams]) -> bool:
+    """True iff some row uses repetition, presence or frequency penalties (then `SamplingTensors.penalties` is set)."""
+    return any(p.uses_penalties for p in params_list)
 
 
 def row_keys(t: SamplingTensors) -> jax.Array:
@@ -282,13 +391,16 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
     """The logits each row actually samples from, f32[S, V].
 
+    First, when `t.penalties` is set, the penalties on every row (vLLM applies them before greedy and temperature).
     Sampling rows: logits / temperature with min-p, top-k, top-p applied (dropped tokens = -inf) when `use_filters`.
-    Greedy rows: the raw logits unchanged (temperature treated as 1, no filters), so their argmax is vLLM's greedy
-    token and their "processed" logprobs equal the raw ones.
+    Greedy rows: the (penalised) logits unchanged (temperature treated as 1, no filters), so their argmax is vLLM's
+    greedy token and, without penalties, their "processed" logprobs equal the raw ones.
     `use_filters` is static; with False the filter pass (and its cost) is skipped entirely and the row filters in `t`
     are ignored, so pass False only when `needs_filters(...)` is False.
     """
     x = logits.astype(jnp.float32)
+    if t.penalties is not None:
+        x = apply_penalties(x, t.penalties)
     greedy = t.temperature < SAMPLING_EPS
     temp = jnp.where(greedy, 1.0, t.temperature).astype(jnp.float32)
     x = x / temp[:, None]
