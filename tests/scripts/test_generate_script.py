@@ -242,3 +242,10 @@ def test_ctrl_c_saves_rows_and_a_rerun_finishes(tmp_path):
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=240)
     ids = [r["id"] for r in read_jsonl(out)]
     assert ids[:len(saved)] == [r["id"] for r in saved] and sorted(ids) == list(range(60))
+
+
+def test_batch_size_is_a_deprecated_alias(tmp_path, use_llm, capsys):
+    out = tmp_path / "out.jsonl"
+    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', PROMPTS)}", f"--output={out}", "--batch_size=2")
+    assert sorted(map(str, (r["id"] for r in read_jsonl(out)))) == ["3", "a", "b", "chat"]
+    assert "--batch_size is deprecated" in capsys.readouterr().err
