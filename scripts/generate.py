@@ -15,17 +15,24 @@ Each process takes every num_processes-th row (grain's per-process sharding), wr
 `out.jsonl.process-0000i-of-0000n` and, once all are done, process 0 appends them to --output in input order.
 The output path must be on a filesystem every process sees.
 
-Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}.
-Each batch of results is fsynced before the next starts, and a rerun with the same --output skips ids already
-there, so an interrupted job loses nothing and duplicates nothing. Without --output, --input results go to stdout
-as JSONL, and --prompt / built-in results are printed as Q/A text. The logic lives in `inference.tools.jsonl_io`.
+Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}, with an
+optional per-row "max_tokens". Rows stream through the engine: at most --max_in_flight requests are queued at once,
+refilled as requests finish, and each finished row is written (and flushed) at once, so the output is in finish
+order, not input order, and one slow request holds back nobody else. Rows are fsynced every --fsync_every rows or
+--fsync_seconds seconds; a rerun with the same --output skips ids already there, whatever their order, so an
+interrupted job loses nothing and duplicates nothing (Ctrl-C says how many rows are saved and exits with 130).
+With --seed, --seed_mode=per_row (default) seeds each row with the seed plus a stable hash of its id, so identical
+prompts still get different samples and a rerun reproduces them; --seed_mode=shared gives every row the seed.
+Without --output, --input results go to stdout as JSONL, and --prompt / built-in results are printed as Q/A text.
+The logic lives in `inference.tools.jsonl_io`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -43,13 +50,23 @@ _INPUT = flags.DEFINE_string("input", None, "JSONL file of rows with an id and a
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); used instead of --input.")
 _CHAT = flags.DEFINE_bool("chat", False, "Send each --prompt as a user message through the chat template.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file to append results to (resumable); default stdout.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rows per generate call (and per fsync).", lower_bound=1)
+_MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 64, "Most rows queued in the engine at once (refilled as "
+                                     "rows finish); bounds memory, not speed, once above --max_num_seqs.",
+                                     lower_bound=1)
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Deprecated alias of --max_in_flight (rows no longer run in "
+                                   "lockstep batches).", lower_bound=1)
+_FSYNC_EVERY = flags.DEFINE_integer("fsync_every", 64, "fsync the output after this many rows (each row is flushed "
+                                    "at once regardless).", lower_bound=1)
+_FSYNC_SECONDS = flags.DEFINE_float("fsync_seconds", 5.0, "fsync the output at least this often while rows arrive.",
+                                    lower_bound=0.0)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 256, "Most tokens generated per completion.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability (0 = off).")
-_SEED = flags.DEFINE_integer("seed", None, "Per-request sampling seed (same seed, same samples).")
+_SEED = flags.DEFINE_integer("seed", None, "Sampling seed (same seed, same samples); see --seed_mode.")
+_SEED_MODE = flags.DEFINE_enum("seed_mode", "per_row", ["per_row", "shared"],
+                               "per_row: each row gets --seed plus a stable hash of its id; shared: every row --seed.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per prompt (vLLM's n).")
 _STOP = flags.DEFINE_multi_string("stop", None, "Stop string (repeatable).")
 _LOGPROBS = flags.DEFINE_integer("logprobs", None, "Return this many top logprobs per generated token.")
@@ -124,14 +141,59 @@ def resumed_ids(index: int, shard: str | None) -> set:
     return done | jsonl_io.load_done_ids(shard)
 
 
-def generate_batch(llm: Any, batch: list[tuple[dict, str | None, str | None]],
-                   params: SamplingParams) -> list[dict[str, Any]]:
-    """Output rows in input order: rows that failed to render become error rows, the rest go to one generate call."""
-    good = [(row, text) for row, text, error in batch if error is None]
-    outs = iter(llm.generate([text for _, text in good], params)) if good else iter(())
-    with_logprobs = params.logprobs is not None
-    return [jsonl_io.error_row(row, error) if error is not None else jsonl_io.result_row(row, next(outs), with_logprobs)
-            for row, _, error in batch]
+Rendered = tuple[dict, str | None, SamplingParams | None, str | None]  # row, prompt text, params, error
+
+
+def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
+                with_logprobs: bool) -> Iterator[dict[str, Any]]:
+    """Output rows one at a time, as their requests finish.
+
+    At most `max_in_flight` requests are in the engine at once: the window is refilled before every step, so the
+    engine always has work queued behind its running batch while the rows not yet admitted cost nothing. Rows that
+    failed to render, or that the engine rejects, come out at once as error rows. The engine is stepped here, in
+    this thread, so a KeyboardInterrupt lands between steps or inside one and leaves no thread behind.
+    """
+    source = iter(rendered)
+    in_flight: dict[str, dict] = {}
+    exhausted = False
+    while True:
+        while not exhausted and len(in_flight) < max_in_flight:
+            item = next(source, None)
+            if item is None:
+                exhausted = True
+                break
+            row, text, params, error = item
+            if error is not None:
+                yield jsonl_io.error_row(row, error)
+                continue
+            # LLM._submit: the same encode-then-add_request, and the same error output for a rejected prompt
+            [submitted] = llm._submit([text], params, None)
+            if submitted.error is not None:
+                yield jsonl_io.result_row(row, submitted.error, with_logprobs)
+            else:
+                in_flight[submitted.request_id] = row
+        if not in_flight:
+            if exhausted:
+                return
+            continue
+        finished = [out for out in llm.engine.step() if out.finished and out.request_id in in_flight]
+        if not llm.engine.has_unfinished_requests():  # aborted meanwhile: no step reports them
+            seen = {out.request_id for out in finished}
+            finished += [llm.engine.output_of(rid) for rid in in_flight if rid not in seen]
+        for out in finished:
+            row = in_flight.pop(out.request_id)
+            llm.engine.pop_finished(out.request_id)
+            yield jsonl_io.result_row(row, out, with_logprobs)
+
+
+def params_for_row(params: SamplingParams) -> Callable[[dict], SamplingParams]:
+    """The row's sampling params: its own max_tokens, and with --seed_mode=per_row its own seed."""
+    per_row_seed = params.seed is not None and _SEED_MODE.value == "per_row"
+
+    def of(row: dict) -> SamplingParams:
+        p = jsonl_io.row_params(row, params)
+        return p.replace(seed=jsonl_io.row_seed(params.seed, row["id"])) if per_row_seed else p
+    return of
 
 
 def print_readable(rows: list[dict[str, Any]]) -> None:
@@ -141,7 +203,26 @@ def print_readable(rows: list[dict[str, Any]]) -> None:
         tqdm.write(f"Q: {question}\n" + "\n".join(f"A: {a}" for a in answers) + "\n", file=sys.stdout)
 
 
+@dataclasses.dataclass
+class _Saved:
+    """What an interrupt reports: where rows go and how many are there (including a previous run's)."""
+    path: str | None = None
+    rows: int = 0
+
+
 def main(argv: Sequence[str]) -> None:
+    """Ctrl-C at any point ends with one line saying what is saved and exit code 130 (the shell's SIGINT code), not
+    a traceback: the rows written so far are flushed and fsynced, and a rerun resumes after them."""
+    saved = _Saved()
+    try:
+        _main(argv, saved)
+    except KeyboardInterrupt:
+        where = f"saved to {saved.path}; rerun the same command to resume" if saved.path else "written to stdout"
+        print(f"interrupted: {saved.rows} rows {where}", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: Sequence[str], saved: _Saved) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     start = time.perf_counter()
@@ -165,30 +246,40 @@ def main(argv: Sequence[str]) -> None:
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 
-    def render(row: dict) -> tuple[dict, str | None, str | None]:
-        try:
-            return row, jsonl_io.prompt_text(row, llm.tokenizer), None
-        except ValueError as e:
-            return row, None, str(e)
+    row_params = params_for_row(params)
 
-    batches = grain.MapDataset.source(pending).map(render).batch(_BATCH_SIZE.value, batch_fn=list)
+    def render(row: dict) -> Rendered:
+        try:
+            return row, jsonl_io.prompt_text(row, llm.tokenizer), row_params(row), None
+        except ValueError as e:
+            return row, None, None, str(e)
+
+    max_in_flight = _BATCH_SIZE.value if _BATCH_SIZE.value is not None else _MAX_IN_FLIGHT.value
+    if _BATCH_SIZE.value is not None:
+        print("warning: --batch_size is deprecated; it now sets --max_in_flight", file=sys.stderr)
     readable = _OUTPUT.value is None and _INPUT.value is None
     target = shard or _OUTPUT.value
+    saved.path, saved.rows = target, len(done)
     sink = open(target, "a", encoding="utf-8") if target else sys.stdout
+    writer = jsonl_io.RowWriter(sink, durable=sink is not sys.stdout, fsync_every=_FSYNC_EVERY.value,
+                                fsync_seconds=_FSYNC_SECONDS.value)
     num_failed = num_tokens = 0
     gen_start = time.perf_counter()
     try:
         with tqdm(total=len(pending), unit="row", desc="generate", file=sys.stderr) as bar:
-            for batch in batches:
-                results = generate_batch(llm, batch, params)
+            for result in stream_rows(llm, map(render, pending), max_in_flight, params.logprobs is not None):
                 if readable:
-                    print_readable(results)
+                    print_readable([result])
                 else:
-                    jsonl_io.write_rows(sink, results, durable=sink is not sys.stdout)
-                num_failed += sum("error" in r for r in results)
-                num_tokens += sum(len(o["token_ids"]) for r in results for o in r["outputs"])
-                bar.update(len(results))
+                    writer.write(result)
+                saved.rows += 1
+                num_failed += "error" in result
+                num_tokens += sum(len(o["token_ids"]) for o in result["outputs"])
+                bar.update(1)
+                bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - gen_start, 1e-9):.1f} tok/s",
+                                    refresh=False)
     finally:
+        writer.close()
         if sink is not sys.stdout:
             sink.close()
     if count > 1:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import zlib
 from typing import IO, Any, Iterable
 
 from inference.engine.outputs import RequestOutput
@@ -149,8 +151,59 @@ def write_rows(f: IO[str], rows: Iterable[dict[str, Any]], durable: bool = True)
         os.fsync(f.fileno())
 
 
+class RowWriter:
+    """Writes rows one at a time as they finish: each is flushed at once (a reader or a crashed job's rerun sees it),
+    but fsync, which costs a disk round trip, runs only every `fsync_every` rows or `fsync_seconds` seconds, and on
+    `close`. A power loss can cost the rows since the last fsync; a killed process loses none (they are flushed)."""
+
+    def __init__(self, f: IO[str], durable: bool = True, fsync_every: int = 64, fsync_seconds: float = 5.0):
+        self.f, self.durable = f, durable
+        self.fsync_every, self.fsync_seconds = max(1, fsync_every), fsync_seconds
+        self.written = 0
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.f.flush()
+        self.written += 1
+        self._unsynced += 1
+        if self._unsynced >= self.fsync_every or time.monotonic() - self._last_sync >= self.fsync_seconds:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.durable and self._unsynced:
+            os.fsync(self.f.fileno())
+        self._unsynced, self._last_sync = 0, time.monotonic()
+
+    def close(self) -> None:
+        """Flush and fsync what is written; the file itself stays open (it may be stdout)."""
+        self.f.flush()
+        self.sync()
+
+
+def row_seed(seed: int, row_id: RowId) -> int:
+    """`seed` plus a stable hash of the row id (crc32 of its JSON form, so 3 and "3" differ): identical prompts get
+    different samples, and a resumed or resharded job gives each row the seed it had before. Python's `hash` is
+    salted per process, so it would not survive a rerun."""
+    return seed + zlib.crc32(json.dumps(row_id).encode("utf-8"))
+
+
+def row_params(row: dict[str, Any], base: Any) -> Any:
+    """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer).
+
+    Raises ValueError describing a bad `max_tokens`, which becomes that row's `error`.
+    """
+    if "max_tokens" not in row:
+        return base
+    value = row["max_tokens"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"'max_tokens' must be a positive integer, got {value!r}")
+    return base.replace(max_tokens=value)
+
+
 __all__ = ["check_unique_ids", "read_input", "load_done_ids", "prompt_text", "error_row", "result_row",
-           "write_rows", "shard_path", "merge_shards"]
+           "write_rows", "RowWriter", "row_seed", "row_params", "shard_path", "merge_shards"]
 
 
 # ---- multi-process jobs: one output shard per process, merged by process 0 --------------------------------------
