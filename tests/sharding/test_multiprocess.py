@@ -136,7 +136,8 @@ def test_two_processes_match_one(folders, tmp_path):
 
     want, got = essentials(single), essentials(multi)
     assert [r[0] for r in got] == [r["id"] for r in rows]  # merged in input order
-    assert got == want
+    # one process writes rows in the order they finish (the streaming launcher): compare row by row, by id
+    assert sorted(got) == sorted(want) and len(want) == len(rows)
     assert [r[0] for r in got if r[1] is not None] == ["bad"]  # the bad row failed alone
     assert all(len(r[2][0][0]) == 8 for r in got if r[1] is None)
     assert not list(tmp_path.glob("multi.jsonl.process-*"))  # shards merged and removed
