@@ -1,0 +1,249 @@
+"""The engine's host cost per decode step, by phase, when the device work is small.
+
+    python scripts/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
+
+A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
+and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
+bookkeeping, building the ragged batch, dispatching the jitted step, waiting for and reading back its tokens, folding
+them into the sequences (stop checks, detokenizing) and building the outputs. Each is timed *exclusively* (a phase's
+time excludes the phases called inside it) by wrapping the engine's own functions, over the decode steps of a run where
+every sequence is decoding. Workload: mixed prompt lengths, half the prompts behind a shared prefix (prefix-cache
+hits), stop strings on every request, seeded sampling at temperature 0.8, detokenizing on.
+
+Device time is the same decode step replayed alone with its inputs already on the device (median of repeats); the
+device-busy fraction is device time over the engine's wall time per step. On this CPU "the device" is XLA's CPU
+runtime on the same cores, so host and device also compete for them: compare rows of one run, as ratios.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("seqs", ["8", "64", "256"], "Running sequences per measurement.")
+flags.DEFINE_integer("decode_steps", 24, "Measured decode steps per size (after every sequence is decoding).")
+flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
+flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
+flags.DEFINE_string("json", None, "Write the results here as JSON.")
+
+_MISSING = object()
+PHASES = ("schedule", "pages", "batch_build", "dispatch", "wait_readback", "process", "stop_checks",
+          "detokenize", "outputs", "other")
+
+
+class PhaseProfiler:
+    """Exclusive wall time per phase: wrapped calls nest, and a phase's time excludes its wrapped callees'."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        self._children: list[float] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._children.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self.totals[phase] += dt - self._children.pop()
+                if self._children:
+                    self._children[-1] += dt
+        return timed
+
+    def patch(self, owner: Any, name: str, phase: str) -> None:
+        """Replace `owner.name` (an instance's, a class's or a module's attribute) by its timed wrapper."""
+        saved = vars(owner).get(name, _MISSING)  # an instance's methods live on its class: restore by deleting
+        setattr(owner, name, self.wrap(phase, getattr(owner, name)))
+        self._undo.append((owner, name, saved))
+
+    def restore(self) -> None:
+        for owner, name, saved in reversed(self._undo):
+            if saved is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, saved)
+        self._undo.clear()
+
+
+def tiny_model_folder(folder: str) -> str:
+    """An orbax checkpoint of a 2-layer, hidden-64 random Llama carrying SmolLM2's tokenizer and vocabulary."""
+    from configs.presets import PRESET_WEIGHTS, get_model_config
+    from inference.loading.model_loader import packaged_file
+    from inference.loading.tokenizer import Tokenizer
+    from models.decoder import build_decoder, export_weights
+    from models.loaders.gguf_file import load_gguf_info
+    from models.loaders.orbax_checkpoint import save_checkpoint
+
+    tokenizer = Tokenizer.from_gguf(load_gguf_info(packaged_file(*PRESET_WEIGHTS["smollm2-135m"])))
+    config = dataclasses.replace(get_model_config("tiny-llama"), name="tiny-llama-smollm2-vocab",
+                                 vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
+    save_checkpoint(folder, config, export_weights(build_decoder(config, seed=0)), tokenizer)
+    return folder
+
+
+def workload(tokenizer, num_seqs: int, rng: np.random.Generator) -> list[list[int]]:
+    """Prompts of mixed lengths (16..192 tokens) cut from the shipped text; every other one starts with a shared
+    64-token prefix, so its first pages come from the prefix cache."""
+    from inference.loading.shipped_text import shipped_text
+
+    text = np.asarray(tokenizer.encode(shipped_text()), np.int64)
+    shared = text[:64].tolist()
+    prompts = []
+    for i in range(num_seqs):
+        length = int(rng.integers(16, 193))
+        start = int(rng.integers(64, len(text) - length))
+        body = text[start:start + length].tolist()
+        prompts.append(shared + body if i % 2 else body)
+    return prompts
+
+
+def instrument(llm, profiler: PhaseProfiler) -> None:
+    """Wrap the engine's phases in `profiler` (see PHASES)."""
+    import inference.engine.llm_engine as llm_engine
+    import inference.engine.stop as stop
+    from inference.sampling.sampler import SamplingTensors
+
+    engine, runner = llm.engine, llm.runner
+    profiler.patch(engine, "step", "other")
+    profiler.patch(engine.scheduler, "schedule", "schedule")
+    manager = engine.block_manager
+    for name in dir(type(manager)):
+        if not name.startswith("_") and callable(getattr(type(manager), name, None)):
+            profiler.patch(manager, name, "pages")
+    profiler.patch(llm_engine, "build_model_input", "batch_build")
+    profiler.patch(llm_engine, "needs_penalties", "batch_build")
+    profiler.patch(llm_engine, "needs_filters", "batch_build")
+    profiler.patch(SamplingTensors, "from_params", "batch_build")
+    profiler.patch(runner, "decode_step", "dispatch")
+    profiler.patch(runner, "prefill_step", "dispatch")
+    profiler.patch(runner, "execute", "wait_readback")
+    profiler.patch(engine, "_process", "process")
+    profiler.patch(llm_engine, "check_stop", "stop_checks")
+    profiler.patch(stop, "_append_text", "detokenize")
+    profiler.patch(llm_engine, "flush_text", "detokenize")
+    profiler.patch(engine, "_output", "outputs")
+
+
+def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, repeats: int) -> dict:
+    from inference import SamplingParams
+
+    engine, runner = llm.engine, llm.runner
+    prompts = workload(llm.tokenizer, num_seqs, rng)
+    # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
+                             stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
+
+    def run(profiler: PhaseProfiler | None) -> dict:
+        engine.reset_prefix_cache()
+        engine.reset_stats()
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{num_seqs}-{i}", p, sp)
+        steps = []
+        while engine.has_unfinished_requests():
+            decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
+                not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
+            if profiler is not None and decoding and len(steps) < decode_steps:
+                profiler_totals = dict(profiler.totals)
+                t0 = time.perf_counter()
+                outs = engine.step()
+                steps.append((time.perf_counter() - t0,
+                              {k: profiler.totals[k] - profiler_totals.get(k, 0.0) for k in PHASES}))
+            else:
+                outs = engine.step()
+            for out in outs:
+                if out.finished:
+                    engine.pop_finished(out.request_id)
+        return {"steps": steps}
+
+    run(None)  # compiles every shape of this workload
+    compiled = sum(runner.num_compilations().values())
+    profiler = PhaseProfiler()
+    capture = {}
+    original_execute = runner.execute
+
+    def capturing_execute(inp, sampling, *, is_decode, **kwargs):
+        if is_decode and "step" not in capture and len(engine.scheduler.running) == num_seqs:
+            capture["step"] = (inp, sampling, kwargs)
+        return original_execute(inp, sampling, is_decode=is_decode, **kwargs)
+
+    runner.execute = capturing_execute
+    instrument(llm, profiler)
+    try:
+        result = run(profiler)
+    finally:
+        profiler.restore()
+        del runner.execute
+    if not result["steps"]:
+        raise RuntimeError(f"no step had all {num_seqs} sequences decoding; raise max_num_seqs / the page pool")
+    walls = np.asarray([w for w, _ in result["steps"]])
+    phases_ms = {k: float(np.mean([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES}
+    device_ms = replay_ms(runner, capture["step"], repeats)
+    step_ms = float(walls.mean() * 1e3)
+    host_ms = step_ms - phases_ms["wait_readback"]
+    return {"seqs": num_seqs, "measured_steps": len(walls), "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
+            * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
+            "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
+            "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled}
+
+
+def replay_ms(runner, captured, repeats: int) -> float:
+    """Median ms of the captured decode step alone, inputs already on the device (the KV cache is donated, so each
+    replay feeds the previous one's cache back)."""
+    inp, sampling, kwargs = captured
+    inp, sampling = jax.device_put((inp, sampling))
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        sampled, _, runner.kv_caches = runner.decode_step(runner.param_leaves, runner.kv_caches, inp, sampling,
+                                                          **kwargs)
+        jax.block_until_ready(sampled)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:]) * 1e3)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from inference import LLM
+
+    sizes = [int(s) for s in FLAGS.seqs]
+    rng = np.random.default_rng(FLAGS.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny_model_folder(os.path.join(tmp, "tiny"))
+        llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
+                  kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
+        for n in sizes:
+            row = measure(llm, n, rng, FLAGS.decode_steps, FLAGS.repeats)
+            rows.append(row)
+            print(f"seqs={n:4d}  step {row['step_ms']:7.2f} ms  host {row['host_ms']:7.2f} ms "
+                  f"({row['host_ms_per_seq'] * 1e3:6.1f} us/seq)  device {row['device_ms']:6.2f} ms  "
+                  f"busy {row['device_busy']:.2f}  " + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()),
+                  flush=True)
+    result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps, "rows": rows}
+    if FLAGS.json:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+        with open(FLAGS.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
