@@ -164,8 +164,9 @@ SCHEMAS = {
     "nested": ("Give a city with its location as JSON.",
                {"type": "object", "properties": {
                    "city": {"type": "string", "maxLength": 12},
-                   "location": {"type": "object", "properties": {"lat": {"type": "number"},
-                                                                 "lon": {"type": "number"}},
+                   "location": {"type": "object", "properties": {
+                       "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                       "lon": {"type": "integer", "minimum": -180, "maximum": 180}},
                                 "required": ["lat", "lon"], "additionalProperties": False}},
                 "required": ["city", "location"], "additionalProperties": False}),
     "bounded numbers": ("Rate a movie from 1 to 5 and give a price as JSON.",
@@ -230,9 +231,8 @@ def test_mixed_batch_equals_each_alone_seeds_reproduce_and_preemption_recomputes
     alone = [smollm2.chat([q], p)[0] for q, p in zip(questions, params)]
     for m, a in zip(mixed, alone):
         assert [c.token_ids for c in m.outputs] == [c.token_ids for c in a.outputs]
+    # The seeded rows (a constrained n=2 and a free one) reproduced their samples in another batch just above.
     assert all(c.text in ("yes", "no") for c in mixed[2].outputs)
-    again = smollm2.chat([questions[2]], params[2])[0]
-    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in mixed[2].outputs]
 
     # Preempted after three tokens, recomputed, and finished: the same tokens (the matcher kept its state).
     engine = smollm2.engine
