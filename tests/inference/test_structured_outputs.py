@@ -282,3 +282,32 @@ def test_request_errors_fail_that_request_only(smollm2):
     no_tokenizer = Engine(smollm2.runner, None, scheduler)
     with pytest.raises(ValueError, match="structured outputs need the model's tokenizer"):
         no_tokenizer.add_request("r", [1, 2, 3], constrained(4, regex="[a-z]+"))
+
+
+def test_matcher_follows_the_sequence_tokens_forward_and_back(smollm2):
+    """`sync` replays tokens the matcher has not seen and rolls back ones the sequence dropped; the mask then is the
+    mask of the sequence's real state."""
+    import dataclasses
+
+    from inference.structured.manager import StructuredOutputManager
+
+    @dataclasses.dataclass
+    class Seq:  # the two fields of engine.sequence.Sequence that the manager reads
+        seq_id: int
+        output_token_ids: list[int]
+
+    tok = smollm2.tokenizer
+    manager = StructuredOutputManager(tok, smollm2.config.vocab_size, [tok.eos_token_id])
+    choice = StructuredOutputsParams(choice=["red apple", "green pear"])
+    manager.add([0], manager.compile(choice))
+    seq = Seq(0, tok.encode("red apple", add_special_tokens=False))
+    assert manager.sync(seq)  # replayed from nothing: complete
+    seq.output_token_ids = seq.output_token_ids[:1]  # dropped back to "red"
+    assert not manager.sync(seq)
+    mask = manager.fill([(0, seq)], pad_to=2)
+    allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))
+    assert tok.encode(" apple", add_special_tokens=False)[0] in allowed
+    assert (mask[1] == -1).all()  # the row without a constraint allows everything
+    seq.output_token_ids = tok.encode("red pear", add_special_tokens=False)
+    with pytest.raises(ValueError, match="the grammar rejected token"):
+        manager.sync(seq)
