@@ -200,9 +200,12 @@ def test_regex_choice_stop_strings_logprobs_and_length(smollm2):
     params = [constrained(16, regex=date), constrained(8, choice=["yes", "no", "maybe"]),
               constrained(8, choice=["hello world"], stop=["world"]),
               constrained(3, json=SCHEMAS["nested"][1]),  # cannot finish in 3 tokens
-              constrained(8, choice=["yes", "no"], logprobs=20)]
+              constrained(8, choice=["yes", "no"], logprobs=20),
+              constrained(8, grammar='start: "The answer is " ANSWER\nANSWER: "yes" | "no"'),
+              constrained(24, json_object=True, disable_any_whitespace=True)]
     questions = ["When did the Apollo 11 landing happen? Give the date.", "Is water wet?", "Say hello.",
-                 "Give a city with its location as JSON.", "Is the sky green?"]
+                 "Give a city with its location as JSON.", "Is the sky green?", "Is fire hot?",
+                 "Give your name and age as a JSON object."]
     outs = [o.outputs[0] for o in smollm2.chat([chat(q) for q in questions], params)]
     assert re.fullmatch(date, outs[0].text) and outs[0].finish_reason == "stop"
     assert outs[1].text in ("yes", "no", "maybe") and outs[1].finish_reason == "stop"
@@ -219,6 +222,8 @@ def test_regex_choice_stop_strings_logprobs_and_length(smollm2):
     pieces = [smollm2.tokenizer.decode([t]) for t in finite]
     assert all("yes".startswith(p) or "no".startswith(p) for p in pieces), pieces
     assert sum(np.exp(list(finite.values()))) == pytest.approx(1.0, abs=1e-4)
+    assert outs[5].text in ("The answer is yes", "The answer is no") and outs[5].finish_reason == "stop"
+    assert isinstance(json.loads(outs[6].text), dict) and outs[6].finish_reason == "stop", outs[6]
 
 
 def test_mixed_batch_equals_each_alone_seeds_reproduce_and_preemption_recomputes(smollm2):
