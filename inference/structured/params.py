@@ -2,11 +2,12 @@
 
 Why llguidance (and not xgrammar or a hand-written automaton): llguidance ships abi3 wheels with no Python
 dependencies for Linux x86-64/aarch64, macOS and Windows, so the default install stays free of torch; xgrammar's
-wheels pull torch, transformers and triton. Its masks are computed lazily over a token trie with a derivative-based
-regex lexer and an Earley parser, so a grammar compiles in about a millisecond (no per-schema precompilation as in
-xgrammar or Outlines) and a mask costs tens of microseconds a row; and it covers the most of JSON Schema among the
-engines vLLM and SGLang ship (JSONSchemaBench, guidance-ai), plus regex, Lark and GBNF grammars. vLLM, SGLang and
-llama.cpp's guidance backend use it.
+wheels pull torch, transformers and triton. Its masks are computed on demand, walking a token trie with a
+derivative-based regex lexer and an Earley parser, so a new schema needs no ahead-of-time automaton over the
+vocabulary (xgrammar and Outlines precompile one per grammar) and a request's first mask is as cheap as its later
+ones; it covers more of JSON Schema than the other engines vLLM and SGLang ship (JSONSchemaBench), plus regex,
+Lark and GBNF grammars; and vLLM, SGLang and llama.cpp all have llguidance backends, so its behaviour is the one
+users of those know.
 
 Everything that can be checked without a tokenizer is checked here, so a bad schema, regex or grammar is a
 `ValueError` when the `SamplingParams` is built; compiling against a tokenizer happens when the engine accepts the

@@ -18,8 +18,8 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> ll
     """An `LLTokenizer` over `tokenizer` (inference/loading/tokenizer.py: Tokenizer) for a model of `vocab_size`
     logits; ids the tokenizer does not define (a vocabulary padded to a round size) are never allowed.
 
-    Building it costs about half a second for a 49k vocabulary, so the engine builds it once, at the first
-    constrained request.
+    Building it walks the whole vocabulary, so the engine builds it once, at the first constrained request (and
+    not at all for engines that never see one).
     """
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {vocab_size} logits; "
