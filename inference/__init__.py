@@ -2,6 +2,7 @@
 
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.sampling.params import SamplingParams
+from inference.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -12,4 +13,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]

@@ -16,7 +16,8 @@ Each process takes every num_processes-th row (grain's per-process sharding), wr
 The output path must be on a filesystem every process sees.
 
 Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}, with an
-optional per-row "max_tokens". Rows stream through the engine: at most --max_in_flight requests are queued at once,
+optional per-row "max_tokens" and "json_schema" (a JSON Schema the row's completions must match; --json_schema=FILE
+sets one for every row). Rows stream through the engine: at most --max_in_flight requests are queued at once,
 refilled as requests finish, and each finished row is written (and flushed) at once, so the output is in finish
 order, not input order, and one slow request holds back nobody else. Rows are fsynced every --fsync_every rows or
 --fsync_seconds seconds; a rerun with the same --output skips ids already there, whatever their order, so an
@@ -71,6 +72,8 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Completions per prompt (v
 _STOP = flags.DEFINE_multi_string("stop", None, "Stop string (repeatable).")
 _LOGPROBS = flags.DEFINE_integer("logprobs", None, "Return this many top logprobs per generated token.")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Keep generating past the EOS token.")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "JSON Schema file every completion must match (structured "
+                                   "outputs; a row's own 'json_schema' replaces it).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded together.")
 _MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
 _KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
@@ -93,9 +96,17 @@ _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
 def sampling_params() -> SamplingParams:
     """Built before the model loads, so a bad flag costs no load time."""
     try:
+        structured = None
+        if _JSON_SCHEMA.value:
+            from inference.structured.params import StructuredOutputsParams
+            with open(_JSON_SCHEMA.value, encoding="utf-8") as f:
+                structured = StructuredOutputsParams(json=f.read())
         return SamplingParams(n=_NUM_SAMPLES.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                               top_k=_TOP_K.value, min_p=_MIN_P.value, seed=_SEED.value, max_tokens=_MAX_TOKENS.value,
-                              stop=_STOP.value, ignore_eos=_IGNORE_EOS.value, logprobs=_LOGPROBS.value)
+                              stop=_STOP.value, ignore_eos=_IGNORE_EOS.value, logprobs=_LOGPROBS.value,
+                              structured_outputs=structured)
+    except OSError as e:
+        sys.exit(f"error: cannot read --json_schema: {e}")
     except ValueError as e:
         sys.exit(f"error: bad sampling flags: {e}")
 

@@ -57,10 +57,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sharding",),
     # inference
     ("inference.engine.config",),  # plain-data configs: validated arguments, no engine code
-    ("inference.sampling.params",),
-    ("inference.sampling.sampler",),
+    # StructuredOutputsParams (a SamplingParams field) sits beside it; the matchers sit with the tokenizer they need.
+    ("inference.sampling.params", "inference.structured.__init__", "inference.structured.params"),
+    ("inference.sampling.sampler", "inference.sampling.token_mask"),
     ("inference.sampling",),
-    ("inference.loading",),
+    ("inference.loading", "inference.structured"),
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),

@@ -26,6 +26,7 @@ from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
 from inference.engine.stop import check_stop, flush_text
+from inference.structured.manager import StructuredOutputManager
 from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.dispatch import resolve_mla_impl
@@ -103,6 +104,8 @@ class Engine:
         self.eos_token_ids = set(runner.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        # Structured outputs: a matcher per constrained sequence, the per-step token bitmask (inference/structured/).
+        self.structured = StructuredOutputManager(tokenizer, runner.config.vocab_size, self.eos_token_ids)
         self._lock = threading.Lock()
         self._next_seq_id = 0
         self._rng = random.Random()
@@ -112,6 +115,7 @@ class Engine:
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
         self._validate(request_id, prompt_token_ids, params)
+        grammar = self._compile_grammar(request_id, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  num_prompt_tokens=len(prompt_token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -123,6 +127,8 @@ class Engine:
                                      params=params, seed=base_seed + index, arrival_order=self._next_seq_id,
                                      priority=priority))
                 self._next_seq_id += 1
+            if grammar is not None:
+                self.structured.add([s.seq_id for s in seqs], grammar)
             self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -149,6 +155,19 @@ class Engine:
         if short is not None:
             raise ValueError(f"request {request_id}: {short}; raise kv_cache_memory_bytes or shorten the prompt")
 
+    def _compile_grammar(self, request_id: str, params: SamplingParams) -> str | None:
+        """The request's structured-outputs grammar compiled against the tokenizer (None: unconstrained); a
+        ValueError fails this request only."""
+        if params.structured_outputs is None:
+            return None
+        if self.num_spec:
+            raise ValueError(f"request {request_id}: structured outputs are not supported with speculative decoding "
+                             "yet; drop structured_outputs or run without speculative_method")
+        try:
+            return self.structured.compile(params.structured_outputs)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id}: {exc}") from None
+
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
         with self._lock:
@@ -159,9 +178,10 @@ class Engine:
                 if not seq.is_finished:
                     self._finish(seq, "abort")
 
-    def warmup(self) -> int:
-        """Compile every decode bucket now (see ModelRunner.warmup_decode)."""
-        return self.runner.warmup_decode(self.limits)
+    def warmup(self, structured_outputs: bool = False) -> int:
+        """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the
+        variants that carry a token mask."""
+        return self.runner.warmup_decode(self.limits, token_mask=structured_outputs)
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached KV pages (their contents came from other weights)."""
@@ -220,7 +240,10 @@ class Engine:
             params, [s.seed for s in batch.seqs], [s.num_output_tokens for s in batch.seqs],
             pad_to=inp.logits_indices.shape[0],
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in batch.seqs] if pen else None,
-            output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None)
+            output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None,
+            token_mask=self.structured.fill(
+                [(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                 if s.num_computed_tokens + n >= s.num_tokens], pad_to=inp.logits_indices.shape[0]))
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
@@ -315,6 +338,8 @@ class Engine:
             entry.update({int(t): float(lp) for t, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])})
             seq.output_logprobs.append(entry)
         reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        if reason is None and self.structured.sync(seq):
+            reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is not None:
             seq.stop_reason = stop_reason
             flush_text(seq)
@@ -324,6 +349,7 @@ class Engine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
+        self.structured.release(seq.seq_id)
         request = self.requests[seq.request_id]
         if request.finished:
             request.metrics.finished_time = time.perf_counter()

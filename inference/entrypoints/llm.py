@@ -259,9 +259,10 @@ class LLM:
                 finished[request_id] = self.engine.output_of(request_id)
         return finished
 
-    def warmup(self) -> int:
-        """Compile every decode bucket up front; returns the number of variants compiled."""
-        return self.engine.warmup()
+    def warmup(self, structured_outputs: bool = False) -> int:
+        """Compile every decode bucket up front (with `structured_outputs` also the variants with a token mask, so
+        constrained requests compile nothing either); returns the number of variants compiled."""
+        return self.engine.warmup(structured_outputs=structured_outputs)
 
     # ---- RL hooks ---------------------------------------------------------------------------------------------
     def get_params(self) -> nnx.State:

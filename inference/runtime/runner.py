@@ -21,6 +21,7 @@ from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_
                                         sample_with_logprobs)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
+from inference.sampling.token_mask import all_allowed
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from models.attention import QuantizedKV
 from models.decoder import Decoder
@@ -231,17 +232,20 @@ class ModelRunner:
         for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
             self.kv_caches[c] = cache
 
-    def warmup_decode(self, limits: BucketLimits) -> int:
+    def warmup_decode(self, limits: BucketLimits, token_mask: bool = False) -> int:
         """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
-        filters, so serving never compiles a decode step. Returns how many variants were compiled."""
+        filters (and with `token_mask` also with and without a structured-outputs mask), so serving never compiles
+        a decode step. Returns how many variants were compiled."""
         before = self.decode_step._cache_size()
         for seqs in bucket_ladder(1, limits.max_seqs):
             for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages):
                 inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1,
                                        num_groups=len(self.group_caches))
-                sampling = SamplingTensors.from_params([], [], [], pad_to=seqs)
-                for use_filters in (False, True):
-                    self.execute(inp, sampling, is_decode=True, use_filters=use_filters)
+                masks = [None] + ([all_allowed(seqs, self.config.vocab_size)] if token_mask else [])
+                for mask in masks:
+                    sampling = SamplingTensors.from_params([], [], [], pad_to=seqs, token_mask=mask)
+                    for use_filters in (False, True):
+                        self.execute(inp, sampling, is_decode=True, use_filters=use_filters)
         return self.decode_step._cache_size() - before
 
     @property

@@ -13,6 +13,8 @@ import math
 import numbers
 from typing import Any, Literal
 
+from inference.structured.params import StructuredOutputsParams
+
 #: Upper bound on `logprobs` / `prompt_logprobs` (number of top alternatives returned per token). vLLM's default
 #: `max_logprobs` is 20 as well; the bound keeps the static `num_top` of the jitted logprob kernel small.
 MAX_LOGPROBS = 20
@@ -66,6 +68,11 @@ class SamplingParams:
       frequency_penalty: in [-2, 2] (0 = off); subtracted from each token's logit once per occurrence in the output.
       The three penalties act on the raw logits before temperature and the filters (vLLM's order), greedy rows
       included; "processed" logprobs include them, "raw" ones do not.
+      structured_outputs: a `StructuredOutputsParams` (JSON schema, regex, choice, grammar or any JSON object) the
+        output must match, or None. Tokens the grammar forbids are masked out of the logits before anything else,
+        so both "raw" and "processed" logprobs are of the constrained distribution (vLLM's behaviour). The sequence
+        stops ("stop") when the grammar is complete; it ends with "length" and the text so far if max_tokens comes
+        first.
     """
 
     n: int = 1
@@ -86,6 +93,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen dataclass)
@@ -149,6 +157,10 @@ class SamplingParams:
             if not _is_real(value) or not (-2.0 <= value <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
             set_(name, float(value))
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (inference.structured.params), got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

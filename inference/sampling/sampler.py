@@ -6,6 +6,8 @@ per-request `SamplingParams` into small per-row arrays once per step.
 
 Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
+-1. Structured outputs: where the batch carries `SamplingTensors.token_mask`, tokens a row's grammar forbids are set
+   to -inf first (inference/sampling/token_mask.py), so everything below, logprobs included, sees only allowed ones.
 0. Penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
    `SamplingTensors.penalties`: a token present in the prompt or the output has its logit divided by the row's
    repetition penalty if positive, else multiplied by it; then logit -= frequency * count_in_output
@@ -56,6 +58,7 @@ import numpy as np
 from jax import lax
 
 from inference.sampling.params import SAMPLING_EPS, SamplingParams
+from inference.sampling.token_mask import apply_token_mask
 
 #: The PRNG implementation every sampling key uses (raw u32[2] key data), whatever JAX's default: the rejection
 #: sampler and the draft model wrap key data with it too.
@@ -169,6 +172,8 @@ class SamplingTensors:
       processed_logprobs: bool[S]; True where the request asked for logprobs_mode="processed".
       penalties: PenaltyTensors, or None when no row uses a penalty. None is part of the pytree structure, so it acts
         as a static flag: batches without penalties trace and compile exactly the step they did before penalties.
+      token_mask: i32[S, ceil(V / 32)] structured-outputs bitmask (inference/sampling/token_mask.py; rows without a
+        constraint all ones), or None when no row is constrained: a static flag like `penalties`.
     """
 
     temperature: jax.Array
@@ -179,6 +184,7 @@ class SamplingTensors:
     step: jax.Array
     processed_logprobs: jax.Array
     penalties: PenaltyTensors | None = None
+    token_mask: jax.Array | None = None
 
     @classmethod
     def from_params(
@@ -189,6 +195,7 @@ class SamplingTensors:
         pad_to: int,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
+        token_mask: np.ndarray | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -201,6 +208,7 @@ class SamplingTensors:
           pad_to: total number of rows (>= len(params_list)); the jitted step's static batch size.
           prompt_token_ids, output_token_ids: each row's prompt and generated tokens; required only when some row
             uses a penalty (`needs_penalties`), and only then read: otherwise `penalties` is None.
+          token_mask: the step's structured-outputs bitmask [pad_to, ceil(V / 32)], or None (no constrained row).
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -236,6 +244,8 @@ class SamplingTensors:
                 raise ValueError("a row uses repetition/presence/frequency penalties: pass prompt_token_ids and "
                                  "output_token_ids")
             penalties = PenaltyTensors.from_params(params_list, prompt_token_ids, output_token_ids, pad_to)
+        if token_mask is not None and token_mask.shape[0] != pad_to:
+            raise ValueError(f"token_mask has {token_mask.shape[0]} rows, the batch {pad_to}")
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -245,6 +255,7 @@ class SamplingTensors:
             step=step,
             processed_logprobs=processed,
             penalties=penalties,
+            token_mask=token_mask,
         )
 
     @property
@@ -391,14 +402,20 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
     """The logits each row actually samples from, f32[S, V].
 
-    First, when `t.penalties` is set, the penalties on every row (vLLM applies them before greedy and temperature).
+    First, when `t.token_mask` is set, tokens a row's grammar forbids become -inf (before anything else, so
+    penalties, temperature and filters only ever see allowed tokens). Then, when `t.penalties` is set, the penalties
+    on every row (vLLM applies them before greedy and temperature).
     Sampling rows: logits / temperature with min-p, top-k, top-p applied (dropped tokens = -inf) when `use_filters`.
     Greedy rows: the (penalised) logits unchanged (temperature treated as 1, no filters), so their argmax is vLLM's
     greedy token and, without penalties, their "processed" logprobs equal the raw ones.
     `use_filters` is static; with False the filter pass (and its cost) is skipped entirely and the row filters in `t`
     are ignored, so pass False only when `needs_filters(...)` is False.
     """
-    x = logits.astype(jnp.float32)
+    return _processed(apply_token_mask(logits.astype(jnp.float32), t.token_mask), t, use_filters=use_filters)
+
+
+def _processed(x: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
+    """`process_logits` after the token mask (x is f32 and already masked)."""
     if t.penalties is not None:
         x = apply_penalties(x, t.penalties)
     greedy = t.temperature < SAMPLING_EPS
@@ -471,10 +488,12 @@ def sample_with_logprobs(
     """`sample` plus logprobs, sharing one processed-logits pass. `use_filters` and `num_top` are static.
 
     Each row's logprobs come from the raw logits or, where `t.processed_logprobs` is set, from the processed ones;
-    the choice is a per-row select, so a mixed batch still does one log-softmax and one top-k.
+    the choice is a per-row select, so a mixed batch still does one log-softmax and one top-k. A structured-outputs
+    mask applies to both: "raw" is then the log-softmax of the masked logits (the constrained distribution before
+    temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler.
     """
-    raw = logits.astype(jnp.float32)
-    x = process_logits(raw, t, use_filters=use_filters)
+    raw = apply_token_mask(logits.astype(jnp.float32), t.token_mask)
+    x = _processed(raw, t, use_filters=use_filters)
     tokens = _sample_processed(x, t)
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top)

@@ -190,10 +190,14 @@ def row_seed(seed: int, row_id: RowId) -> int:
 
 
 def row_params(row: dict[str, Any], base: Any) -> Any:
-    """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer).
+    """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer) and its
+    own `json_schema` (a JSON Schema object the completions must match; it replaces --json_schema) if it has one.
 
-    Raises ValueError describing a bad `max_tokens`, which becomes that row's `error`.
+    Raises ValueError describing a bad `max_tokens` or schema, which becomes that row's `error`.
     """
+    if "json_schema" in row:
+        from inference.structured.params import StructuredOutputsParams
+        base = base.replace(structured_outputs=StructuredOutputsParams(json=row["json_schema"]))
     if "max_tokens" not in row:
         return base
     value = row["max_tokens"]

@@ -249,3 +249,20 @@ def test_batch_size_is_a_deprecated_alias(tmp_path, use_llm, capsys):
     run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', PROMPTS)}", f"--output={out}", "--batch_size=2")
     assert sorted(map(str, (r["id"] for r in read_jsonl(out)))) == ["3", "a", "b", "chat"]
     assert "--batch_size is deprecated" in capsys.readouterr().err
+
+
+def test_json_schema_flag_and_per_row_schemas(tmp_path, use_llm):
+    """--json_schema=FILE constrains every row; a row's own json_schema replaces it; a bad one is that row's error."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["red", "green", "blue"]}))
+    rows = [{"id": "flag", "prompt": "My favourite color is", "max_tokens": 8},
+            {"id": "row", "prompt": "Is the sky blue?", "max_tokens": 8, "json_schema": {"type": "boolean"}},
+            {"id": "bad", "prompt": "Hello", "json_schema": {"type": "foo"}}]
+    out = tmp_path / "out.jsonl"
+    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}", f"--json_schema={schema}")
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert json.loads(got["flag"]["outputs"][0]["text"]) in ("red", "green", "blue")
+    assert isinstance(json.loads(got["row"]["outputs"][0]["text"]), bool)
+    assert "structured_outputs.json is invalid" in got["bad"]["error"]
+    with pytest.raises(SystemExit, match="cannot read --json_schema"):
+        run_script(f"--json_schema={tmp_path / 'missing.json'}")
