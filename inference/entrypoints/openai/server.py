@@ -8,7 +8,9 @@ closes the engine loop.
 
 from __future__ import annotations
 
+import signal
 import socket
+import sys
 import threading
 
 import uvicorn
@@ -23,7 +25,10 @@ def _config(llm, host: str, port: int, log_level: str, **app_kwargs) -> uvicorn.
 
 
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kwargs) -> None:
-    """Serve `llm` until SIGTERM / SIGINT (see `build_app` for `app_kwargs`)."""
+    """Serve `llm` until SIGTERM / SIGINT (see `build_app` for `app_kwargs`); exit 0 once drained."""
+    # uvicorn drains, then re-raises the signal it caught under the handler it found: make that a clean exit
+    # rather than death by SIGTERM (which would look like a crash to a supervisor).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.Server(_config(llm, host, port, log_level, **app_kwargs)).run()
 
 
