@@ -161,11 +161,16 @@ def run_server(llm: LLM) -> dict:
         with ServerThread(llm, served_model_name="bench", log_level="error") as url:
             cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "server_bench.py"), f"--url={url}",
                    "--model=bench", f"--workload={f.name}"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            return run_child(cmd, "the HTTP clients")
     finally:
         os.unlink(f.name)
+
+
+def run_child(cmd: list[str], what: str) -> dict:
+    """Run a child process of this benchmark; the JSON object on its last stdout line."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"the HTTP clients failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -183,12 +188,9 @@ def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -
                f"--prompts={f.name}", f"--threads={FLAGS.llamacpp_threads}"]
     cmd.append(f"--output_len={FLAGS.output_len}")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        return run_child(cmd, f"the {side} side")
     finally:
         os.unlink(f.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {side} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _sibling(name: str):

@@ -43,10 +43,6 @@ class Admission:
             raise ValueError(f"max_waiting must be >= 0 or None (unbounded), got {self.max_waiting}; "
                              "pass 0 to admit only what the engine can run at once")
 
-    @property
-    def waiting(self) -> int:
-        return max(0, self.in_flight - self.slots)
-
 
 class AsyncStream:
     """One submitted request's deltas as an async iterator; `output` is the final RequestOutput once it is done."""
@@ -61,12 +57,14 @@ class AsyncStream:
 
     def _pump(self) -> None:
         item: object = _END
+        final = None
         try:
             for delta in self._stream:
+                final = delta.output or final
                 self._hand(delta)
         except BaseException as exc:  # noqa: BLE001 - the engine's failure goes to this request's handler
             item = exc
-        self._engine._release(self._num_seqs, self._stream._final)
+        self._engine._release(self._num_seqs, final)
         self._hand(item)
 
     def _hand(self, item: object) -> None:
@@ -136,7 +134,3 @@ class AsyncEngine:
         self.unreserve(num_seqs)
         if output is not None and self._on_finished is not None:
             self._on_finished(output)
-
-    @property
-    def idle(self) -> bool:
-        return self.admission.in_flight == 0

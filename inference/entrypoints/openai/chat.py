@@ -3,6 +3,7 @@ samples; `logprobs` + `top_logprobs`, `stream`, `max_tokens` / `max_completion_t
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -12,7 +13,7 @@ from inference.entrypoints.openai.errors import OpenAIError, sampling_error
 from inference.entrypoints.openai.logprobs import chat_logprobs
 from inference.entrypoints.openai.protocol import ChatCompletionRequest
 from inference.entrypoints.openai.serving import ServingContext
-from inference.entrypoints.openai.sse import DONE, event, event_stream
+from inference.entrypoints.openai.sse import event, event_stream
 
 
 def _text(content) -> str:
@@ -61,7 +62,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = serving.new_id("chatcmpl")
     streams = serving.submit_all(ctx, request_id, [(ids, text)], params, "messages")
     if body.stream:
-        return event_stream(_stream(ctx, body, request_id, len(ids), streams))
+        return event_stream(serving.sse_events(_stream(ctx, body, request_id, len(ids), streams), streams))
     try:
         [out] = await serving.collect(request, streams)
     except OpenAIError:
@@ -96,8 +97,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     completion_tokens = 0
-    deltas = serving.merged_deltas(streams)
-    try:
+    async with contextlib.aclosing(serving.merged_deltas(streams)) as deltas:
         async for _, delta in deltas:
             if delta.output is not None and delta.output.error is not None:
                 raise serving.engine_failure(RuntimeError(delta.output.error))
@@ -110,12 +110,5 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: 
             if body.return_token_ids:
                 choice["token_ids"] = delta.token_ids
             yield chunk([choice])
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=serving.usage(num_prompt_tokens, completion_tokens))
-    except OpenAIError as exc:
-        yield event(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the engine's failure, reported in the stream
-        yield event(serving.engine_failure(exc).body())
-    finally:
-        await deltas.aclose()
-    yield DONE
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield chunk([], usage=serving.usage(num_prompt_tokens, completion_tokens))

@@ -7,6 +7,7 @@ before the completion's (the first prompt token has none): what lm-eval's loglik
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from inference.entrypoints.openai.errors import OpenAIError, sampling_error
 from inference.entrypoints.openai.logprobs import completion_logprobs
 from inference.entrypoints.openai.protocol import CompletionRequest
 from inference.entrypoints.openai.serving import ServingContext
-from inference.entrypoints.openai.sse import DONE, event, event_stream
+from inference.entrypoints.openai.sse import event, event_stream
 
 
 def _prompts(ctx: ServingContext, prompt) -> list[tuple[list[int], str | None]]:
@@ -56,7 +57,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     request_id = serving.new_id("cmpl")
     streams = serving.submit_all(ctx, request_id, prompts, params, "prompt")
     if body.stream:
-        return event_stream(_stream(ctx, body, request_id, prompts, streams))
+        return event_stream(serving.sse_events(_stream(ctx, body, request_id, prompts, streams), streams))
     try:
         outputs = await serving.collect(request, streams)
     except OpenAIError:
@@ -105,8 +106,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str,
             for j in range(body.n):
                 offsets[i * body.n + j] = len(prefix)
                 yield chunk([{"index": i * body.n + j, "text": prefix, "logprobs": None, "finish_reason": None}])
-    deltas = serving.merged_deltas(streams)
-    try:
+    async with contextlib.aclosing(serving.merged_deltas(streams)) as deltas:
         async for i, delta in deltas:
             index = i * body.n + delta.index
             if delta.output is not None and delta.output.error is not None:
@@ -121,12 +121,5 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str,
             if body.return_token_ids:
                 choice["token_ids"] = delta.token_ids
             yield chunk([choice])
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage=serving.usage(sum(len(ids) for ids, _ in prompts), completion_tokens))
-    except OpenAIError as exc:
-        yield event(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the engine's failure, reported in the stream
-        yield event(serving.engine_failure(exc).body())
-    finally:
-        await deltas.aclose()
-    yield DONE
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield chunk([], usage=serving.usage(sum(len(ids) for ids, _ in prompts), completion_tokens))

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -53,11 +54,11 @@ class ServerThread:
 
     def start(self, timeout_s: float = 60.0) -> str:
         self._thread.start()
-        done = threading.Event()
-        while not self.server.started and self._thread.is_alive() and not done.wait(0.02):
-            timeout_s -= 0.02
-            if timeout_s <= 0:
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
         if not self.server.started:
             raise RuntimeError(f"the server failed to start on {self.url} (see the log above)")
         return self.url

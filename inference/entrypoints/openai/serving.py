@@ -14,6 +14,7 @@ from fastapi import Request
 from inference.engine.outputs import RequestOutput
 from inference.entrypoints.openai.async_engine import AsyncEngine, AsyncStream
 from inference.entrypoints.openai.errors import OpenAIError
+from inference.entrypoints.openai.sse import DONE, event
 from inference.entrypoints.streaming import StreamDelta
 from inference.sampling.params import SamplingParams
 
@@ -111,6 +112,24 @@ async def merged_deltas(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, 
             s.abort()
         for t in tasks:
             t.cancel()
+
+
+async def sse_events(chunks: AsyncIterator[str], streams: list[AsyncStream]) -> AsyncIterator[str]:
+    """An endpoint's SSE chunks, then `[DONE]`; a failure midway (the engine's, or a request's own error output)
+    becomes an error event in the stream, since the 200 status has already been sent. However it ends (the
+    client gone included: Starlette cancels this generator), every request still running is aborted."""
+    try:
+        async for c in chunks:
+            yield c
+    except OpenAIError as exc:
+        yield event(exc.body())
+    except Exception as exc:  # noqa: BLE001 - the engine's failure, reported in the stream
+        yield event(engine_failure(exc).body())
+    finally:
+        for s in streams:
+            s.abort()
+        await chunks.aclose()
+    yield DONE
 
 
 def engine_failure(exc: BaseException) -> OpenAIError:
