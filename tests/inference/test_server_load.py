@@ -143,3 +143,17 @@ def test_beyond_max_waiting_is_a_503_with_retry_after_and_the_rest_carry_on(serv
     ok = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
+    """The client times out long before a 300-token completion would finish; the server notices the closed
+    connection while waiting and aborts the request (its pages free, its finish reason "abort")."""
+    before = metric(server, "request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 300, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 30
+    while metric(server, "request_success_total", finished_reason="abort") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "request_success_total", finished_reason="abort") == before + 1
+    assert wait_for_kv_usage_zero(server) == 0.0
