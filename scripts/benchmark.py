@@ -159,8 +159,8 @@ def run_server(llm: LLM) -> dict:
         json.dump({"prompts": prompts, "gaps_s": gaps.tolist(), "max_tokens": params.max_tokens}, f)
     try:
         with ServerThread(llm, served_model_name="bench", log_level="error") as url:
-            cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "server_bench.py"), f"--url={url}",
-                   "--model=bench", f"--workload={f.name}"]
+            cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "server_bench.py"), f"--server_url={url}",
+                   "--served_model=bench", f"--workload={f.name}"]
             return run_child(cmd, "the HTTP clients")
     finally:
         os.unlink(f.name)

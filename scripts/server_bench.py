@@ -5,7 +5,7 @@ sees them, and output throughput.
 Run by benchmark.py as a child process (so the clients' Python does not share the server's GIL and cores more
 than a real client would), with a workload file of {"prompts": [[ids]], "gaps_s": [...], "max_tokens": n}:
 
-    python scripts/server_bench.py --url=http://127.0.0.1:8000 --model=smollm2-135m --workload=w.json
+    python scripts/server_bench.py --server_url=http://127.0.0.1:8000 --served_model=smollm2-135m --workload=w.json
 
 The last line printed is one JSON object, in `inference.engine.metrics.summarize_requests`'s shape.
 """
@@ -23,9 +23,10 @@ from absl import app, flags
 
 from inference.engine.metrics import percentiles
 
-_URL = flags.DEFINE_string("url", None, "The server's base URL.", required=True)
-_MODEL = flags.DEFINE_string("model", None, "The served model name.", required=True)
-_WORKLOAD = flags.DEFINE_string("workload", None, "JSON file: prompts, gaps_s, max_tokens.", required=True)
+# Names that no other launcher defines, so tests can import this module beside them.
+_URL = flags.DEFINE_string("server_url", None, "The server's base URL.")
+_MODEL = flags.DEFINE_string("served_model", None, "The served model name.")
+_WORKLOAD = flags.DEFINE_string("workload", None, "JSON file: prompts, gaps_s, max_tokens.")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
@@ -66,6 +67,9 @@ async def drive(url: str, model: str, prompts: list[list[int]], gaps_s: list[flo
 
 def main(argv) -> None:
     del argv
+    missing = [f"--{f.name}" for f in (_URL, _MODEL, _WORKLOAD) if not f.value]
+    if missing:  # checked here, not as required flags: tests import this module beside other launchers
+        raise app.UsageError(f"pass {', '.join(missing)}")
     with open(_WORKLOAD.value) as f:
         w = json.load(f)
     result = asyncio.run(drive(_URL.value, _MODEL.value, w["prompts"], w["gaps_s"], w["max_tokens"]))

@@ -157,3 +157,14 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
         time.sleep(0.05)
     assert metric(server, "request_success_total", finished_reason="abort") == before + 1
     assert wait_for_kv_usage_zero(server) == 0.0
+
+
+def test_the_server_benchmark_clients_count_every_token(server):
+    """scripts/server_bench.py (benchmark.py --mode=server's clients): every request and token is counted, and
+    the latencies it reports are real measurements."""
+    from scripts.server_bench import drive
+
+    result = asyncio.run(drive(server, MODEL, prompts(4, seed=5), [0.01] * 4, max_tokens=5))
+    assert result["requests"] == 4 and result["output_tokens"] == 20
+    assert result["prompt_tokens"] == sum(map(len, prompts(4, seed=5)))
+    assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["itl_s"]["p50"] >= 0
