@@ -39,7 +39,8 @@ from inference.engine.metrics import summarize_requests
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
-flags.DEFINE_enum("mode", "offline", ["offline", "serving"], "Fixed batches, or Poisson arrivals.")
+flags.DEFINE_enum("mode", "offline", ["offline", "serving", "server"], "Fixed batches, Poisson arrivals (serving), "
+                  "or Poisson arrivals over HTTP beside the same arrivals offline (server; scripts/server_bench.py).")
 flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure (offline); the largest caps running sequences.")
 flags.DEFINE_float("request_rate", 2.0, "Serving: mean arrivals per second.")
 flags.DEFINE_integer("num_requests", 64, "Serving: requests to send.")
@@ -109,15 +110,20 @@ def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     return summary
 
 
-def run_serving(llm: LLM) -> dict:
-    """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
+def serving_workload(llm: LLM) -> tuple[list[list[int]], np.ndarray, SamplingParams]:
+    """The serving modes' prompts, Poisson gaps between arrivals (seconds) and sampling parameters."""
     rng = np.random.default_rng(FLAGS.seed)
     vocab = llm.config.vocab_size
     prefix = rng.integers(100, vocab - 100, FLAGS.shared_prefix_len).tolist()
     lengths = rng.integers(max(FLAGS.input_len // 2, 1), FLAGS.input_len * 3 // 2 + 1, FLAGS.num_requests)
     prompts = [prefix + rng.integers(100, vocab - 100, int(n)).tolist() for n in lengths]
     gaps = rng.exponential(1.0 / FLAGS.request_rate, FLAGS.num_requests)
-    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
+    return prompts, gaps, SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
+
+
+def run_serving(llm: LLM) -> dict:
+    """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
+    prompts, gaps, params = serving_workload(llm)
     llm.warmup()  # every decode bucket; prefill buckets compile on first use
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
     llm.engine.reset_prefix_cache()
@@ -142,6 +148,32 @@ def run_serving(llm: LLM) -> dict:
     return summary
 
 
+def run_server(llm: LLM) -> dict:
+    """The serving workload over HTTP: the OpenAI server on a thread of this process, the clients (one per
+    request, Poisson arrivals) in a child process (scripts/server_bench.py); what the clients measured."""
+    from inference.entrypoints.openai.server import ServerThread
+
+    prompts, gaps, params = serving_workload(llm)
+    llm.engine.reset_prefix_cache()  # the offline run's pages must not serve these prompts
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": prompts, "gaps_s": gaps.tolist(), "max_tokens": params.max_tokens}, f)
+    try:
+        with ServerThread(llm, served_model_name="bench", log_level="error") as url:
+            cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "server_bench.py"), f"--server_url={url}",
+                   "--served_model=bench", f"--workload={f.name}"]
+            return run_child(cmd, "the HTTP clients")
+    finally:
+        os.unlink(f.name)
+
+
+def run_child(cmd: list[str], what: str) -> dict:
+    """Run a child process of this benchmark; the JSON object on its last stdout line."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -> dict:
     """The transformers (side "hf") or llama.cpp ("llamacpp") side, on the same prompts, in a child process of this
     run: torch's and XLA's CPU thread pools in one process slowed transformers down ~10x here, which would flatter
@@ -156,12 +188,9 @@ def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -
                f"--prompts={f.name}", f"--threads={FLAGS.llamacpp_threads}"]
     cmd.append(f"--output_len={FLAGS.output_len}")
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        return run_child(cmd, f"the {side} side")
     finally:
         os.unlink(f.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {side} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _sibling(name: str):
@@ -197,8 +226,17 @@ def main(argv: list[str]) -> None:
                                "dtype": resolve_dtype(FLAGS.dtype), "quantization": FLAGS.quantization,
                                "kv_cache_dtype": FLAGS.kv_cache_dtype, "attn_impl": FLAGS.attn_impl,
                                "prompts_file": FLAGS.prompts_file}}
-    if FLAGS.mode == "serving":
-        served = result["pagejax"]["serving"] = run_serving(llm)
+    if FLAGS.mode == "server":  # the same arrivals offline, then over HTTP; each once unmeasured, to compile
+        run_serving(llm), run_server(llm)  # the batches the arrivals form differ run to run: so do their shapes
+        offline = result["pagejax"]["serving"] = run_serving(llm)
+        http = result["http"] = run_server(llm)
+        result["ratio"] = {"output_tok_s": http["output_tok_s"] / offline["output_tok_s"],
+                           **{f"{k}_{q}": http[k][q] / offline[k][q] for k in ("ttft_s", "itl_s")
+                              for q in ("p50", "p90", "p99")}}
+        print("HTTP / offline: " + ", ".join(f"{k} {v:.2f}" for k, v in result["ratio"].items()), file=sys.stderr)
+    if FLAGS.mode in ("serving", "server"):
+        served = result["pagejax"]["serving"] if FLAGS.mode == "server" else run_serving(llm)
+        result["pagejax"]["serving"] = served
         print(f"serving at {FLAGS.request_rate}/s: TTFT p50 {served['ttft_s']['p50'] * 1e3:.0f} ms p99 "
               f"{served['ttft_s']['p99'] * 1e3:.0f} ms, ITL p50 {served['itl_s']['p50'] * 1e3:.0f} ms p99 "
               f"{served['itl_s']['p99'] * 1e3:.0f} ms, {served['output_tok_s']:.1f} output tok/s, prefix hit rate "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -43,10 +44,13 @@ from tqdm.auto import tqdm
 from inference import SamplingParams
 from inference.tools import jsonl_io
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
+# The engine flags (model, cache, parallelism, quantization) and the engine built from them, shared with serve.py.
+from scripts.engine_flags import build_llm  # noqa: E402
+
 BUILTIN_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
                      "Name a primary color."]
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name, .gguf file or Hugging Face model folder.")
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of rows with an id and a prompt or messages.")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); used instead of --input.")
 _CHAT = flags.DEFINE_bool("chat", False, "Send each --prompt as a user message through the chat template.")
@@ -74,23 +78,12 @@ _LOGPROBS = flags.DEFINE_integer("logprobs", None, "Return this many top logprob
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Keep generating past the EOS token.")
 _JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "JSON Schema file every completion must match (structured "
                                    "outputs; a row's own 'json_schema' replaces it).")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded together.")
-_MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
-_KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
-_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion (default: the model's).")
-_DTYPE = flags.DEFINE_string("dtype", "auto", "Compute dtype: auto (bfloat16 on TPU/GPU, float32 on CPU), float32, "
-                              "bfloat16 or float16.")
-_TP = flags.DEFINE_integer("tensor_parallel_size", 1, "Devices each model replica is sharded over.", lower_bound=1)
-_DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (each on its own devices).",
-                           lower_bound=1)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 for a multi-process job (jax.distributed).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-process job.")
 _DIST_AUTO = flags.DEFINE_bool("distributed_auto", None,
                                "Let JAX detect the cluster (TPU pod, SLURM, Open MPI) instead of the three flags.")
-_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
-                                 "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
 
 
 def sampling_params() -> SamplingParams:
@@ -124,16 +117,6 @@ def input_rows() -> list[dict[str, Any]]:
         key, texts = "messages", BUILTIN_QUESTIONS
     as_value = (lambda t: [{"role": "user", "content": t}]) if key == "messages" else (lambda t: t)
     return [{"id": i, key: as_value(t)} for i, t in enumerate(texts)]
-
-
-def build_llm() -> Any:
-    """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
-    from inference.entrypoints.llm import LLM
-
-    return LLM(_MODEL.value, dtype=_DTYPE.value, kv_cache_memory_bytes=_KV_BYTES.value,
-               max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
-               max_num_batched_tokens=_MAX_BATCHED.value, compilation_cache_dir=_CACHE_DIR.value or None,
-               tensor_parallel_size=_TP.value, data_parallel_size=_DP.value)
 
 
 def resumed_ids(index: int, shard: str | None) -> set:

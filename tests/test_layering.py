@@ -70,7 +70,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.runtime",),
     ("inference.spec_decode",),
     ("inference.engine",),
-    ("inference.entrypoints",),
+    # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
+    ("inference.entrypoints", "inference.entrypoints.openai"),
     ("inference.tools",),
     ("inference",),
     ("scripts",),

@@ -31,6 +31,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the whole request's output, on the delta that finishes it
+    logprobs: list | None = None  # the new tokens' logprob entries, when the request asked for logprobs
 
 
 class DeltaTracker:
@@ -62,8 +63,9 @@ class DeltaTracker:
                 continue  # already reported finished
             self.sent_tokens[i] = -1 if done else len(completion.token_ids)
             self.sent_text[i] = end
+            new_logprobs = None if completion.logprobs is None else list(completion.logprobs[n_tok:])
             result.append(StreamDelta(out.request_id, i, list(new_tokens), text[n_txt:end], done,
-                                      completion.finish_reason))
+                                      completion.finish_reason, logprobs=new_logprobs))
         if out.finished:  # the last delta of a request carries its whole output
             if not result:
                 last = out.outputs[-1]

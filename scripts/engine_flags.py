@@ -1,0 +1,33 @@
+"""The engine flags every launcher shares (model, scheduling, KV cache, dtype, quantization, parallelism, compile
+cache), defined once so scripts/generate.py and scripts/serve.py cannot drift apart, and `build_llm()` from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import flags
+
+MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name, .gguf file or Hugging Face model folder.")
+MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded together.")
+MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
+KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")
+MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion (default: the model's).")
+DTYPE = flags.DEFINE_string("dtype", "auto", "Compute dtype: auto (bfloat16 on TPU/GPU, float32 on CPU), float32, "
+                             "bfloat16 or float16.")
+QUANTIZATION = flags.DEFINE_string("quantization", None, "Weight quantization: int8, int4, int4-awq or gguf "
+                                   "(default: weights in --dtype).")
+TP = flags.DEFINE_integer("tensor_parallel_size", 1, "Devices each model replica is sharded over.", lower_bound=1)
+DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (each on its own devices).",
+                          lower_bound=1)
+CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
+                                "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
+
+
+def build_llm() -> Any:
+    """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
+    from inference.entrypoints.llm import LLM
+
+    return LLM(MODEL.value, dtype=DTYPE.value, kv_cache_memory_bytes=KV_BYTES.value,
+               max_model_len=MAX_MODEL_LEN.value, max_num_seqs=MAX_NUM_SEQS.value,
+               max_num_batched_tokens=MAX_BATCHED.value, compilation_cache_dir=CACHE_DIR.value or None,
+               quantization=QUANTIZATION.value, tensor_parallel_size=TP.value, data_parallel_size=DP.value)

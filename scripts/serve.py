@@ -1,0 +1,57 @@
+"""Serve a model over the OpenAI API (inference/entrypoints/openai/): /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics.
+
+    python scripts/serve.py                                    # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    python scripts/serve.py --model=model.gguf --port=9000 --served_model_name=my-model --max_waiting=64
+    PAGEJAX_API_KEY=... python scripts/serve.py --host=0.0.0.0   # clients send Authorization: Bearer <key>
+
+The engine flags (model, KV cache, dtype, quantization, parallelism) are the batch launcher's
+(scripts/engine_flags.py). SIGTERM or Ctrl-C stops accepting connections, lets every in-flight request finish, then
+exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from absl import app, flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
+from scripts.engine_flags import build_llm  # noqa: E402
+
+API_KEY_ENV = "PAGEJAX_API_KEY"
+
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 for every interface).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0, upper_bound=65535)
+_API_KEY = flags.DEFINE_string("api_key", None, f"Require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, "
+                               "else no authentication).")
+_SERVED_NAME = flags.DEFINE_multi_string("served_model_name", None, "Name(s) clients pass as `model` (default: "
+                                         "--model). Repeatable.")
+_MAX_WAITING = flags.DEFINE_integer("max_waiting", None, "Sequences that may wait beyond the running slots "
+                                    "(--max_num_seqs); more get 503 + Retry-After. Default: unbounded.",
+                                    lower_bound=0)
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 4 << 20, "Largest request body; larger ones get 413.",
+                                 lower_bound=1)
+_LOG_LEVEL = flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
+                               "uvicorn's log level.")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    api_key = _API_KEY.value if _API_KEY.value is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        llm = build_llm()
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    from inference.entrypoints.openai.server import serve
+
+    serve(llm, host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value, api_key=api_key,
+          served_model_name=_SERVED_NAME.value, max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
