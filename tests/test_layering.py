@@ -58,13 +58,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # inference
     ("inference.engine.config",),  # plain-data configs: validated arguments, no engine code
     ("inference.sampling.params",),
-    ("inference.sampling.sampler",),
+    ("inference.sampling.sampler", "inference.sampling.logit_bias"),
     ("inference.sampling",),
     ("inference.loading",),
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
-    ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages"),
+    ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages", "inference.engine.logprobs"),
     ("inference.engine.scheduler",),
     ("inference.runtime",),
     ("inference.spec_decode",),
