@@ -166,8 +166,7 @@ def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
             if error is not None:
                 yield jsonl_io.error_row(row, error)
                 continue
-            # LLM._submit: the same encode-then-add_request, and the same error output for a rejected prompt
-            [submitted] = llm._submit([text], params, None)
+            [submitted] = llm.submit([text], params)  # queued, or its error output for a rejected prompt
             if submitted.error is not None:
                 yield jsonl_io.result_row(row, submitted.error, with_logprobs)
             else:

@@ -75,7 +75,7 @@ def row_edits(params: SamplingParams, output_ids: Sequence[int], bad_words_ids: 
     edits = [(t, -np.inf) for t in banned_by_bad_words(bad_words_ids, output_ids)]
     if len(output_ids) < params.min_tokens:
         edits += [(int(t), -np.inf) for t in sorted(set(stop_ids))]
-    edits += [(int(t), float(b)) for t, b in params.logit_bias.items()]
+    edits += [(int(t), float(b)) for t, b in (params.logit_bias or {}).items()]
     return edits
 
 
