@@ -136,3 +136,20 @@ def test_engine_applies_the_edits_and_rejects_out_of_vocabulary_ids(tiny_llama):
     assert set(allowed.token_ids) <= {7, 8} and len(allowed.token_ids) == 6
     assert biased.token_ids == [42] * 6 and outs[3].prompt_token_ids == prompt[-4:]
     assert bad.finish_reason == "error" and "outside the vocabulary" in outs[4].error
+
+
+def test_speculative_engine_verifies_bias_and_allowed_lists_and_refuses_the_rest(tiny_llama):
+    """Prompt lookup drafts from a repetitive prompt; the rejection sampler reads the same edited logits, so greedy
+    output is token for token the plain engine's. min_tokens / bad_words depend on the position inside a draft:
+    refused with a clear error, the other prompts of the call unaffected."""
+    from tests.llm_configs import TINY_SPEC
+
+    spec = TINY_SPEC.build(speculative_method="ngram", num_speculative_tokens=3)
+    prompt = [7, 8, 9] * 6
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[7, 8, 9],
+                            logit_bias={9: 2.0, 7: 1.0})
+    want = tiny_llama.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    got, refused = spec.generate(prompt_token_ids=[prompt, prompt],
+                                 sampling_params=[params, params.replace(min_tokens=2)])
+    assert got.outputs[0].token_ids == want and spec.engine.stats.spec_proposed > 0
+    assert "not supported with speculative decoding" in refused.error
