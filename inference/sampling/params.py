@@ -35,6 +35,9 @@ class FrozenLogitBias(dict):
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
 
+    def __reduce__(self):  # pickle / deepcopy rebuild it whole (dict's default would call the blocked __setitem__)
+        return (FrozenLogitBias, (dict(self),))
+
     def _read_only(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("SamplingParams.logit_bias is read-only; use params.replace(logit_bias=...)")
 

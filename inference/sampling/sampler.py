@@ -6,7 +6,9 @@ per-request `SamplingParams` into small per-row arrays once per step.
 
 Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
-0. Penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
+0. Sparse logit edits (inference/sampling/logit_bias.py: allowed_token_ids, bad words, min_tokens, logit_bias) when
+   the batch carries `SamplingTensors.logit_bias`, then
+   penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
    `SamplingTensors.penalties`: a token present in the prompt or the output has its logit divided by the row's
    repetition penalty if positive, else multiplied by it; then logit -= frequency * count_in_output
    + presence * (count_in_output > 0). The counts are built inside the jit from the padded token ids.

@@ -35,6 +35,16 @@ def test_bias_is_clamped_to_100_and_added_to_the_raw_logits():
     np.testing.assert_allclose(got[0], [1.0, 2.0, 2.5, 99.0])
 
 
+def test_params_with_a_bias_stay_frozen_hashable_and_picklable():
+    import pickle
+
+    p = SamplingParams(logit_bias={1: 2.0}, allowed_token_ids=[1, 2], bad_words="x")
+    assert hash(p) == hash(p.replace()) and pickle.loads(pickle.dumps(p)) == p
+    assert p.allowed_token_ids == (1, 2) and p.bad_words == ("x",)
+    with pytest.raises(TypeError, match="read-only"):
+        p.logit_bias[3] = 1.0
+
+
 def test_allowed_list_keeps_only_its_tokens_and_a_bias_cannot_revive_a_disallowed_one():
     logits = np.array([[1.0, 2.0, 0.5, 4.0], [1.0, 2.0, 0.5, 4.0]], np.float32)
     rows = [SamplingParams(temperature=0, allowed_token_ids=[0, 2], logit_bias={3: 10.0, 2: 1.0}),
