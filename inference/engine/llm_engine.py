@@ -262,17 +262,10 @@ class Engine:
         """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""
         if not any(s.params.uses_logit_rules for s in batch.seqs):
             return None
-        edits, allowed = [], []
-        for seq in batch.seqs:
-            p = seq.params
-            if not p.uses_logit_rules:
-                edits.append([])
-                allowed.append(None)
-                continue
-            stop_ids = set(p.stop_token_ids) | self.eos_token_ids  # vLLM's all_stop_token_ids
-            edits.append(row_edits(p, seq.output_token_ids, self.requests[seq.request_id].bad_words_ids, stop_ids))
-            allowed.append(p.allowed_token_ids)
-        return LogitBiasTensors.from_rows(edits, allowed, pad_to)
+        # A row's stop ids for min_tokens: vLLM's all_stop_token_ids (stop_token_ids and EOS).
+        edits = [row_edits(s.params, s.output_token_ids, self.requests[s.request_id].bad_words_ids,
+                           set(s.params.stop_token_ids) | self.eos_token_ids) for s in batch.seqs]
+        return LogitBiasTensors.from_rows(edits, [s.params.allowed_token_ids for s in batch.seqs], pad_to)
 
     def _run_draft(self, batch: ScheduledBatch):
         """Fill the reserved draft slots with the proposer's tokens, batched over the speculating sequences;
