@@ -135,10 +135,22 @@ PRESET_WEIGHTS: dict[str, tuple[str, str]] = {
 }
 
 
+def is_random_weight_preset(name: str) -> bool:
+    """A preset with no shipped weights (and so no tokenizer): a test or benchmark model whose output is noise."""
+    return name in MODEL_PRESETS and name not in PRESET_WEIGHTS
+
+
+def preset_listing() -> str:
+    """The presets, those without shipped weights marked as random-weight test models."""
+    with_weights = sorted(n for n in MODEL_PRESETS if n in PRESET_WEIGHTS)
+    random = sorted(n for n in MODEL_PRESETS if n not in PRESET_WEIGHTS)
+    return f"{', '.join(with_weights)} (shipped weights); random-weight test models, no tokenizer: {', '.join(random)}"
+
+
 def get_model_config(name: str) -> ModelConfig:
     try:
         return MODEL_PRESETS[name]
     except KeyError:
         raise ValueError(
-            f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}. "
+            f"unknown model preset {name!r}; presets: {preset_listing()}. "
             "Pass a preset name, a .gguf file or a Hugging Face model folder.") from None

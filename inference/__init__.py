@@ -1,6 +1,7 @@
 """Offline generation API (vLLM-shaped), engine, scheduler, sampling."""
 
-from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from inference.entrypoints.prompts import PromptType, TextPrompt, TokensPrompt
 from inference.sampling.params import SamplingParams
 from inference.structured.params import StructuredOutputsParams
 
@@ -13,4 +14,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "Logprob", "TextPrompt", "TokensPrompt", "PromptType"]

@@ -7,7 +7,9 @@ from typing import Any
 
 from absl import flags
 
-MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name, .gguf file or Hugging Face model folder.")
+MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model preset name, .gguf file or Hugging Face model folder "
+                            "(default: SmolLM2-135M-Instruct, 4-bit GGUF; presets other than it are random-weight "
+                            "test models).")
 MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "Most sequences decoded together.")
 MAX_BATCHED = flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one engine step.")
 KV_BYTES = flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV cache size (default: from device memory).")

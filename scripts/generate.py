@@ -26,11 +26,17 @@ With --seed, --seed_mode=per_row (default) seeds each row with the seed plus a s
 prompts still get different samples and a rerun reproduces them; --seed_mode=shared gives every row the seed.
 Without --output, --input results go to stdout as JSONL, and --prompt / built-in results are printed as Q/A text.
 The logic lives in `inference.tools.jsonl_io`.
+
+The first run compiles the model's steps (tens of seconds on CPU) and says so, with a line per compiled step; they
+are cached (--compilation_cache_dir) so later runs start at once. Presets without shipped weights (tiny-*, the
+real-size configs) are random-weight test models with no tokenizer: they cannot run text rows, and are refused.
+A usage error prints one line (exit 2); --help prints this text and the flags (exit 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from pathlib import Path
@@ -46,7 +52,9 @@ from inference.tools import jsonl_io
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
 # The engine flags (model, cache, parallelism, quantization) and the engine built from them, shared with serve.py.
-from scripts.engine_flags import build_llm  # noqa: E402
+from scripts.engine_flags import MODEL as _MODEL, build_llm  # noqa: E402
+
+FLAGS = flags.FLAGS
 
 BUILTIN_QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?",
                      "Name a primary color."]
@@ -101,7 +109,7 @@ def sampling_params() -> SamplingParams:
     except OSError as e:
         sys.exit(f"error: cannot read --json_schema: {e}")
     except ValueError as e:
-        sys.exit(f"error: bad sampling flags: {e}")
+        usage_error(f"bad sampling flags: {e}")
 
 
 def input_rows() -> list[dict[str, Any]]:
@@ -117,6 +125,22 @@ def input_rows() -> list[dict[str, Any]]:
         key, texts = "messages", BUILTIN_QUESTIONS
     as_value = (lambda t: [{"role": "user", "content": t}]) if key == "messages" else (lambda t: t)
     return [{"id": i, key: as_value(t)} for i, t in enumerate(texts)]
+
+
+def check_model_can_run(rows: list[dict[str, Any]]) -> None:
+    """Refuse up front a random-weight preset (no tokenizer) given text rows, instead of failing every row; warn
+    that such a model's output is noise. Cheap: reads the preset table, loads nothing."""
+    from configs.presets import is_random_weight_preset
+
+    if not is_random_weight_preset(_MODEL.value):
+        return
+    print(f"warning: {_MODEL.value} is a random-weight test model (no shipped weights): its output is noise",
+          file=sys.stderr)
+    kinds = sorted({key for row in rows for key in ("messages", "prompt") if key in row})
+    if kinds:
+        raise ValueError(f"{_MODEL.value} is a random-weight test model with no tokenizer, so it cannot run "
+                         f"{' or '.join(repr(k) for k in kinds)} rows; use --model=smollm2-135m (the default), a "
+                         ".gguf file or a model folder with a tokenizer")
 
 
 def resumed_ids(index: int, shard: str | None) -> set:
@@ -160,8 +184,7 @@ def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
             if error is not None:
                 yield jsonl_io.error_row(row, error)
                 continue
-            # LLM._submit: the same encode-then-add_request, and the same error output for a rejected prompt
-            [submitted] = llm._submit([text], params, None)
+            [submitted] = llm.submit([text], params)  # queued, or its error output for a rejected prompt
             if submitted.error is not None:
                 yield jsonl_io.result_row(row, submitted.error, with_logprobs)
             else:
@@ -204,12 +227,44 @@ class _Saved:
     rows: int = 0
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "--helpfull")
+
+
+def usage_error(message: str) -> None:
+    """One line and a pointer to --help, exit 2 (the usual code for bad usage), instead of absl's pages of help."""
+    print(f"error: {message}\nrun with --help for the flags", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's flag parsing with --help on stdout and exit 0, a bad flag as one line and exit 2, and absl / JAX
+    INFO logging off unless --verbosity asks for it (JAX logs at INFO that it found no TPU, which reads like an
+    error on a machine that has none)."""
+    if any(arg in HELP_FLAGS for arg in argv[1:]):
+        module = sys.modules[__name__]
+        full = "--helpfull" in argv[1:]
+        print(f"{module.__doc__}\nflags:\n{FLAGS.get_help() if full else FLAGS.module_help(module)}")
+        sys.exit(0)
+    try:
+        rest = FLAGS(list(argv))
+    except flags.Error as e:
+        usage_error(str(e))
+    if not FLAGS["verbosity"].present:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger("jax").setLevel(logging.WARNING)
+    return rest
+
+
 def main(argv: Sequence[str]) -> None:
     """Ctrl-C at any point ends with one line saying what is saved and exit code 130 (the shell's SIGINT code), not
     a traceback: the rows written so far are flushed and fsynced, and a rerun resumes after them."""
     saved = _Saved()
     try:
         _main(argv, saved)
+    except app.UsageError as e:
+        usage_error(str(e))
     except KeyboardInterrupt:
         where = f"saved to {saved.path}; rerun the same command to resume" if saved.path else "written to stdout"
         print(f"interrupted: {saved.rows} rows {where}", file=sys.stderr)
@@ -221,7 +276,14 @@ def _main(argv: Sequence[str], saved: _Saved) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     start = time.perf_counter()
     params = sampling_params()
-    from sharding import distributed  # imports JAX: after the cheap flag checks
+    from inference.runtime.compile_progress import CompileProgress  # imports JAX: after the cheap flag checks
+
+    with CompileProgress(_MODEL.value, lambda line: tqdm.write(line, file=sys.stderr)):
+        _generate(params, saved, start)
+
+
+def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
+    from sharding import distributed
 
     try:
         job = distributed.resolve(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DIST_AUTO.value)
@@ -236,6 +298,7 @@ def _main(argv: Sequence[str], saved: _Saved) -> None:
         done = resumed_ids(index, shard)
         mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
         pending = [row for row in mine if row["id"] not in done]
+        check_model_can_run(pending)
         llm = build_llm() if pending else None  # a finished job reruns without loading the model
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
@@ -292,4 +355,4 @@ def _main(argv: Sequence[str], saved: _Saved) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

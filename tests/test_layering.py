@@ -59,19 +59,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine.config",),  # plain-data configs: validated arguments, no engine code
     # StructuredOutputsParams (a SamplingParams field) sits beside it; the matchers sit with the tokenizer they need.
     ("inference.sampling.params", "inference.structured.__init__", "inference.structured.params"),
-    ("inference.sampling.sampler", "inference.sampling.token_mask"),
+    ("inference.sampling.sampler", "inference.sampling.token_mask", "inference.sampling.logit_bias"),
     ("inference.sampling",),
     ("inference.loading", "inference.structured"),
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
-    ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages"),
+    ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages", "inference.engine.logprobs"),
     ("inference.engine.scheduler",),
-    ("inference.runtime",),
+    ("inference.runtime", "inference.runtime.compile_progress"),
     ("inference.spec_decode",),
     ("inference.engine",),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
-    ("inference.entrypoints", "inference.entrypoints.openai"),
+    ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
     ("inference.tools",),
     ("inference",),
     ("scripts",),

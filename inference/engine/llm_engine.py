@@ -16,8 +16,10 @@ import time
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
+from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, StepOutput
+from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.params import SamplingParams
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
@@ -43,6 +45,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     error: str | None = None
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # params.bad_words, tokenized
 
     @property
     def finished(self) -> bool:
@@ -109,13 +112,18 @@ class Engine:
         self._lock = threading.Lock()
         self._next_seq_id = 0
         self._rng = random.Random()
+        self._token_texts = TokenTexts(tokenizer)
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
+        if params.truncate_prompt_tokens is not None:  # vLLM keeps the last k tokens
+            k = params.truncate_prompt_tokens
+            prompt_token_ids = list(prompt_token_ids)[-(self.max_model_len - 1 if k == -1 else k):]
         self._validate(request_id, prompt_token_ids, params)
         grammar = self._compile_grammar(request_id, params)
+        bad_words_ids = self._bad_words_ids(request_id, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  num_prompt_tokens=len(prompt_token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -129,7 +137,8 @@ class Engine:
                 self._next_seq_id += 1
             if grammar is not None:
                 self.structured.add([s.seq_id for s in seqs], grammar)
-            self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
+            self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics,
+                                                bad_words_ids=bad_words_ids)
             for seq in seqs:
                 self.scheduler.add(seq)
             self.stats.prompt_tokens += len(prompt_token_ids)
@@ -147,6 +156,15 @@ class Engine:
             # Verification would need the counts to grow along each row's draft positions; not built yet.
             raise ValueError(f"request {request_id}: penalties are not supported with speculative decoding yet "
                              "(repetition_penalty, presence_penalty, frequency_penalty)")
+        if self.num_spec and (params.min_tokens or params.bad_words):
+            # Both depend on the output length, which grows along a row's draft positions; not built yet.
+            raise ValueError(f"request {request_id}: min_tokens and bad_words are not supported with speculative "
+                             "decoding yet")
+        for name in ("logit_bias", "allowed_token_ids"):
+            out_of_vocab = [t for t in getattr(params, name) or () if t >= vocab]
+            if out_of_vocab:
+                raise ValueError(f"request {request_id}: {name} has token id {out_of_vocab[0]} outside the "
+                                 f"vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
                              f"{self.max_model_len}; shorten the prompt or raise max_model_len")
@@ -167,6 +185,19 @@ class Engine:
             return self.structured.compile(params.structured_outputs)
         except ValueError as exc:
             raise ValueError(f"request {request_id}: {exc}") from None
+
+    def _bad_words_ids(self, request_id: str, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id}: bad_words need a tokenizer and this model has none; ban token "
+                             "ids with logit_bias={id: -100} instead")
+        ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        vocab = self.runner.config.vocab_size
+        bad = [t for word in ids for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: bad_words tokenize to id {bad[0]} outside the vocabulary")
+        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
@@ -243,11 +274,21 @@ class Engine:
             output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None,
             token_mask=self.structured.fill(
                 [(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                 if s.num_computed_tokens + n >= s.num_tokens], pad_to=inp.logits_indices.shape[0]))
+                 if s.num_computed_tokens + n >= s.num_tokens], pad_to=inp.logits_indices.shape[0]),
+            logit_bias=self._logit_bias(batch, inp.logits_indices.shape[0]))
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
                                    logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
+
+    def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
+        """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""
+        if not any(s.params.uses_logit_rules for s in batch.seqs):
+            return None
+        # A row's stop ids for min_tokens: vLLM's all_stop_token_ids (stop_token_ids and EOS).
+        edits = [row_edits(s.params, s.output_token_ids, self.requests[s.request_id].bad_words_ids,
+                           set(s.params.stop_token_ids) | self.eos_token_ids) for s in batch.seqs]
+        return LogitBiasTensors.from_rows(edits, [s.params.allowed_token_ids for s in batch.seqs], pad_to)
 
     def _run_draft(self, batch: ScheduledBatch):
         """Fill the reserved draft slots with the proposer's tokens, batched over the speculating sequences;
@@ -315,12 +356,10 @@ class Engine:
                 break
             if pos < len(seq.prompt_logprobs):
                 continue  # recomputed after a preemption: already recorded
-            row = offset + j
-            entry = {int(seq.token_ids[pos]): float(out.prompt_logprob[row])}
-            k = seq.params.prompt_logprobs
-            entry.update({int(t): float(lp) for t, lp in zip(out.prompt_top_ids[row][:k],
-                                                             out.prompt_top_logprobs[row][:k])})
-            seq.prompt_logprobs.append(entry)
+            row, k = offset + j, seq.params.prompt_logprobs
+            seq.prompt_logprobs.append(logprobs_dict(
+                seq.token_ids[pos], out.prompt_logprob[row], out.prompt_rank[row], out.prompt_top_ids[row][:k],
+                out.prompt_top_logprobs[row][:k], self._texts(seq.params)))
 
     def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
                       now: float) -> None:
@@ -334,9 +373,9 @@ class Engine:
             metrics.token_times.append(now)
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
-            entry = {token: float(out.logprob[row])}
-            entry.update({int(t): float(lp) for t, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])})
-            seq.output_logprobs.append(entry)
+            seq.output_logprobs.append(logprobs_dict(token, out.logprob[row], out.rank[row], out.top_ids[row][:k],
+                                                     out.top_logprobs[row][:k], self._texts(seq.params)))
+            seq.cumulative_logprob += float(out.logprob[row])
         reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if reason is None and self.structured.sync(seq):
             reason = "stop"  # the grammar is complete: nothing but EOS could follow
@@ -344,6 +383,10 @@ class Engine:
             seq.stop_reason = stop_reason
             flush_text(seq)
             self._finish(seq, reason)
+
+    def _texts(self, params: SamplingParams) -> TokenTexts | None:
+        """Decoded tokens for logprob entries; none when the request set detokenize=False (vLLM's)."""
+        return self._token_texts if params.detokenize else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -362,7 +405,8 @@ class Engine:
                 index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None))
+                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None))
         first = request.seqs[0]
         prompt_lp = list(first.prompt_logprobs) if request.params.prompt_logprobs is not None else None
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,

@@ -28,14 +28,37 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's `vllm.logprobs.Logprob`).
+
+    `logprob`: its log-probability (raw or processed, per `SamplingParams.logprobs_mode`). `rank`: its 1-based rank
+    in the whole vocabulary under that distribution, as vLLM counts it (the number of tokens whose logprob is >= its
+    own, so ties share the larger rank); the top-k alternatives of a position are ranked 1..k. `decoded_token`: the
+    token decoded on its own (`tokenizer.decode([id])`, special tokens kept, as vLLM does), or None when the model
+    has no tokenizer or the request set `detokenize=False`.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One position's logprobs: token id -> Logprob (the sampled or prompt token, plus the top-k alternatives).
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[LogprobsDict] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None
     logprobs_mode: str | None = None  # "raw" or "processed" when logprobs were asked for
+    # vLLM V1's: the sum of the sampled tokens' logprobs (in `logprobs_mode`'s distribution); None when the request
+    # did not ask for logprobs, since the engine then brings no logprob back from the device.
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -46,7 +69,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, float] | None] | None
+    prompt_logprobs: list[LogprobsDict | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

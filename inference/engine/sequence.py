@@ -10,6 +10,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from inference.engine.outputs import LogprobsDict
 from inference.sampling.params import SamplingParams
 
 
@@ -37,8 +38,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+    output_logprobs: list[LogprobsDict] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[LogprobsDict | None] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (filled only when logprobs are asked)
     output_text: str = ""
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token

@@ -2,7 +2,9 @@
 
 Order and semantics follow vLLM: EOS (unless `ignore_eos`) and `stop_token_ids` stop with the token kept in
 `token_ids`; a stop string truncates the text before it (or after it with `include_stop_str_in_output`);
-`max_tokens` and the model context stop with reason "length". Text grows incrementally, one token at a time,
+`max_tokens` and the model context stop with reason "length". Below `min_tokens` generated tokens only the length
+limits apply, and stop strings count only once more than `min_tokens` tokens exist (vLLM V1's detokenizer);
+`detokenize=False` keeps no text. Text grows incrementally, one token at a time,
 through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token.
 """
 
@@ -25,10 +27,12 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
     """(finish_reason, stop_reason) after `seq` got a new token, or (None, None) to go on."""
     params = seq.params
     token = seq.token_ids[-1]
-    if tokenizer is not None:
+    # vLLM: below min_tokens only the length limits end a sequence (the sampler banned EOS and stop_token_ids).
+    below_min = seq.num_output_tokens < params.min_tokens
+    if tokenizer is not None and params.detokenize:
         before = len(seq.output_text)
         _append_text(seq, tokenizer)
-        if params.stop:
+        if params.stop and seq.num_output_tokens > params.min_tokens:
             # A new match can only end in the new text: look back by the longest stop string.
             start = max(0, before - max(len(s) for s in params.stop) + 1)
             for stop in params.stop:
@@ -37,9 +41,9 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
                     end = at + len(stop) if params.include_stop_str_in_output else at
                     seq.output_text = seq.output_text[:end]
                     return "stop", stop
-    if not params.ignore_eos and token in eos_token_ids:
+    if not below_min and not params.ignore_eos and token in eos_token_ids:
         return "stop", None
-    if token in params.stop_token_ids:
+    if not below_min and token in params.stop_token_ids:
         return "stop", token
     if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
         return "length", None

@@ -32,6 +32,7 @@ from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, Engin
                                      QuantizationConfig, SpeculativeConfig)
 from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from inference.spec_decode.proposer import Proposer
+from inference.entrypoints.prompts import ParsedPrompt, PromptType, parse_prompts
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
 from models.decoder import build_decoder
@@ -154,12 +155,14 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- generation -------------------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str] | None = None,
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
-        submitted = self._submit(prompts, sampling_params, prompt_token_ids)
+        """One RequestOutput per prompt, in input order. `prompts`: a str, a `TextPrompt` {"prompt": str}, a
+        `TokensPrompt` {"prompt_token_ids": [...]}, or a list mixing them (inference/entrypoints/prompts.py);
+        `prompt_token_ids=[[...], ...]` is the older spelling of TokensPrompts."""
+        submitted = self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids)
         finished = self._run(sum(1 for s in submitted if s.error is None), use_tqdm)
         outputs = []
         for s in submitted:
@@ -182,13 +185,13 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def stream(self, prompts: str | Sequence[str] | None = None,
+    def stream(self, prompts: PromptType | Sequence[PromptType] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
         """Like `generate`, but yield token/text deltas of every request as the engine produces them (in this
         thread). Prompts that fail validation yield one finished delta with the error on its output."""
         trackers: dict[str, DeltaTracker] = {}
-        for s in self._submit(prompts, sampling_params, prompt_token_ids):
+        for s in self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids):
             if s.error is not None:
                 yield StreamDelta(s.request_id, 0, [], "", True, "error", s.error)
             else:
@@ -205,30 +208,34 @@ class LLM:
         """A background engine loop for this model: `submit` from any thread while it generates."""
         return EngineLoop(self.engine)
 
-    def _submit(self, prompts, sampling_params, prompt_token_ids) -> list[_Submitted]:
-        """Encode and queue every prompt; a prompt the engine rejects gets its error output instead."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompts or prompt_token_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
-        params = self._per_prompt(sampling_params, len(texts))
+    def submit(self, prompts: PromptType | Sequence[PromptType] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[Submitted]:
+        """Encode and queue every prompt without stepping the engine (`generate` and `stream` step it; a caller
+        that keeps its own window of requests, like scripts/generate.py, steps `self.engine` itself). A prompt the
+        engine rejects, or whose shape is wrong, gets its error output instead (`Submitted.error`)."""
+        parsed = parse_prompts(prompts, prompt_token_ids)
+        params = self._per_prompt(sampling_params, len(parsed))
         submitted = []
-        for i, (text, p) in enumerate(zip(texts, params)):
-            request_id, ids = str(next(self._ids)), None
+        for i, (prompt, p) in enumerate(zip(parsed, params)):
+            request_id, ids = str(next(self._ids)), prompt.token_ids
             try:
-                ids = self._encode(text) if prompt_token_ids is None else [int(t) for t in prompt_token_ids[i]]
-                self.engine.add_request(request_id, ids, p, prompt=text)
-                submitted.append(_Submitted(request_id, p))
+                if prompt.error is not None:
+                    raise ValueError(prompt.error)
+                ids = ids if ids is not None else self._encode(prompt)
+                self.engine.add_request(request_id, ids, p, prompt=prompt.text)
+                submitted.append(Submitted(request_id, p))
             except ValueError as exc:
                 log.warning("prompt %d rejected: %s", i, exc)
-                submitted.append(_Submitted(request_id, p, _error_output(request_id, text, ids or [], p, str(exc))))
+                submitted.append(Submitted(request_id, p,
+                                           _error_output(request_id, prompt.text, ids or [], p, str(exc))))
         return submitted
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, prompt: ParsedPrompt) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_source} has no tokenizer; pass prompt_token_ids instead of text")
-        return self.tokenizer.encode(text)
+            raise ValueError(f"{self.model_source} has no tokenizer; pass token ids "
+                             '({"prompt_token_ids": [...]}) instead of text')
+        return self.tokenizer.encode(prompt.text)
 
     @staticmethod
     def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
@@ -342,7 +349,9 @@ def _proposer(spec: SpeculativeConfig, draft=None, **draft_kwargs) -> Proposer |
 
 
 @dataclasses.dataclass
-class _Submitted:
+class Submitted:
+    """A prompt `LLM.submit` queued (`error` None) or rejected (`error`: its finished error output)."""
+
     request_id: str
     params: SamplingParams
     error: RequestOutput | None = None  # the error output of a rejected prompt
@@ -356,4 +365,4 @@ def _error_output(request_id: str, prompt: str | None, ids: list[int], params: S
                          outputs=outputs, finished=True, metrics=metrics, error=error)
 
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "Submitted"]

@@ -65,5 +65,13 @@ def load_model(model: str) -> LoadedModel:
         except ValueError:
             tokenizer = None  # a freshly saved model: token-id input still works
         return LoadedModel(config, weights, tokenizer, model)
+    if _looks_like_path(model):
+        raise ValueError(f"{model}: no such file or folder (a model is a preset name, a .gguf file or a model folder)")
     get_model_config(model)  # raises with the list of presets
     raise AssertionError("unreachable")
+
+
+def _looks_like_path(model: str) -> bool:
+    """A name that can only mean a file or folder: a path separator, a leading . or ~, or a weights extension."""
+    return os.sep in model or "/" in model or model.startswith((".", "~")) or \
+        model.lower().endswith((".gguf", ".safetensors", ".json"))

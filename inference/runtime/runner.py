@@ -18,7 +18,7 @@ from flax import nnx
 
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
-                                        sample_with_logprobs)
+                                        sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
 from inference.sampling.token_mask import all_allowed
@@ -33,9 +33,11 @@ class StepOutput:
     logprob: np.ndarray | None = None  # f32[S]
     top_ids: np.ndarray | None = None  # i32[S, k]
     top_logprobs: np.ndarray | None = None
+    rank: np.ndarray | None = None  # i32[S]: the sampled token's vocabulary rank (logprob steps only)
     prompt_logprob: np.ndarray | None = None  # f32[T]: logprob of target_ids[t] after token t
     prompt_top_ids: np.ndarray | None = None  # i32[T, k]
     prompt_top_logprobs: np.ndarray | None = None
+    prompt_rank: np.ndarray | None = None  # i32[T]: rank of target_ids[t]
     emitted: np.ndarray | None = None  # i32[S, k+1]: speculative steps: accepted drafts, then one more token
     num_accepted: np.ndarray | None = None  # i32[S]
 
@@ -56,7 +58,8 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
                                        num_top=MAX_LOGPROBS if logprobs else 0)
     prompt = None
     if prompt_logprobs:
-        prompt = compute_logprobs(logits_of(hidden), jnp.maximum(inp.target_ids, 0), MAX_LOGPROBS)
+        prompt_logits, targets = logits_of(hidden), jnp.maximum(inp.target_ids, 0)
+        prompt = (*compute_logprobs(prompt_logits, targets, MAX_LOGPROBS), token_rank(prompt_logits, targets))
     return sampled, prompt, kv_caches
 
 
@@ -115,9 +118,11 @@ def _verify(logits_of, hidden, spec: SpecInput, sampling: SamplingTensors, *, us
         src = jnp.where(sampling.processed_logprobs[:, None], process_logits(raw, sampling, use_filters=use_filters),
                         raw)
         lp, top_ids, top_lp = compute_logprobs(src, first, MAX_LOGPROBS)
+        rank = token_rank(src, first)
     else:
         lp, top_ids, top_lp = compute_logprobs(logits[:, 0], first, 0)
-    return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp), emitted, accepted
+        rank = None
+    return SamplerOutput(tokens=first, logprob=lp, top_ids=top_ids, top_logprobs=top_lp, rank=rank), emitted, accepted
 
 
 def _new_cache(spec):
@@ -212,11 +217,11 @@ class ModelRunner:
             return StepOutput(tokens=np.asarray(sampled.tokens))
         host = jax.device_get((sampled, prompt, spec))
         out = StepOutput(tokens=host[0].tokens, logprob=host[0].logprob, top_ids=host[0].top_ids,
-                         top_logprobs=host[0].top_logprobs)
+                         top_logprobs=host[0].top_logprobs, rank=host[0].rank)
         if spec:
             out.emitted, out.num_accepted = host[2]
         if host[1] is not None:
-            out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs = host[1]
+            out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs, out.prompt_rank = host[1]
         return out
 
     def copy_pages(self, copies: list[tuple[int, int]], group: int = 0) -> None:

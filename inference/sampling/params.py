@@ -26,6 +26,25 @@ LOGPROBS_MODES = ("raw", "processed")
 
 LogprobsMode = Literal["raw", "processed"]
 
+#: vLLM (after the OpenAI API) clamps every logit bias into this range.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class FrozenLogitBias(dict):
+    """`SamplingParams.logit_bias`: a dict (token id -> bias) that cannot change and hashes, so SamplingParams stays
+    frozen and hashable like its tuple-valued fields."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):  # pickle / deepcopy rebuild it whole (dict's default would call the blocked __setitem__)
+        return (FrozenLogitBias, (dict(self),))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("SamplingParams.logit_bias is read-only; use params.replace(logit_bias=...)")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
+
 
 def _is_int(value: Any) -> bool:
     # bool is an Integral subclass; `seed=True` or `n=True` is a bug at the call site, not a number.
@@ -73,6 +92,20 @@ class SamplingParams:
         so both "raw" and "processed" logprobs are of the constrained distribution (vLLM's behaviour). The sequence
         stops ("stop") when the grammar is complete; it ends with "length" and the text so far if max_tokens comes
         first.
+      logit_bias: {token id: bias} added to those logits (ids as ints or digit strings; each bias clamped to
+        [-100, 100] as vLLM does); ids must be in the model's vocabulary (checked when the request is added).
+      allowed_token_ids: only these ids may be sampled (a non-empty list; every other logit becomes -inf).
+      bad_words: words never to generate: each is tokenized with and without a leading space, and a word's last
+        token is banned whenever the tokens before it end the output so far (vLLM's semantics).
+      min_tokens: EOS and `stop_token_ids` are banned, and stop strings not honoured, until this many tokens have
+        been generated (0 <= min_tokens <= max_tokens).
+      These four edit the logits before the penalties (vLLM V1's order: allowed list, bad words, min_tokens,
+      logit_bias), in the jitted sampler (inference/sampling/logit_bias.py); "processed" logprobs include them,
+      "raw" ones do not.
+      truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1), or -1 for the longest prompt the engine
+        admits (max_model_len - 1); None keeps the whole prompt.
+      detokenize: False returns token ids only (empty text, no decoded tokens in logprobs); stop strings then need
+        detokenize=True, as in vLLM.
     """
 
     n: int = 1
@@ -94,6 +127,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
+    bad_words: list[str] | tuple[str, ...] | None = None
+    min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen dataclass)
@@ -139,7 +178,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
             set_(name, int(value))
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -161,6 +200,25 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (inference.structured.params), got "
                              f"{type(self.structured_outputs).__name__}")
+        set_("logit_bias", _normalise_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0 or None, got {ids!r}")
+            set_("allowed_token_ids", tuple(int(i) for i in ids))
+        set_("bad_words", _normalise_strings("bad_words", self.bad_words))
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        set_("min_tokens", int(self.min_tokens))
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the longest prompt the "
+                             f"model admits, or None, got {k!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True to use "
+                             "stop, or stop_token_ids to stop on token ids")
 
     @property
     def greedy(self) -> bool:
@@ -184,23 +242,53 @@ class SamplingParams:
         """
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def uses_logit_rules(self) -> bool:
+        """True when this request edits logits sparsely (logit_bias, allowed_token_ids, bad_words, min_tokens);
+        the engine builds `LogitBiasTensors` only for batches with such a row (and only when an edit applies)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words) \
+            or self.min_tokens > 0
+
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""
         return dataclasses.replace(self, **changes)
 
 
 def _normalise_stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
+    return _normalise_strings("stop", stop)
+
+
+def _normalise_strings(name: str, value: Any) -> tuple[str, ...]:
+    """`stop` / `bad_words`: a string or a list of non-empty strings, as a tuple."""
+    if value is None:
         return ()
-    items = (stop,) if isinstance(stop, str) else stop
+    items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        raise ValueError(f"{name} must be a string, a list of strings or None, got {value!r}")
     for s in items:
         if not isinstance(s, str):
-            raise ValueError(f"stop must contain only strings, got {s!r} in {stop!r}")
+            raise ValueError(f"{name} must contain only strings, got {s!r} in {value!r}")
         if not s:
-            raise ValueError(f"stop strings must be non-empty, got {s!r} in {stop!r}")
+            raise ValueError(f"{name} strings must be non-empty, got {s!r} in {value!r}")
     return tuple(items)
+
+
+def _normalise_logit_bias(bias: Any) -> FrozenLogitBias | None:
+    """vLLM's conversion: keys to int (OpenAI clients send digit strings), biases clamped to [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias or None, got {bias!r}")
+    result = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not _is_real(value) or math.isnan(value):
+            raise ValueError(f"logit_bias values must be numbers, got {value!r} for token {token}")
+        result[int(token)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return FrozenLogitBias(result)
 
 
 def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:

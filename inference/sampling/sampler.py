@@ -8,7 +8,9 @@ Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
 -1. Structured outputs: where the batch carries `SamplingTensors.token_mask`, tokens a row's grammar forbids are set
    to -inf first (inference/sampling/token_mask.py), so everything below, logprobs included, sees only allowed ones.
-0. Penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
+0. Sparse logit edits (inference/sampling/logit_bias.py: allowed_token_ids, bad words, min_tokens, logit_bias) when
+   the batch carries `SamplingTensors.logit_bias`, then
+   penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
    `SamplingTensors.penalties`: a token present in the prompt or the output has its logit divided by the row's
    repetition penalty if positive, else multiplied by it; then logit -= frequency * count_in_output
    + presence * (count_in_output > 0). The counts are built inside the jit from the padded token ids.
@@ -57,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from inference.sampling.logit_bias import LogitBiasTensors, apply_logit_bias, pow2_bucket
 from inference.sampling.params import SAMPLING_EPS, SamplingParams
 from inference.sampling.token_mask import apply_token_mask
 
@@ -73,13 +76,6 @@ FILTER_CANDIDATES = 256
 #: Token-id arrays of `PenaltyTensors` are padded to a power of two at least this long, so a growing output
 #: recompiles the step only at each doubling of its length.
 MIN_PENALTY_TOKENS = 16
-
-
-def _pow2_at_least(n: int, minimum: int) -> int:
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
 
 
 @flax.struct.dataclass
@@ -120,8 +116,8 @@ class PenaltyTensors:
         repetition = np.ones(pad_to, np.float32)
         presence = np.zeros(pad_to, np.float32)
         frequency = np.zeros(pad_to, np.float32)
-        lp = _pow2_at_least(max((len(t) for t in prompt_token_ids), default=0), MIN_PENALTY_TOKENS)
-        lo = _pow2_at_least(max((len(t) for t in output_token_ids), default=0), MIN_PENALTY_TOKENS)
+        lp = pow2_bucket(max((len(t) for t in prompt_token_ids), default=0), MIN_PENALTY_TOKENS)
+        lo = pow2_bucket(max((len(t) for t in output_token_ids), default=0), MIN_PENALTY_TOKENS)
         prompt_ids = np.full((pad_to, lp), -1, np.int32)
         output_ids = np.full((pad_to, lo), -1, np.int32)
         for i, (p, prompt, output) in enumerate(zip(params_list, prompt_token_ids, output_token_ids)):
@@ -174,6 +170,8 @@ class SamplingTensors:
         as a static flag: batches without penalties trace and compile exactly the step they did before penalties.
       token_mask: i32[S, ceil(V / 32)] structured-outputs bitmask (inference/sampling/token_mask.py; rows without a
         constraint all ones), or None when no row is constrained: a static flag like `penalties`.
+      logit_bias: LogitBiasTensors (logit_bias, allowed_token_ids, bad_words, min_tokens), or None when no row has
+        an edit this step; the same static flag.
     """
 
     temperature: jax.Array
@@ -185,6 +183,7 @@ class SamplingTensors:
     processed_logprobs: jax.Array
     penalties: PenaltyTensors | None = None
     token_mask: jax.Array | None = None
+    logit_bias: LogitBiasTensors | None = None
 
     @classmethod
     def from_params(
@@ -196,6 +195,7 @@ class SamplingTensors:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         token_mask: np.ndarray | None = None,
+        logit_bias: LogitBiasTensors | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -209,6 +209,7 @@ class SamplingTensors:
           prompt_token_ids, output_token_ids: each row's prompt and generated tokens; required only when some row
             uses a penalty (`needs_penalties`), and only then read: otherwise `penalties` is None.
           token_mask: the step's structured-outputs bitmask [pad_to, ceil(V / 32)], or None (no constrained row).
+          logit_bias: the rows' sparse edits (`LogitBiasTensors.from_rows`, padded to `pad_to`), or None.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -256,6 +257,7 @@ class SamplingTensors:
             processed_logprobs=processed,
             penalties=penalties,
             token_mask=token_mask,
+            logit_bias=logit_bias,
         )
 
     @property
@@ -271,14 +273,16 @@ class SamplerOutput(NamedTuple):
     """Tokens and their logprobs for one step.
 
     tokens: i32[S]; logprob: f32[S] logprob of the sampled token; top_ids: i32[S, num_top] and top_logprobs:
-    f32[S, num_top], the num_top most likely tokens in descending order. Which distribution the logprobs refer to
-    is per row: raw logits, or the processed (tempered + filtered) ones where `processed_logprobs` is set.
+    f32[S, num_top], the num_top most likely tokens in descending order; rank: i32[S] the sampled token's rank
+    (`token_rank`), or None where logprobs were not asked for. Which distribution the logprobs refer to is per row:
+    raw logits, or the processed (tempered + filtered) ones where `processed_logprobs` is set.
     """
 
     tokens: jax.Array
     logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    rank: jax.Array | None = None
 
 
 def needs_filters(params_list: Sequence[SamplingParams]) -> bool:
@@ -402,9 +406,10 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
 def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
     """The logits each row actually samples from, f32[S, V].
 
-    First, when `t.token_mask` is set, tokens a row's grammar forbids become -inf (before anything else, so
-    penalties, temperature and filters only ever see allowed tokens). Then, when `t.penalties` is set, the penalties
-    on every row (vLLM applies them before greedy and temperature).
+    First, when `t.token_mask` is set, tokens a row's grammar forbids become -inf (before anything else, so the
+    edits, penalties, temperature and filters only ever see allowed tokens). Then, when `t.logit_bias` is set, the
+    sparse edits (inference/sampling/logit_bias.py), then, when `t.penalties` is set, the penalties, on every row
+    (vLLM V1's order, before greedy and temperature).
     Sampling rows: logits / temperature with min-p, top-k, top-p applied (dropped tokens = -inf) when `use_filters`.
     Greedy rows: the (penalised) logits unchanged (temperature treated as 1, no filters), so their argmax is vLLM's
     greedy token and, without penalties, their "processed" logprobs equal the raw ones.
@@ -416,6 +421,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) 
 
 def _processed(x: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
     """`process_logits` after the token mask (x is f32 and already masked)."""
+    if t.logit_bias is not None:
+        x = apply_logit_bias(x, t.logit_bias)
     if t.penalties is not None:
         x = apply_penalties(x, t.penalties)
     greedy = t.temperature < SAMPLING_EPS
@@ -472,6 +479,15 @@ def compute_logprobs(
     return token_lp, top_ids.astype(jnp.int32), (top_x - row_max) - log_z
 
 
+def token_rank(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """i32[S]: each row's token's 1-based rank under softmax(logits), counted as vLLM's `batched_count_greater_than`
+    does (tokens whose logprob is >= the token's own, itself included; ties share the larger rank). Logits and
+    logprobs differ by a per-row constant, so the count runs on the logits."""
+    x = logits.astype(jnp.float32)
+    token_x = jnp.take_along_axis(x, tokens.astype(jnp.int32)[:, None], axis=-1)
+    return jnp.sum(x >= token_x, axis=-1, dtype=jnp.int32)
+
+
 def compute_processed_logprobs(
     logits: jax.Array, tokens: jax.Array, t: SamplingTensors, num_top: int, *, use_filters: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -490,11 +506,14 @@ def sample_with_logprobs(
     Each row's logprobs come from the raw logits or, where `t.processed_logprobs` is set, from the processed ones;
     the choice is a per-row select, so a mixed batch still does one log-softmax and one top-k. A structured-outputs
     mask applies to both: "raw" is then the log-softmax of the masked logits (the constrained distribution before
-    temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler.
+    temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler. The sampled
+    tokens' ranks (`SamplerOutput.rank`) come with num_top > 0 only.
     """
     raw = apply_token_mask(logits.astype(jnp.float32), t.token_mask)
     x = _processed(raw, t, use_filters=use_filters)
     tokens = _sample_processed(x, t)
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top)
-    return SamplerOutput(tokens=tokens, logprob=token_lp, top_ids=top_ids, top_logprobs=top_lp)
+    # The rank costs one more [S, V] pass: only steps that return logprobs (num_top > 0) pay for it.
+    return SamplerOutput(tokens=tokens, logprob=token_lp, top_ids=top_ids, top_logprobs=top_lp,
+                         rank=token_rank(src, tokens) if num_top else None)

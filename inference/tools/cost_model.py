@@ -358,7 +358,8 @@ def plot_report(report: CostReport, path: str) -> None:
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from e
+        raise ImportError("plotting the cost model needs matplotlib, which is not installed: "
+                          "pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -120,7 +120,7 @@ def engine_perplexity(llm, token_ids: Sequence[int], *, window: int = 512, strid
         if out.error is not None:
             raise ValueError(f"window [{begin}, {end}) failed in the engine: {out.error}")
         for pos in range(first, end):
-            nll -= out.prompt_logprobs[pos - begin][ids[pos]]
+            nll -= out.prompt_logprobs[pos - begin][ids[pos]].logprob
             count += 1
     return Perplexity(math.exp(nll / count), nll, count, min(window, len(ids)), stride)
 

@@ -132,8 +132,10 @@ def result_row(row: dict[str, Any], out: RequestOutput, with_logprobs: bool) -> 
                                  "finish_reason": c.finish_reason}
         if with_logprobs:
             # JSON object keys are strings, so token ids become "123"; a list of pairs would survive exactly but
-            # nobody reads logprobs that way in vLLM-shaped tooling.
-            entry["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in (c.logprobs or [])]
+            # nobody reads logprobs that way in vLLM-shaped tooling. The values stay plain floats (the rows' format
+            # before Logprob objects); ranks and decoded tokens are not written.
+            entry["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in (c.logprobs or [])]
+            entry["cumulative_logprob"] = c.cumulative_logprob
         outputs.append(entry)
     result = {**_echo(row), "outputs": outputs, "num_prompt_tokens": len(out.prompt_token_ids),
               "ttft_s": out.metrics.ttft if out.metrics is not None else None}

@@ -291,3 +291,11 @@ def test_launcher_reports_bad_input(flag: str, message: str) -> None:
     result = _run_script("--model=llama-2-13b", flag)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_plot_without_matplotlib_says_to_install_it(monkeypatch, tmp_path):
+    """The notebook's plot cell calls plot_report directly: the message names the package, not a CLI flag."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    report = cm.cost_report(get_model_config("llama-2-13b"), [1], 1024, get_chip("h100"))
+    with pytest.raises(ImportError, match="needs matplotlib, which is not installed: pip install matplotlib"):
+        cm.plot_report(report, str(tmp_path / "x.png"))

@@ -58,9 +58,18 @@ def test_prompt_logprobs_equal_cache_free_forward_across_prefill_chunks():
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     for pos in range(1, len(ids)):
         entry = out.prompt_logprobs[pos]
-        assert abs(entry[ids[pos]] - reference[pos - 1, ids[pos]]) < 1e-5
+        assert abs(entry[ids[pos]].logprob - reference[pos - 1, ids[pos]]) < 1e-5
         top = np.argsort(-reference[pos - 1])[:3]
         assert set(top.tolist()) <= set(entry)
+        assert_rank(entry[ids[pos]].rank, reference[pos - 1], ids[pos])
+        assert {1, 2, 3} <= {e.rank for e in entry.values()}  # the top-3 alternatives, ranked 1..3
+
+
+def assert_rank(rank: int, logprobs: np.ndarray, token: int, tol: float = 1e-4) -> None:
+    """vLLM's rank (tokens whose logprob is >= the token's, itself included), allowing for float noise between the
+    paged step and the cache-free forward around the token's value."""
+    lp = logprobs[token]
+    assert int(np.sum(logprobs > lp + tol)) + 1 <= rank <= int(np.sum(logprobs >= lp - tol)), (rank, token)
 
 
 def test_sample_logprobs_and_mode(llm):
@@ -71,7 +80,10 @@ def test_sample_logprobs_and_mode(llm):
     reference = dense_logprobs(llm, ids + out.token_ids)
     for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert len(entry) >= 4 and token in entry
-        assert abs(entry[token] - reference[len(ids) - 1 + step, token]) < 1e-5
+        assert abs(entry[token].logprob - reference[len(ids) - 1 + step, token]) < 1e-5
+        assert entry[token].rank == 1  # greedy: the argmax
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3, 4]
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
 
 
 def test_seed_gives_the_same_tokens_whatever_the_batch(llm):

@@ -107,7 +107,7 @@ def test_pagejax_matches_live_transformers(hf, ref, smollm2):
     their_lp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     out = smollm2.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0))[0]
-    ours = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+    ours = np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
     want = np.array([their_lp[i - 1, ids[i]] for i in range(1, len(ids))])
     assert np.abs(ours - want).max() <= 1e-3
     with torch.no_grad():

@@ -30,7 +30,7 @@ def test_paged_teacher_forced_logprobs_match_transformers(smollm2):
     seqs = [np.concatenate([p["prompt_ids"], p["greedy_ids"]]).tolist() for p in PROMPTS]
     outs = smollm2.generate(prompt_token_ids=seqs, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))
     for p, ids, out in zip(PROMPTS, seqs, outs):
-        got = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+        got = np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
         assert np.abs(got - p["target_logprobs"]).max() <= 1e-3, p["prompt"]
 
 

@@ -137,9 +137,10 @@ def test_duplicate_ids_are_an_error(tmp_path, no_model):
         run_script(f"--input={inp}")
 
 
-def test_invalid_temperature_fails_before_loading(no_model):
-    with pytest.raises(SystemExit, match="temperature must be"):
+def test_invalid_temperature_fails_before_loading(no_model, capsys):
+    with pytest.raises(SystemExit) as exit_:
         run_script("--temperature=-1")
+    assert exit_.value.code == 2 and "temperature must be" in capsys.readouterr().err
 
 
 def test_bad_output_file_middle_line_is_an_error(tmp_path):

@@ -99,7 +99,7 @@ def run(model: str, tp: int, dp: int = 1) -> dict:
         "prompt_ids": prompts,
         "tokens": [o.outputs[0].token_ids for o in greedy],
         "sampled": None if light else [c.token_ids for c in outs[3].outputs],
-        "prompt_logprobs": [[entry[t] for entry, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+        "prompt_logprobs": [[entry[t].logprob for entry, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
                             for o in greedy],
     }
     if not light:  # swapping weights keeps their shardings (every replica's) and reuses the compiled steps

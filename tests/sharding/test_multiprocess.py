@@ -51,7 +51,7 @@ def _run(model: Path) -> tuple[LLM, list[list[int]], list[list[float]]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(["The sea is calm tonight.", "abc"], params)
     return (llm, [o.outputs[0].token_ids for o in outs],
-            [[e[t] for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs])
+            [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs])
 
 
 def test_orbax_conversion_round_trip(folders):

@@ -180,7 +180,7 @@ def test_smollm2_data_and_tensor_parallel_equal_one_device(worker, smollm2):
     ref = smollm2.generate(prompt_token_ids=run["prompt_ids"], sampling_params=greedy)
     assert run["tokens"] == [o.outputs[0].token_ids for o in ref]
     for got, out in zip(run["prompt_logprobs"], ref):
-        want = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        want = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert run["kv_heads"] == 4 and run["replica_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 

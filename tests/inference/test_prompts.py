@@ -1,0 +1,51 @@
+"""The prompt forms of `LLM.generate` (inference/entrypoints/prompts.py): str, TextPrompt, TokensPrompt, lists
+mixing them, the older prompt_token_ids keyword, and one clear error per malformed prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference import SamplingParams, TextPrompt, TokensPrompt
+from inference.entrypoints.prompts import ACCEPTED_FORMS, ParsedPrompt, parse_prompts
+
+
+def test_each_form_parses():
+    ids = TokensPrompt(prompt_token_ids=[1, 2])
+    assert parse_prompts("hi") == [ParsedPrompt(text="hi")]
+    assert parse_prompts(["a", TextPrompt(prompt="b"), ids, {"prompt_token_ids": np.array([3]), "prompt": "c"}]) == [
+        ParsedPrompt(text="a"), ParsedPrompt(text="b"), ParsedPrompt(token_ids=[1, 2]),
+        ParsedPrompt(text="c", token_ids=[3])]
+    assert parse_prompts(None, prompt_token_ids=[[4, 5], np.array([6])]) == [
+        ParsedPrompt(token_ids=[4, 5]), ParsedPrompt(token_ids=[6])]
+
+
+def test_malformed_prompts_get_their_own_error():
+    parsed = parse_prompts([{"text": "x"}, {}, [1, 2], {"prompt_token_ids": [1, "2"]}, 7, {"prompt": 3}])
+    errors = [p.error for p in parsed]
+    assert "unsupported keys ['text']" in errors[0] and ACCEPTED_FORMS in errors[0]
+    assert "neither \"prompt\" nor \"prompt_token_ids\"" in errors[1]
+    assert "list of token ids; wrap it as {\"prompt_token_ids\"" in errors[2]
+    assert "only int token ids, got '2'" in errors[3]
+    assert "has type int" in errors[4] and '"prompt" must be a str' in errors[5]
+
+
+@pytest.mark.parametrize("args, message", [((None,), "exactly one of"), (([1, 2, 3],), "list of token ids"),
+                                           ((3.5,), "prompts must be")])
+def test_a_call_that_is_no_prompt_at_all_raises(args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_prompts(*args)
+
+
+def test_generate_mixes_forms_and_a_bad_one_fails_alone(tiny_llama):
+    """The random tiny Llama has no tokenizer: a text prompt fails on its own, with the fix in the message, and the
+    TokensPrompt, the keyword spelling and an out-of-vocabulary TokensPrompt each get their own result."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = [3, 1, 4, 1, 5]
+    dict_out, text_out, bad_vocab = tiny_llama.generate(
+        [{"prompt_token_ids": ids}, "text", {"prompt_token_ids": [tiny_llama.config.vocab_size]}], params)
+    [keyword_out] = tiny_llama.generate(prompt_token_ids=[ids], sampling_params=params)
+    assert dict_out.error is None and dict_out.outputs[0].token_ids == keyword_out.outputs[0].token_ids
+    assert len(dict_out.outputs[0].token_ids) == 3
+    assert "has no tokenizer" in text_out.error and "prompt_token_ids" in text_out.error
+    assert "outside the vocabulary" in bad_vocab.error and bad_vocab.outputs[0].finish_reason == "error"
