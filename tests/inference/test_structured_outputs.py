@@ -218,7 +218,7 @@ def test_regex_choice_stop_strings_logprobs_and_length(smollm2):
     # "yes" / "no", and their probabilities sum to one.
     assert outs[4].text in ("yes", "no")
     first = outs[4].logprobs[0]
-    finite = {t: lp for t, lp in first.items() if np.isfinite(lp)}
+    finite = {t: lp.logprob for t, lp in first.items() if np.isfinite(lp.logprob)}
     pieces = [smollm2.tokenizer.decode([t]) for t in finite]
     assert all("yes".startswith(p) or "no".startswith(p) for p in pieces), pieces
     assert sum(np.exp(list(finite.values()))) == pytest.approx(1.0, abs=1e-4)
