@@ -124,3 +124,28 @@ def test_stop_strings_models_health_and_metrics(smollm2, client, server):
                  "inter_token_latency_seconds_bucket", "prompt_tokens_total", "generation_tokens_total"):
         assert f"pagejax_{name}" in metrics, name
     assert 'pagejax_request_success_total{finished_reason="stop",model_name="smollm2-135m"}' in metrics
+
+
+def test_chat_response_format_json_schema_equals_structured_outputs(smollm2, client):
+    """OpenAI's response_format goes through the structured-outputs path: the reply parses and validates, equals
+    LLM.chat with the same StructuredOutputsParams, and a malformed schema is a 400 naming response_format."""
+    import json
+
+    import jsonschema
+
+    from inference.structured.params import from_response_format
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+              "required": ["color"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                       response_format=fmt)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    offline = smollm2.chat(CHAT, SamplingParams(temperature=0, max_tokens=24,
+                                                structured_outputs=from_response_format(fmt)))[0].outputs[0]
+    assert text == offline.text and r.choices[0].finish_reason == offline.finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert bad.value.body["param"] == "response_format", bad.value.body

@@ -43,10 +43,6 @@ def render(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int],
 
 
 def _check(body: ChatCompletionRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise OpenAIError(400, f"response_format {body.response_format.type!r} is not supported yet (structured "
-                          "outputs are not built); leave it out or use type 'text'", param="response_format",
-                          code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from inference.sampling.params import SamplingParams
+from inference.structured.params import from_response_format
 
 
 class _Strict(BaseModel):
@@ -98,12 +99,19 @@ class ChatCompletionRequest(_Sampling):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._common(), max_tokens=max_tokens, logprobs=logprobs)
+        structured = None
+        if self.response_format is not None:  # json_object / json_schema: structured outputs (inference/structured/)
+            try:
+                structured = from_response_format(self.response_format.model_dump(exclude_none=True))
+            except ValueError as exc:  # named as the SamplingParams field, which param_names maps back
+                raise ValueError(f"structured_outputs (response_format): {exc}") from None
+        return SamplingParams(**self._common(), max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=structured)
 
     def param_names(self) -> dict[str, str]:
         """SamplingParams field -> the request field that set it (an error's `param`), where they differ."""
         return {"max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
-                "logprobs": "top_logprobs"}
+                "logprobs": "top_logprobs", "structured_outputs": "response_format"}
 
 
 class TokenizeRequest(_Strict):
