@@ -1,6 +1,7 @@
 """Offline generation API (vLLM-shaped), engine, scheduler, sampling."""
 
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.lora.request import LoRARequest
 from inference.sampling.params import SamplingParams
 
 
@@ -12,4 +13,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
