@@ -27,7 +27,9 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_
                   r"\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 # PEFT config fields this loader does not implement: a non-default value would silently change the math.
 _UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
-                "bias": "none", "fan_in_fan_out": False}
+                "bias": "none", "fan_in_fan_out": False, "lora_bias": False, "target_parameters": None,
+                "layer_replication": None, "trainable_token_indices": None, "use_qalora": False,
+                "alora_invocation_tokens": None}
 
 
 @dataclasses.dataclass(frozen=True)
