@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         records = smollm2_records(Path(tmp)) + tiny_records(out)
     meta = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "torch_version": torch.__version__, "transformers_version": _version("transformers"),
-            "peft_version": _version("peft"), "numpy_version": np.__version__, "python_version": platform.python_version(),
+            "peft_version": _version("peft"), "numpy_version": np.__version__,
+            "python_version": platform.python_version(),
             "dtype": "float32", "attn_implementation": "eager", "num_new_tokens": NUM_NEW}
     with open(out / "reference.json", "w") as f:
         json.dump({"metadata": meta, "records": records}, f, indent=1)

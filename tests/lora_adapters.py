@@ -37,6 +37,17 @@ def random_adapter_tensors(config, *, rank: int, seed: int, modules=ALL_MODULES,
     return out
 
 
+def peft_tensors(weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """pagejax's (a [in, r], b [r, out]) pairs by projection name -> PEFT's lora_A [r, in] / lora_B [out, r]."""
+    out = {}
+    for name, (a, b) in weights.items():
+        _, i, module = name.split(".")
+        key = f"base_model.model.model.layers.{i}.{_PARENT[module]}.{module}"
+        out[f"{key}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
+        out[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
+    return out
+
+
 def write_adapter(folder: str, tensors: dict[str, np.ndarray], *, rank: int, alpha: float, modules=ALL_MODULES,
                   use_rslora: bool = False, base_model: str | None = None, **config_fields) -> str:
     """Write adapter_config.json + adapter_model.safetensors as PEFT's save_pretrained does; returns `folder`."""
