@@ -88,6 +88,9 @@ _DIST_AUTO = flags.DEFINE_bool("distributed_auto", None,
                                "Let JAX detect the cluster (TPU pod, SLURM, Open MPI) instead of the three flags.")
 _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
                                  "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
+_LORA = flags.DEFINE_multi_string("lora", None, "A LoRA adapter as NAME=PATH (a PEFT folder; repeatable); a row "
+                                  "runs with the one its 'lora' field names, rows without it run the base model.")
+_MAX_LORA_RANK = flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank served with --lora.", lower_bound=1)
 
 
 def sampling_params() -> SamplingParams:
@@ -115,14 +118,32 @@ def input_rows() -> list[dict[str, Any]]:
     return [{"id": i, key: as_value(t)} for i, t in enumerate(texts)]
 
 
+def lora_requests() -> dict[str, Any]:
+    """--lora NAME=PATH flags -> {name: LoRARequest}, ids 1, 2, ... in flag order (checked before the model loads)."""
+    from inference.lora.request import LoRARequest
+
+    adapters: dict[str, Any] = {}
+    for spec in _LORA.value or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise app.UsageError(f"--lora={spec!r}: give NAME=PATH (a name rows refer to, and a PEFT adapter folder)")
+        if name in adapters:
+            raise app.UsageError(f"--lora: adapter name {name!r} is given twice")
+        adapters[name] = LoRARequest(name, len(adapters) + 1, path)
+    return adapters
+
+
 def build_llm() -> Any:
-    """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
+    """The engine, configured from the engine flags (imported here: JAX is slow to import). With --lora every
+    adapter gets a device slot (max_loras = their count)."""
     from inference.entrypoints.llm import LLM
 
+    num_loras = len(_LORA.value or [])
     return LLM(_MODEL.value, dtype=_DTYPE.value, kv_cache_memory_bytes=_KV_BYTES.value,
                max_model_len=_MAX_MODEL_LEN.value, max_num_seqs=_MAX_NUM_SEQS.value,
                max_num_batched_tokens=_MAX_BATCHED.value, compilation_cache_dir=_CACHE_DIR.value or None,
-               tensor_parallel_size=_TP.value, data_parallel_size=_DP.value)
+               tensor_parallel_size=_TP.value, data_parallel_size=_DP.value, enable_lora=num_loras > 0,
+               max_loras=max(num_loras, 1), max_lora_rank=_MAX_LORA_RANK.value)
 
 
 def resumed_ids(index: int, shard: str | None) -> set:
@@ -141,7 +162,7 @@ def resumed_ids(index: int, shard: str | None) -> set:
     return done | jsonl_io.load_done_ids(shard)
 
 
-Rendered = tuple[dict, str | None, SamplingParams | None, str | None]  # row, prompt text, params, error
+Rendered = tuple[dict, str | None, SamplingParams | None, Any, str | None]  # row, text, params, LoRARequest, error
 
 
 def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
@@ -162,12 +183,12 @@ def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
             if item is None:
                 exhausted = True
                 break
-            row, text, params, error = item
+            row, text, params, lora, error = item
             if error is not None:
                 yield jsonl_io.error_row(row, error)
                 continue
             # LLM._submit: the same encode-then-add_request, and the same error output for a rejected prompt
-            [submitted] = llm._submit([text], params, None)
+            [submitted] = llm._submit([text], params, None, lora)
             if submitted.error is not None:
                 yield jsonl_io.result_row(row, submitted.error, with_logprobs)
             else:
@@ -238,6 +259,7 @@ def _main(argv: Sequence[str], saved: _Saved) -> None:
     index, count = distributed.initialize(job)
     shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
     try:
+        adapters = lora_requests()
         rows = input_rows()
         done = resumed_ids(index, shard)
         mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
@@ -250,9 +272,10 @@ def _main(argv: Sequence[str], saved: _Saved) -> None:
 
     def render(row: dict) -> Rendered:
         try:
-            return row, jsonl_io.prompt_text(row, llm.tokenizer), row_params(row), None
+            return (row, jsonl_io.prompt_text(row, llm.tokenizer), row_params(row), jsonl_io.row_lora(row, adapters),
+                    None)
         except ValueError as e:
-            return row, None, None, str(e)
+            return row, None, None, None, str(e)
 
     max_in_flight = _BATCH_SIZE.value if _BATCH_SIZE.value is not None else _MAX_IN_FLIGHT.value
     if _BATCH_SIZE.value is not None:

@@ -34,7 +34,7 @@ def _check(llm: LLM, records: list[dict], loras: list[LoRARequest]) -> None:
         assert out.outputs[0].token_ids == r["greedy_ids"], (r["adapter"], r["prompt_index"])
 
 
-def test_smollm2_adapters_match_transformers_peft_in_one_batch(tmp_path):
+def test_smollm2_adapters_match_transformers_peft_in_one_batch(smollm2_lora, tmp_path):
     config = get_model_config("smollm2-135m")
     records = [r for r in REFERENCE if r["model"] == "smollm2-135m"]
     loras, ids = [], {}
@@ -45,11 +45,10 @@ def test_smollm2_adapters_match_transformers_peft_in_one_batch(tmp_path):
             if "modules" in recipe:
                 recipe["modules"] = tuple(recipe["modules"])
             lora_adapters.make_adapter(str(tmp_path / name), config, **recipe)
-            ids[name] = len(ids) + 1
-        loras.append(LoRARequest(name, ids[name], str(tmp_path / name)))
+            ids[name] = 81 + len(ids)  # ids of their own in the session's LLM (the launcher test counts from 1)
+        loras.append(LoRARequest(f"ref-{name}", ids[name], str(tmp_path / name)))
     assert {r["recipe"]["rank"] for r in records} == {8, 16}
-    llm = LLM("smollm2-135m", enable_lora=True, max_loras=2, max_lora_rank=16, kv_cache_memory_bytes=64 << 20,
-              max_num_seqs=8, max_num_batched_tokens=256, compilation_cache_dir=None)
+    llm = smollm2_lora
     base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # The base model rides in the same batch: a slot-0 row is the plain model, unchanged by its neighbours.
     plain = llm.generate(prompt_token_ids=[records[0]["prompt_ids"]], sampling_params=base)[0].outputs[0].token_ids
