@@ -21,6 +21,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.lora import TARGET_MODULES, target_shapes
 
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when the file leaves it out
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
@@ -57,7 +58,7 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int, name: str |
                          f"folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
     cfg = _read_config(os.path.join(path, CONFIG_NAME), label)
     tensors = _read_tensors(path, label)
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} has r={rank!r}; it must be a positive integer")
     if rank > max_rank:

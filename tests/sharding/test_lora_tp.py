@@ -4,26 +4,15 @@ shards without recompiling (tests/sharding/lora_worker.py in a subprocess, since
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.virtual_devices import run_worker
 
 
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    script = os.path.join(ROOT, "tests", "sharding", "lora_worker.py")
-    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 8
-    return result
+    return run_worker("tests/sharding/lora_worker.py")
 
 
 def test_tp2_equals_tp1_with_adapters_in_one_batch(worker):
