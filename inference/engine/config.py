@@ -251,4 +251,5 @@ _KWARG_FIELDS = {
 }
 
 __all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "LoRAConfig", "ParallelConfig",
-           "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_positive_int", "check_speculative_budget"]
+           "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_positive_int",
+           "check_speculative_budget"]
