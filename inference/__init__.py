@@ -2,6 +2,7 @@
 
 from inference.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from inference.entrypoints.prompts import PromptType, TextPrompt, TokensPrompt
+from inference.lora.request import LoRARequest
 from inference.sampling.params import SamplingParams
 from inference.structured.params import StructuredOutputsParams
 
@@ -14,5 +15,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "Logprob", "TextPrompt", "TokensPrompt", "PromptType"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "RequestMetrics", "Logprob", "TextPrompt", "TokensPrompt", "PromptType"]

@@ -26,18 +26,21 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). The kernel Param may hold a `QuantizedWeight` (models/quantization/modes.py); its matmul
-    is then `matmul_method`, or the one `models.quantization.modes.pick_method` chooses when that is None."""
+    is then `matmul_method`, or the one `models.quantization.modes.pick_method` chooses when that is None. `lora`:
+    a `models.lora.LoRABinding` that the jitted step attaches for one trace (`bind_lora`); its delta is added."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
         self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.matmul_method: str | None = None
+        self.lora = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         y = quantized_matmul(x, kernel, self.matmul_method) if is_quantized(kernel) else x @ kernel
-        return y + self.bias[...] if self.bias is not None else y
+        y = y + self.bias[...] if self.bias is not None else y
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RMSNorm(nnx.Module):

@@ -39,8 +39,11 @@ from inference.engine.metrics import summarize_requests
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
-flags.DEFINE_enum("mode", "offline", ["offline", "serving", "server"], "Fixed batches, Poisson arrivals (serving), "
-                  "or Poisson arrivals over HTTP beside the same arrivals offline (server; scripts/server_bench.py).")
+flags.DEFINE_enum("mode", "offline", ["offline", "serving", "server", "lora"], "Fixed batches, Poisson arrivals "
+                  "(serving), Poisson arrivals over HTTP beside the same arrivals offline (server; "
+                  "scripts/server_bench.py), or LoRA's cost: decode with 4 active adapters vs none "
+                  "(scripts/benchmark_lora.py; the first --batch).")
+flags.DEFINE_integer("lora_rank", 16, "--mode=lora: the rank of the 4 random adapters.")
 flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure (offline); the largest caps running sequences.")
 flags.DEFINE_float("request_rate", 2.0, "Serving: mean arrivals per second.")
 flags.DEFINE_integer("num_requests", 64, "Serving: requests to send.")
@@ -90,15 +93,18 @@ def file_prompts(path: str, batch: int, llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode(prompt_text(rows[i % len(rows)], llm.tokenizer)) for i in range(batch)]
 
 
-def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+def run_pagejax(llm: LLM, prompts: list[list[int]], output_len: int, lora_request=None) -> dict:
+    """Greedy generation of `prompts`, warmed up by the same run once; `lora_request`: LoRA adapters (one for all, or
+    one per prompt) for an `LLM(enable_lora=True)`."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # the same run once: every shape compiles
+    kw = {} if lora_request is None else {"lora_request": lora_request}
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, **kw)  # the same run once: every shape compiles
     llm.engine.reset_prefix_cache()  # the measured run computes its prompts, as the warm-up did
     llm.engine.reset_stats()
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, **kw)
     wall = time.perf_counter() - t0
     summary = summarize_requests(outs, wall)
     itl = summary["itl_s"].get("mean")
@@ -213,6 +219,13 @@ def machine() -> str:
 def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
+    if FLAGS.mode == "lora":
+        result = _sibling("benchmark_lora").run_lora(FLAGS.model, batches[0], FLAGS.input_len, FLAGS.output_len,
+                                                     FLAGS.lora_rank, FLAGS.seed, make_prompts=make_prompts,
+                                                     run_pagejax=run_pagejax)
+        if FLAGS.json:
+            print(json.dumps({"machine": machine(), **result}))
+        return
     if FLAGS.compare == "llamacpp":
         _sibling("llamacpp_bench").import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
     t0 = time.perf_counter()

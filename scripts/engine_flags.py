@@ -24,12 +24,36 @@ DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (
 CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
                                 "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
 
+LORA = flags.DEFINE_multi_string("lora", None, "A LoRA adapter as NAME=PATH (a PEFT folder; repeatable); a row "
+                                 "runs with the one its 'lora' field names, rows without it run the base model.")
+MAX_LORA_RANK = flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank served with --lora.", lower_bound=1)
+
+
+def lora_requests() -> dict[str, Any]:
+    """--lora NAME=PATH flags -> {name: LoRARequest}, ids 1, 2, ... in flag order (checked before the model loads)."""
+    from absl import app
+
+    from inference.lora.request import LoRARequest
+
+    adapters: dict[str, Any] = {}
+    for spec in LORA.value or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise app.UsageError(f"--lora={spec!r}: give NAME=PATH (a name rows refer to, and a PEFT adapter folder)")
+        if name in adapters:
+            raise app.UsageError(f"--lora: adapter name {name!r} is given twice")
+        adapters[name] = LoRARequest(name, len(adapters) + 1, path)
+    return adapters
+
 
 def build_llm() -> Any:
-    """The engine, configured from the engine flags (imported here: JAX is slow to import)."""
+    """The engine, configured from the engine flags (imported here: JAX is slow to import). With --lora every
+    adapter gets a device slot (max_loras = their count)."""
     from inference.entrypoints.llm import LLM
 
+    num_loras = len(LORA.value or [])
     return LLM(MODEL.value, dtype=DTYPE.value, kv_cache_memory_bytes=KV_BYTES.value,
                max_model_len=MAX_MODEL_LEN.value, max_num_seqs=MAX_NUM_SEQS.value,
                max_num_batched_tokens=MAX_BATCHED.value, compilation_cache_dir=CACHE_DIR.value or None,
-               quantization=QUANTIZATION.value, tensor_parallel_size=TP.value, data_parallel_size=DP.value)
+               quantization=QUANTIZATION.value, tensor_parallel_size=TP.value, data_parallel_size=DP.value,
+               enable_lora=num_loras > 0, max_loras=max(num_loras, 1), max_lora_rank=MAX_LORA_RANK.value)

@@ -52,7 +52,7 @@ from inference.tools import jsonl_io
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
 # The engine flags (model, cache, parallelism, quantization) and the engine built from them, shared with serve.py.
-from scripts.engine_flags import MODEL as _MODEL, build_llm  # noqa: E402
+from scripts.engine_flags import MODEL as _MODEL, build_llm, lora_requests  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -159,7 +159,7 @@ def resumed_ids(index: int, shard: str | None) -> set:
     return done | jsonl_io.load_done_ids(shard)
 
 
-Rendered = tuple[dict, str | None, SamplingParams | None, str | None]  # row, prompt text, params, error
+Rendered = tuple[dict, str | None, SamplingParams | None, Any, str | None]  # row, text, params, LoRARequest, error
 
 
 def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
@@ -180,11 +180,11 @@ def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
             if item is None:
                 exhausted = True
                 break
-            row, text, params, error = item
+            row, text, params, lora, error = item
             if error is not None:
                 yield jsonl_io.error_row(row, error)
                 continue
-            [submitted] = llm.submit([text], params)  # queued, or its error output for a rejected prompt
+            [submitted] = llm.submit([text], params, lora_request=lora)  # queued, or its error output
             if submitted.error is not None:
                 yield jsonl_io.result_row(row, submitted.error, with_logprobs)
             else:
@@ -294,6 +294,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
     index, count = distributed.initialize(job)
     shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
     try:
+        adapters = lora_requests()
         rows = input_rows()
         done = resumed_ids(index, shard)
         mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
@@ -307,9 +308,10 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
 
     def render(row: dict) -> Rendered:
         try:
-            return row, jsonl_io.prompt_text(row, llm.tokenizer), row_params(row), None
+            return (row, jsonl_io.prompt_text(row, llm.tokenizer), row_params(row), jsonl_io.row_lora(row, adapters),
+                    None)
         except ValueError as e:
-            return row, None, None, str(e)
+            return row, None, None, None, str(e)
 
     max_in_flight = _BATCH_SIZE.value if _BATCH_SIZE.value is not None else _MAX_IN_FLIGHT.value
     if _BATCH_SIZE.value is not None:

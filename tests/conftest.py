@@ -25,6 +25,15 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_lora():
+    """SmolLM2 with LoRA enabled (tests/llm_configs.py: SMOLLM2_LORA), shared by the LoRA reference and launcher
+    tests. Tests leave its base weights alone; adapters they load stay registered under their own names."""
+    from tests.llm_configs import SMOLLM2_LORA
+
+    return SMOLLM2_LORA.build()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama():
     """The random tiny Llama (tests/llm_configs.py: TINY_SPEC, no speculation), shared by the tests that only
     generate with it. Tests must not change its weights, and call `engine.reset_stats()` before reading its counters."""

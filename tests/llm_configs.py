@@ -32,6 +32,8 @@ class LLMConfig:
 # The default model (SmolLM2-135M-Instruct from its GGUF), float32: the session fixture `smollm2`.
 SMOLLM2 = LLMConfig("smollm2-135m", dict(kv_cache_memory_bytes=256 << 20, max_num_seqs=16,
                                           max_num_batched_tokens=256))
+# SmolLM2 serving LoRA adapters (2 slots, rank <= 16): the session fixture `smollm2_lora`.
+SMOLLM2_LORA = SMOLLM2.replace(enable_lora=True, max_loras=2, max_lora_rank=16)
 # The random tiny Llama with 4-token pages and a 1 MiB pool (512 pages): tests/inference/test_engine.py.
 TINY_ENGINE = LLMConfig("tiny-llama", dict(kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=8,
                                            max_num_batched_tokens=64))

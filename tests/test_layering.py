@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # models
     ("models.config",),
     ("models.weights",),
-    ("models.quantization.formats", "models.quantization.gguf_blocks"),
+    ("models.quantization.formats", "models.quantization.gguf_blocks", "models.lora"),
     ("models.quantization.modes",),
     ("models.quantization",),
     ("models.layers",),
@@ -56,7 +56,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("configs",),
     ("sharding",),
     # inference
-    ("inference.engine.config",),  # plain-data configs: validated arguments, no engine code
+    # plain-data configs (validated arguments, no engine code); LoRA adapters (PEFT loading, device slots)
+    ("inference.engine.config", "inference.lora"),
     # StructuredOutputsParams (a SamplingParams field) sits beside it; the matchers sit with the tokenizer they need.
     ("inference.sampling.params", "inference.structured.__init__", "inference.structured.params"),
     ("inference.sampling.sampler", "inference.sampling.token_mask", "inference.sampling.logit_bias"),

@@ -161,6 +161,22 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (inference/lora/): `max_loras` device slots (adapters one step can mix) of rank up to
+    `max_lora_rank`; vLLM's defaults."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        check_positive_int("max_loras", self.max_loras, "the number of adapters one batch can mix")
+        check_positive_int("max_lora_rank", self.max_lora_rank, "the largest adapter rank r to serve, e.g. 16")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM` is configured with: the model and its numerics at the top, one part per concern.
 
@@ -179,6 +195,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         from kernels_pallas.attention.dispatch import IMPLEMENTATIONS
@@ -192,6 +209,9 @@ class EngineConfig:
         if spec.method == "draft" and self.parallel.num_devices > 1:
             raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "
                              "use speculative_method='ngram' or one device")
+        if self.lora.enable_lora and (spec.method is not None or self.parallel.data_parallel_size > 1):
+            raise ValueError("enable_lora with speculative decoding or data_parallel_size > 1 is not supported yet; "
+                             "use one replica without speculative_method")
         if spec.enabled:
             check_speculative_budget(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens,
                                      spec.num_speculative_tokens)
@@ -213,7 +233,7 @@ class EngineConfig:
 
 
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
-          "quantization": QuantizationConfig, "parallel": ParallelConfig}
+          "quantization": QuantizationConfig, "parallel": ParallelConfig, "lora": LoRAConfig}
 _TOP_FIELDS = ("model", "dtype", "attn_impl", "seed", "compilation_cache_dir")
 #: LLM keyword -> (part, field), where the names differ from or do not say the part.
 _KWARG_FIELDS = {
@@ -227,7 +247,9 @@ _KWARG_FIELDS = {
     "quantization": ("quantization", "mode"), "quantization_group_size": ("quantization", "group_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
+    **{name: ("lora", name) for name in ("enable_lora", "max_loras", "max_lora_rank")},
 }
 
-__all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "ParallelConfig", "QuantizationConfig",
-           "SchedulerConfig", "SpeculativeConfig", "check_positive_int", "check_speculative_budget"]
+__all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "LoRAConfig", "ParallelConfig",
+           "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_positive_int",
+           "check_speculative_budget"]

@@ -29,6 +29,8 @@ from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
 from inference.engine.stop import check_stop, flush_text
 from inference.structured.manager import StructuredOutputManager
+from inference.lora.manager import LoRAManager
+from inference.lora.request import LoRARequest
 from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.dispatch import resolve_mla_impl
@@ -69,12 +71,13 @@ def reads_padded_pages(config, page_size: int) -> bool:
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig, *,
                  cache_config: CacheConfig | None = None, proposer: Proposer | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, lora: LoRAManager | None = None):
         """`scheduler_config.max_model_len`: the context the engine admits (None: the model's
         max_position_embeddings; `LLM` passes the value its page pool allows). `cache_config`: the prefix cache
         switch (the runner already holds the pages). `proposer` turns on speculative decoding: each decoding
         sequence verifies up to `proposer.k` proposed tokens per step in one target pass; with
-        `speculative_config.adaptive` each sequence's draft count follows its acceptance rate (`AdaptiveK`)."""
+        `speculative_config.adaptive` each sequence's draft count follows its acceptance rate (`AdaptiveK`).
+        `lora`: serve LoRA adapters (its slots must be the runner's `runner.lora`)."""
         cache_config = cache_config or CacheConfig()
         speculative_config = speculative_config or SpeculativeConfig()
         self.runner = runner
@@ -90,9 +93,11 @@ class Engine:
             raise ValueError(f"the proposer drafts k={proposer.k} tokens but num_speculative_tokens="
                              f"{speculative_config.num_speculative_tokens}; build the proposer with the same count")
         self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
+        self.lora = lora
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
-                                   on_preempt=proposer.forget if proposer is not None else None)
+                                   on_preempt=proposer.forget if proposer is not None else None,
+                                   admit=self._lora_fits if lora is not None else None)
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
@@ -116,12 +121,19 @@ class Engine:
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) if it can never run."""
+                    prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run (a bad LoRA adapter too)."""
         if params.truncate_prompt_tokens is not None:  # vLLM keeps the last k tokens
             k = params.truncate_prompt_tokens
             prompt_token_ids = list(prompt_token_ids)[-(self.max_model_len - 1 if k == -1 else k):]
         self._validate(request_id, prompt_token_ids, params)
+        lora_id = 0
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id} asks for LoRA adapter {lora_request!r}, but this engine was "
+                                 "built without LoRA; pass enable_lora=True (and max_loras, max_lora_rank)")
+            lora_id = self.lora.register(lora_request)
         grammar = self._compile_grammar(request_id, params)
         bad_words_ids = self._bad_words_ids(request_id, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
@@ -133,7 +145,7 @@ class Engine:
                 seqs.append(Sequence(seq_id=self._next_seq_id, request_id=request_id, index=index,
                                      token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
                                      params=params, seed=base_seed + index, arrival_order=self._next_seq_id,
-                                     priority=priority))
+                                     priority=priority, lora_id=lora_id))
                 self._next_seq_id += 1
             if grammar is not None:
                 self.structured.add([s.seq_id for s in seqs], grammar)
@@ -230,6 +242,17 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def _lora_fits(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Admit a sequence only while the running ones need at most max_loras adapters (one slot each)."""
+        return self.lora.fits(seq.lora_id, {s.lora_id for s in running if s.lora_id}, self.lora.max_loras)
+
+    def _lora_slots(self, batch: ScheduledBatch) -> list[int] | None:
+        """Each sequence's LoRA slot for this step, loading adapters that are not on the device."""
+        if self.lora is None:
+            return None
+        busy = {s.lora_id for s in self.scheduler.running if s.lora_id}
+        return self.lora.slots_for([s.lora_id for s in batch.seqs], busy)
+
     def _propose(self, seq: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence, never past its max_tokens or the context. Requests that want
         logprobs do not speculate (their logprobs come from one position per step)."""
@@ -261,7 +284,8 @@ class Engine:
             if copies:
                 self.runner.copy_pages(copies, group=group)
         draft_probs = self._run_draft(batch) if batch.speculative else None
-        inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec)
+        inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
+                                             lora_slots=self._lora_slots(batch))
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])

@@ -58,12 +58,15 @@ def _queue_key(seq: Sequence) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager,
                  proposer: Callable[[Sequence], list[int]] | None = None,
-                 on_preempt: Callable[[Sequence], None] | None = None):
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None):
         """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
-        `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too)."""
+        `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too); `admit`
+        says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots)."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt
+        self.admit = admit
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -130,8 +133,10 @@ class Scheduler:
             is_new = seq.status is SequenceStatus.WAITING
             if is_new and len(self.running) >= self.config.max_num_seqs:
                 break
+            if is_new and self.admit is not None and not self.admit(seq, self.running):
+                continue
             if is_new and not seq.pages and seq.params.prompt_logprobs is None:  # those need every position
-                self.block_manager.match_prefix(seq)
+                self.block_manager.match_prefix(seq, seq.lora_id or None)  # no prefix hits across adapters
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             chunk = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + chunk):

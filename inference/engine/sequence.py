@@ -31,6 +31,7 @@ class Sequence:
     seed: int
     arrival_order: int
     priority: int = 0  # lower runs sooner (vLLM's convention)
+    lora_id: int = 0  # the LoRA adapter's id (inference/lora/), 0: the base model
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     # One page table per KV cache group (inference/engine/pages/kv_cache_manager.py); a model without windows has one.

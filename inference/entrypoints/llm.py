@@ -28,8 +28,11 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.engine.client import EngineClient
-from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, ParallelConfig, check_dtype,
-                                     QuantizationConfig, SpeculativeConfig)
+from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
+                                     check_dtype, QuantizationConfig, SpeculativeConfig)
+from inference.lora.manager import LoRAManager
+from inference.lora.request import LoRARequest
+from inference.lora.slots import LoRASlots
 from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from inference.spec_decode.proposer import Proposer
 from inference.entrypoints.prompts import ParsedPrompt, PromptType, parse_prompts
@@ -87,7 +90,8 @@ class LLM:
                  speculative_model: str | None = None, speculative_adaptive: bool = False, attn_impl: str = "auto",
                  seed: int = 0, compilation_cache_dir: str | None = "default",
                  quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 quantization_group_size: int | None = None):
+                 quantization_group_size: int | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16):
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
 
@@ -113,7 +117,11 @@ class LLM:
         Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
         `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
         file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
-        step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate."""
+        step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate.
+
+        LoRA (vLLM's keywords): `enable_lora=True` serves PEFT adapters per request (`generate(...,
+        lora_request=LoRARequest(name, id, path))`); `max_loras` adapters fit on the device at once (one batch can
+        mix that many, plus the base model), each of rank up to `max_lora_rank`. See inference/lora/."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
@@ -143,12 +151,13 @@ class LLM:
         for mesh in _replica_meshes(parallel):
             decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=config.attn_impl,
                                              seed=config.seed, quantization=quant)
+            lora = _lora_manager(config.lora, decoder.config, loaded.config, dtype=DTYPES[dtype], mesh=mesh)
             runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
-                                 config=loaded.config)
+                                 config=loaded.config, lora=lora.slots if lora is not None else None)
             proposer = _proposer(spec, draft, num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
                                  kv_dtype=kv_dtype, attn_impl=config.attn_impl)
             engines.append(Engine(runner, self.tokenizer, scheduler, cache_config=cache, proposer=proposer,
-                                  speculative_config=spec))
+                                  speculative_config=spec, lora=lora))
         self.runners = [e.runner for e in engines]  # one per data-parallel replica
         self.runner = self.runners[0]
         self.engine: EngineClient = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
@@ -157,12 +166,15 @@ class LLM:
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
-                 ) -> list[RequestOutput]:
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. `prompts`: a str, a `TextPrompt` {"prompt": str}, a
         `TokensPrompt` {"prompt_token_ids": [...]}, or a list mixing them (inference/entrypoints/prompts.py);
-        `prompt_token_ids=[[...], ...]` is the older spelling of TokensPrompts."""
-        submitted = self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids)
+        `prompt_token_ids=[[...], ...]` is the older spelling of TokensPrompts. `lora_request`: one adapter for every
+        prompt, or a list aligned with the prompts (None entries run the base model); needs
+        `LLM(enable_lora=True)`."""
+        submitted = self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                                lora_request=lora_request)
         finished = self._run(sum(1 for s in submitted if s.error is None), use_tqdm)
         outputs = []
         for s in submitted:
@@ -175,7 +187,8 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render a chat; "
@@ -183,7 +196,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(self, prompts: PromptType | Sequence[PromptType] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -210,12 +223,15 @@ class LLM:
 
     def submit(self, prompts: PromptType | Sequence[PromptType] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[Submitted]:
+               prompt_token_ids: Sequence[Sequence[int]] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Submitted]:
         """Encode and queue every prompt without stepping the engine (`generate` and `stream` step it; a caller
         that keeps its own window of requests, like scripts/generate.py, steps `self.engine` itself). A prompt the
-        engine rejects, or whose shape is wrong, gets its error output instead (`Submitted.error`)."""
+        engine rejects, or whose shape is wrong (a bad adapter too), gets its error output instead
+        (`Submitted.error`)."""
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = self._per_prompt(sampling_params, len(parsed))
+        loras = _per_prompt_lora(lora_request, len(parsed))
         submitted = []
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             request_id, ids = str(next(self._ids)), prompt.token_ids
@@ -223,7 +239,10 @@ class LLM:
                 if prompt.error is not None:
                     raise ValueError(prompt.error)
                 ids = ids if ids is not None else self._encode(prompt)
-                self.engine.add_request(request_id, ids, p, prompt=prompt.text)
+                if loras[i] is None:  # the keyword only when used: engines without LoRA keep their signature
+                    self.engine.add_request(request_id, ids, p, prompt=prompt.text)
+                else:
+                    self.engine.add_request(request_id, ids, p, prompt=prompt.text, lora_request=loras[i])
                 submitted.append(Submitted(request_id, p))
             except ValueError as exc:
                 log.warning("prompt %d rejected: %s", i, exc)
@@ -282,6 +301,16 @@ class LLM:
             runner.update_weights(params)
         self.engine.reset_prefix_cache()
 
+    def update_lora(self, lora: str | int, weights: dict) -> None:
+        """Replace a loaded adapter's A/B in place (RL: a LoRA-only training step), by name or id: `weights` maps
+        projection names (`layers.3.q_proj`, models/weights.py) to (a [in, r], b [r, out]) pairs (x @ a @ b, the
+        transpose of PEFT's lora_A / lora_B), for any of the projections the adapter has, at its rank. Nothing
+        recompiles; the prefix cache is dropped (its pages hold keys and values of the old adapter)."""
+        if not self.engine_config.lora.enable_lora:
+            raise ValueError("update_lora needs an LLM built with enable_lora=True")
+        self.engine.lora.update(lora, weights)  # one replica: enable_lora rejects data_parallel_size > 1
+        self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.tokenizer
 
@@ -335,6 +364,25 @@ def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, qu
     from sharding.partition import shard_decoder
     return shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
                          source=loaded.source)
+
+
+def _lora_manager(lora: LoRAConfig, padded, config, *, dtype, mesh) -> LoRAManager | None:
+    """The LoRA slots (for the replica's padded model and mesh) and their manager, or None without LoRA."""
+    if not lora.enable_lora:
+        return None
+    slots = LoRASlots(padded, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=dtype, mesh=mesh)
+    return LoRAManager(slots, config, max_loras=lora.max_loras, max_rank=lora.max_lora_rank)
+
+
+def _per_prompt_lora(lora_request, count: int) -> list:
+    """One LoRARequest (or None) per prompt: a single request (or None) for all, or a list aligned with them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one per prompt (None: the base "
+                         "model) or a single LoRARequest for all")
+    return loras
 
 
 def _proposer(spec: SpeculativeConfig, draft=None, **draft_kwargs) -> Proposer | None:

@@ -63,6 +63,7 @@ class ModelInput:
     logits_indices: jax.Array  # i32[S]: the last token of each sequence's chunk
     target_ids: jax.Array  # i32[T]: the next prompt token of each token (for prompt logprobs); -1 where none
     spec: SpecInput | None = None  # draft tokens to verify (speculative steps only)
+    lora_slots: jax.Array | None = None  # i32[T]: each token's LoRA slot (models/lora.py; 0: none); None: no LoRA
 
     @classmethod
     def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int,
@@ -90,10 +91,11 @@ class BucketLimits:
 
 
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
-                      num_spec: int = 0) -> tuple[ModelInput, int]:
+                      num_spec: int = 0, lora_slots: list[int] | None = None) -> tuple[ModelInput, int]:
     """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
     `num_spec` (the static draft length) draft slots per sequence. With several KV cache groups
-    (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P]."""
+    (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P].
+    `lora_slots`: each sequence's LoRA slot, spread over its tokens (padding tokens get slot 0)."""
     num_groups = len(batch.seqs[0].block_tables)
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
@@ -119,6 +121,7 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     page_indices = np.zeros((num_groups, padded_seqs, padded_pages), np.int32)
     cu_q_lens = np.zeros(padded_seqs + 1, np.int32)
     logits_indices = np.zeros(padded_seqs, np.int32)
+    token_slots = None if lora_slots is None else np.zeros(padded_tokens, np.int32)
 
     offset = 0
     for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -134,6 +137,8 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
         target_ids[offset:offset + len(nxt)] = nxt
         kv_lens[i] = start + count
+        if token_slots is not None:
+            token_slots[offset:offset + count] = lora_slots[i]
         offset += count
         cu_q_lens[i + 1] = offset
         logits_indices[i] = offset - 1
@@ -145,7 +150,7 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
                              cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)
     spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if batch.speculative else None
     return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
-                      target_ids=target_ids, spec=spec), num_tokens
+                      target_ids=target_ids, spec=spec, lora_slots=token_slots), num_tokens
 
 
 def _spec_input(batch: ScheduledBatch, cu_q_lens: np.ndarray, padded_seqs: int, num_spec: int) -> SpecInput:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from inference.lora.slots import LoRASlots
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
@@ -25,6 +26,7 @@ from inference.sampling.token_mask import all_allowed
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from models.attention import QuantizedKV
 from models.decoder import Decoder
+from models.lora import bind_lora
 
 
 @dataclasses.dataclass
@@ -43,8 +45,10 @@ class StepOutput:
 
 
 def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
-          *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
+          lora=None, *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
+    if lora is not None:  # LoRA slot arrays (inference/lora/slots.py): each token's adapter delta on the projections
+        bind_lora(model, lora, inp.lora_slots)
     hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
     if layout.kv_sharding is not None:  # the donated caches keep their sharding, so they are updated in place
         kv_caches = [jax.lax.with_sharding_constraint(c, layout.kv_sharding) for c in kv_caches]
@@ -75,8 +79,9 @@ class StepLayout:
 
 
 def jit_step(graphdef, treedef, layout: StepLayout):
-    """The jitted step `(param_leaves, kv_caches, inp, sampling, *, use_filters, logprobs, prompt_logprobs)`, KV
-    cache donated: what the runner calls, and what `scripts/aot_compile.py` compiles from abstract inputs."""
+    """The jitted step `(param_leaves, kv_caches, inp, sampling, lora=None, *, use_filters, logprobs,
+    prompt_logprobs)`, KV cache donated: what the runner calls, and what `scripts/aot_compile.py` compiles from
+    abstract inputs."""
     return jax.jit(functools.partial(_step, graphdef, treedef, layout),
                    static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))
 
@@ -145,11 +150,13 @@ def _copy_cache_pages(cache, src, dst):
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
-                 mesh: jax.sharding.Mesh | None = None, config=None):
+                 mesh: jax.sharding.Mesh | None = None, config=None, lora: LoRASlots | None = None):
         """`mesh`: tensor parallelism over its "model" axis (sharding/): parameters and KV caches get NamedShardings
         and XLA inserts the collectives. `config`: the model's real config when `model` was padded for the mesh
-        (sharding.shard_decoder); `self.config` is that one, the KV cache follows the padded `model.config`."""
+        (sharding.shard_decoder); `self.config` is that one, the KV cache follows the padded `model.config`.
+        `lora`: LoRA slot arrays every step reads (built for `model.config` and `mesh`); None: no LoRA."""
         padded = model.config
+        self.lora = lora
         self.config = config = config or padded
         self.page_size = page_size
         self.num_pages = num_pages
@@ -208,8 +215,14 @@ class ModelRunner:
                 logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
         """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host."""
         fn = self.decode_step if is_decode else self.prefill_step
-        sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, use_filters=use_filters,
-                                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.arrays
+            if inp.lora_slots is None:  # warm-up and other callers without adapters: every token on slot 0
+                inp = inp.replace(lora_slots=np.zeros(inp.tokens.shape[0], np.int32))
+        sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
+                                             use_filters=use_filters, logprobs=logprobs,
+                                             prompt_logprobs=prompt_logprobs)
         spec = None
         if inp.spec is not None:
             sampled, *spec = sampled

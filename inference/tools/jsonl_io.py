@@ -116,7 +116,7 @@ def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:
 
 
 def _echo(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: row[k] for k in ("id", "prompt", "messages") if k in row}
+    return {k: row[k] for k in ("id", "prompt", "messages", "lora") if k in row}
 
 
 def error_row(row: dict[str, Any], error: str) -> dict[str, Any]:
@@ -208,8 +208,22 @@ def row_params(row: dict[str, Any], base: Any) -> Any:
     return base.replace(max_tokens=value)
 
 
+def row_lora(row: dict[str, Any], adapters: dict[str, Any]) -> Any:
+    """The LoRARequest the row's `lora` field names among the launcher's --lora adapters (None, or no field: the
+    base model). Raises ValueError describing a bad field, which becomes that row's `error`."""
+    name = row.get("lora")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ValueError(f"'lora' must be the name of a --lora adapter (a string) or null, got {name!r}")
+    if name not in adapters:
+        known = f"the --lora adapters are {sorted(adapters)}" if adapters else "the launcher was started without --lora"
+        raise ValueError(f"'lora' names adapter {name!r}, which is unknown; {known}")
+    return adapters[name]
+
+
 __all__ = ["check_unique_ids", "read_input", "load_done_ids", "prompt_text", "error_row", "result_row",
-           "write_rows", "RowWriter", "row_seed", "row_params", "shard_path", "merge_shards"]
+           "write_rows", "RowWriter", "row_seed", "row_params", "row_lora", "shard_path", "merge_shards"]
 
 
 # ---- multi-process jobs: one output shard per process, merged by process 0 --------------------------------------

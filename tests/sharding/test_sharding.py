@@ -4,10 +4,6 @@ and the sharded engine, data-parallel replicas and an orbax restore into shards 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +16,8 @@ from models.decoder import build_decoder
 from sharding import make_mesh, pad_heads, padding_report
 from sharding.partition import (export_weights, kv_cache_sharding, needs_padding, pad_for_tensor_parallel,
                                 partition_spec)
+from tests.virtual_devices import run_worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH8 = AbstractMesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 SMOL_GROUPING = get_model_config("tiny-llama").replace(num_heads=9, num_kv_heads=3, head_dim=16)
 
@@ -139,13 +135,7 @@ def test_pad_heads_keeps_gqa_grouping_and_reports_cost():
 # ---- 8 virtual devices, in a subprocess -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    worker = os.path.join(ROOT, "tests", "sharding", "sharding_worker.py")
-    proc = subprocess.run([sys.executable, worker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 8
-    return result
+    return run_worker("tests/sharding/sharding_worker.py")
 
 
 # model -> (KV heads, TP sizes run alone, TP sizes run as 2 data-parallel replicas)
