@@ -60,7 +60,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.sampling.params",),
     ("inference.sampling.sampler",),
     ("inference.sampling",),
-    ("inference.loading",),
+    ("inference.loading", "inference.rl"),  # RL's logprobs: a model and the sampler, no engine
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
