@@ -209,6 +209,8 @@ class LLM:
         """Encode and queue every prompt; a prompt the engine rejects gets its error output instead."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if self.is_sleeping:
+            raise RuntimeError("the LLM is asleep (sleep() freed its KV cache); call wake_up() before generating")
         if isinstance(prompts, str):
             prompts = [prompts]
         texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
@@ -273,6 +275,27 @@ class LLM:
         for runner in self.runners:  # every data-parallel replica, each into its own devices' shardings
             runner.update_weights(params)
         self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1, *, keep_weights_on_host: bool = True) -> None:
+        """Free device memory between rollouts (vLLM's sleep mode): level 1 deletes the KV cache's buffers (the
+        prefix cache is dropped with them), level 2 also releases the weights, kept as host numpy unless
+        `keep_weights_on_host=False` (then `update_weights` must refill them). `wake_up` restores; generating while
+        asleep raises. No request may be in flight. A draft model's cache (speculative_method="draft") is kept."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("sleep: requests are still in flight; let them finish or abort them first")
+        for runner in self.runners:
+            runner.sleep(level, keep_weights_on_host=keep_weights_on_host)
+        self.engine.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights back on device (the host copy, or what `update_weights` gave meanwhile) and a
+        fresh KV cache. Nothing recompiles."""
+        for runner in self.runners:
+            runner.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(runner.sleep_level for runner in self.runners)
 
     def get_tokenizer(self):
         return self.tokenizer
