@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from inference.runtime.reshard import reshard
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs)
@@ -160,6 +161,8 @@ class ModelRunner:
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         # What update_weights checks new leaves against (the leaves themselves are gone while asleep).
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
+        # One device: where the steps run; update_weights moves leaves from elsewhere there.
+        self._device = next(iter(self.param_leaves[0].devices()))
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
@@ -267,7 +270,11 @@ class ModelRunner:
         return jax.tree.unflatten(self.param_treedef, self.param_leaves)
 
     def update_weights(self, params: nnx.State) -> None:
-        """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are."""
+        """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are.
+
+        The new leaves may live anywhere: host numpy, another device, or any sharding over any mesh (a trainer's
+        FSDP layout); each is put into the runner's own sharding with `jax.device_put`, device to device for arrays
+        already on devices, so the steps see exactly the shardings they were compiled for (inference/runtime/reshard.py)."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self.param_treedef:
             raise ValueError("update_weights: the new parameters do not have the model's structure")
@@ -313,5 +320,9 @@ class ModelRunner:
         """Parameter leaves on the runner's devices: each into its NamedSharding under a mesh (every device gets
         only its slice), else onto the default device. The one copy path of the constructor and `update_weights`."""
         if self.param_shardings is None:
-            return [jnp.asarray(x) for x in leaves]
-        return [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]
+            # Leaves already on the device (or on the host) stay as jnp.asarray leaves them: committing them would
+            # give the jitted steps another input signature (a new entry in their cache).
+            single = jax.sharding.SingleDeviceSharding(self._device)
+            return [jnp.asarray(x) if not isinstance(x, jax.Array) or x.devices() == {self._device}
+                    else reshard(x, single) for x in leaves]
+        return [reshard(x, s) for x, s in zip(leaves, self.param_shardings)]
