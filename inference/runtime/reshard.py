@@ -1,10 +1,14 @@
-"""Move an array onto a target sharding device to device, whatever mesh or device set it lives on now.
+"""Move arrays onto target shardings device to device, whatever mesh or device set they live on now.
 
 Why not just `jax.device_put(x, sharding)`: between shardings over the *same* devices it is a device-to-device
-reshard, but between different device sets (a trainer's FSDP-8 mesh -> an engine replica's two devices) JAX
-0.10 routes it through the host (a transfer guard shows the host-to-device leg). `reshard` keeps such moves on the
-devices: each target shard is assembled on its device from the overlapping pieces of the source shards, each
-piece sliced on its source device and copied device to device, so every byte moves once and no host copy exists.
+reshard (one XLA program), but between different device sets (a trainer's FSDP-8 mesh -> an engine replica's two
+devices) JAX 0.10 routes it through the host (a transfer guard shows the host-to-device leg). Here each target shard is
+assembled on its device from the overlapping pieces of the source shards, each piece sliced on its source device
+and copied device to device: every byte moves once, no host copy exists, no collective runs. The cost is one small
+dispatch per piece (BENCHMARKS.md, weight sync: on CPU, where "host" is the same memory, JAX's host route is
+faster; the point of this one is accelerators, where the host route crosses PCIe twice). An embedding of the target
+layout into a sharding over the source devices (one XLA transfer per leaf) was tried: it copies every byte to every
+source-device row and its collectives timed out on 8 virtual devices over 2 cores.
 """
 
 from __future__ import annotations
@@ -46,10 +50,30 @@ def _slicer(start: tuple[int, ...], limit: tuple[int, ...]):
     return jax.jit(lambda a: lax.slice(a, start, limit))
 
 
+def reshard_all(xs: list, dsts: list) -> list[jax.Array]:
+    """Each `xs[i]` (host array, or a jax.Array on any sharding) placed as `dsts[i]`, device to device for arrays
+    on devices. Arrays from the host, already in place, or on the target's own devices go through one batched
+    `device_put` (XLA reshards among the same devices); the rest piece by piece (`_reshard_pieces`)."""
+    out: list = [None] * len(xs)
+    direct = []
+    for i, (x, dst) in enumerate(zip(xs, dsts)):
+        if not isinstance(x, jax.Array) or x.sharding == dst or x.sharding.device_set == dst.device_set:
+            direct.append(i)
+        else:
+            out[i] = _reshard_pieces(x, dst)
+    if direct:
+        for i, y in zip(direct, jax.device_put([xs[i] for i in direct], [dsts[i] for i in direct])):
+            out[i] = y
+    return out
+
+
 def reshard(x, dst: jax.sharding.Sharding) -> jax.Array:
-    """`x` (host array, or a jax.Array on any sharding) placed as `dst`; device to device when it is on devices."""
-    if not isinstance(x, jax.Array) or x.sharding == dst or x.sharding.device_set == dst.device_set:
-        return jax.device_put(x, dst)  # from the host, a no-op, or XLA's reshard among the same devices
+    """One array: `reshard_all([x], [dst])[0]`."""
+    return reshard_all([x], [dst])[0]
+
+
+def _reshard_pieces(x: jax.Array, dst: jax.sharding.Sharding) -> jax.Array:
+    """Each target shard assembled on its device from the overlapping pieces of `x`'s shards."""
     shape = x.shape
     sources: dict[Bounds, list] = {}  # unique source block -> its copies (replicated shards repeat a block)
     for shard in x.addressable_shards:
@@ -76,4 +100,4 @@ def reshard(x, dst: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, dst, pieces)
 
 
-__all__ = ["reshard"]
+__all__ = ["reshard", "reshard_all"]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.runtime.reshard import reshard
+from inference.runtime.reshard import reshard_all
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs)
@@ -322,7 +322,7 @@ class ModelRunner:
         if self.param_shardings is None:
             # Leaves already on the device (or on the host) stay as jnp.asarray leaves them: committing them would
             # give the jitted steps another input signature (a new entry in their cache).
-            single = jax.sharding.SingleDeviceSharding(self._device)
-            return [jnp.asarray(x) if not isinstance(x, jax.Array) or x.devices() == {self._device}
-                    else reshard(x, single) for x in leaves]
-        return [reshard(x, s) for x, s in zip(leaves, self.param_shardings)]
+            if all(not isinstance(x, jax.Array) or x.devices() == {self._device} for x in leaves):
+                return [jnp.asarray(x) for x in leaves]
+            return reshard_all(leaves, [jax.sharding.SingleDeviceSharding(self._device)] * len(leaves))
+        return reshard_all(leaves, self.param_shardings)
