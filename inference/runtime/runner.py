@@ -273,8 +273,8 @@ class ModelRunner:
         """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are.
 
         The new leaves may live anywhere: host numpy, another device, or any sharding over any mesh (a trainer's
-        FSDP layout); each is put into the runner's own sharding with `jax.device_put`, device to device for arrays
-        already on devices, so the steps see exactly the shardings they were compiled for (inference/runtime/reshard.py)."""
+        FSDP layout); each is put into the runner's own sharding, device to device for arrays already on devices
+        (inference/runtime/reshard.py), so the steps see exactly the shardings they were compiled for."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self.param_treedef:
             raise ValueError("update_weights: the new parameters do not have the model's structure")
