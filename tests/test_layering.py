@@ -62,7 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.sampling.params", "inference.structured.__init__", "inference.structured.params"),
     ("inference.sampling.sampler", "inference.sampling.token_mask", "inference.sampling.logit_bias"),
     ("inference.sampling",),
-    ("inference.loading", "inference.structured"),
+    ("inference.loading", "inference.structured", "inference.rl"),  # grammar matchers; RL's logprobs (no engine)
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),

@@ -158,6 +158,9 @@ class DataParallelEngine:
         for engine in self.engines:
             engine.reset_prefix_cache()
 
+    def recompute_running(self) -> int:
+        return sum(engine.recompute_running() for engine in self.engines)
+
     def reset_stats(self) -> None:
         for engine in self.engines:
             engine.reset_stats()

@@ -231,6 +231,16 @@ class Engine:
         with self._lock:
             self.block_manager.reset_prefix_cache()
 
+    def recompute_running(self) -> int:
+        """Release every running sequence's KV and queue it to recompute its tokens (after a weight update, so
+        the cache holds the new weights' keys and values); the prefix cache is dropped too. Returns how many."""
+        with self._lock:
+            running = list(self.scheduler.running)
+            for seq in running:
+                self.scheduler.preempt(seq, count=False)
+            self.block_manager.reset_prefix_cache()
+        return len(running)
+
     def reset_stats(self) -> None:
         """Start the engine's counters afresh (e.g. after a warm-up that should not count)."""
         self.stats = EngineStats()

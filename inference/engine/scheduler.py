@@ -172,7 +172,7 @@ class Scheduler:
                 victim = max(self.running, key=_queue_key)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError(f"sequence {seq.request_id} alone needs more pages than the cache holds")
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -184,8 +184,9 @@ class Scheduler:
         counts = [1 + len(s.spec_tokens) for s in scheduled]
         return ScheduledBatch(scheduled, counts) if scheduled else None
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a sequence's pages and queue it for recomputation."""
+    def preempt(self, seq: Sequence, *, count: bool = True) -> None:
+        """Free a sequence's pages and queue it for recomputation; `count=False` for a recompute the caller
+        asked for (not a shortage of pages), which `num_preemptions` does not count."""
         self.running.remove(seq)
         self.block_manager.release(seq)
         seq.num_computed_tokens = 0
@@ -194,4 +195,4 @@ class Scheduler:
             self.on_preempt(seq)
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_key)
-        self.num_preemptions += 1
+        self.num_preemptions += count

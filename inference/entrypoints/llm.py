@@ -229,6 +229,8 @@ class LLM:
         that keeps its own window of requests, like scripts/generate.py, steps `self.engine` itself). A prompt the
         engine rejects, or whose shape is wrong (a bad adapter too), gets its error output instead
         (`Submitted.error`)."""
+        if self.is_sleeping:
+            raise RuntimeError("the LLM is asleep (sleep() freed its KV cache); call wake_up() before generating")
         parsed = parse_prompts(prompts, prompt_token_ids)
         params = self._per_prompt(sampling_params, len(parsed))
         loras = _per_prompt_lora(lora_request, len(parsed))
@@ -310,6 +312,27 @@ class LLM:
             raise ValueError("update_lora needs an LLM built with enable_lora=True")
         self.engine.lora.update(lora, weights)  # one replica: enable_lora rejects data_parallel_size > 1
         self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1, *, keep_weights_on_host: bool = True) -> None:
+        """Free device memory between rollouts (vLLM's sleep mode): level 1 deletes the KV cache's buffers (the
+        prefix cache is dropped with them), level 2 also releases the weights, kept as host numpy unless
+        `keep_weights_on_host=False` (then `update_weights` must refill them). `wake_up` restores; generating while
+        asleep raises. No request may be in flight. A draft model's cache (speculative_method="draft") is kept."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("sleep: requests are still in flight; let them finish or abort them first")
+        for runner in self.runners:
+            runner.sleep(level, keep_weights_on_host=keep_weights_on_host)
+        self.engine.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights back on device (the host copy, or what `update_weights` gave meanwhile) and a
+        fresh KV cache. Nothing recompiles."""
+        for runner in self.runners:
+            runner.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(runner.sleep_level for runner in self.runners)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -110,6 +110,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
+        self._paused = False  # pause / resume: no step starts while set
+        self._stepping = False  # the thread is inside a step (pause waits for it to end)
         self._thread = threading.Thread(target=self._run, name="pagejax-engine", daemon=True)
         self._thread.start()
 
@@ -127,36 +129,65 @@ class EngineLoop:
             except ValueError:
                 del self._streams[request_id]
                 raise
-            self._wake.notify()
+            self._wake.notify_all()  # all: pause() waits on the same condition
         return stream
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         with self._wake:
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def pause(self) -> None:
+        """Stop stepping after the current step; returns once no step runs. In-flight requests keep their state
+        (tokens, pages); `submit` still queues and `abort` still ends requests (their final output is published
+        while paused). The moment for `LLM.update_weights` from an RL trainer."""
+        with self._wake:
+            self._paused = True
+            while self._stepping:
+                self._wake.wait()
+
+    def resume(self, *, recompute: bool = False) -> None:
+        """Continue the in-flight requests. `recompute=True`: first release every running sequence's KV cache
+        and recompute it from its tokens (preempt-and-recompute), so the rest of each request is generated with
+        the new weights throughout; False keeps the KV written under the old weights."""
+        with self._wake:
+            if recompute:
+                self.engine.recompute_running()
+            self._paused = False
+            self._wake.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def close(self) -> None:
         with self._wake:
             self._closed = True
-            self._wake.notify()
+            self._wake.notify_all()
         self._thread.join()
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self.engine.has_unfinished_requests() and not self._pending_aborts():
+                while not self._closed and (self._paused or not self.engine.has_unfinished_requests()) \
+                        and not self._pending_aborts():
                     self._wake.wait()
                 if self._closed:
                     return
-            try:
-                outputs = self.engine.step()
+                step = not self._paused
+                self._stepping = step
+            try:  # published before `_stepping` clears, so pause() returns with every output delivered
+                self._publish(self.engine.step() if step else [])
+                self._publish(self._pending_aborts())
             except BaseException as exc:  # noqa: BLE001 - surface the failure to every waiting caller
                 for stream, _ in list(self._streams.values()):
                     stream._put(exc)
                 self._streams.clear()
                 continue
-            self._publish(outputs)
-            self._publish(self._pending_aborts())
+            finally:
+                with self._wake:
+                    self._stepping = False
+                    self._wake.notify_all()
 
     def _pending_aborts(self) -> list[RequestOutput]:
         """Finished requests that no step reported (aborted ones): their final outputs."""

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from inference.lora.slots import LoRASlots
+from inference.runtime.reshard import reshard_all
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
@@ -171,11 +172,18 @@ class ModelRunner:
         # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
         # a list next to nothing.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
+        # What update_weights checks new leaves against (the leaves themselves are gone while asleep).
+        self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
+        # One device: where the steps run; update_weights moves leaves from elsewhere there.
+        self._device = next(iter(self.param_leaves[0].devices()))
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
+        self._kv_spec, self._num_kv_layers, self._kv_sharding = spec, padded.num_kv_layers, None
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights freed too (sleep / wake_up)
+        self._host_weights: list[np.ndarray] | None = None
         if mesh is None:
-            self.kv_caches = [_new_cache(spec) for _ in range(padded.num_kv_layers)]
+            self.kv_caches = self._zero_kv_caches()
         else:
             from sharding.partition import kv_cache_sharding, param_shardings, replicated
             self.param_shardings = param_shardings(params, mesh)
@@ -184,8 +192,8 @@ class ModelRunner:
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
             if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
                 kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
-            zeros = jax.jit(lambda: _new_cache(spec), out_shardings=kv_sharding)  # created in shards
-            self.kv_caches = [zeros() for _ in range(padded.num_kv_layers)]
+            self._kv_sharding = kv_sharding
+            self.kv_caches = self._zero_kv_caches()
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
                                          vocab_axis=vocab_axis)
@@ -202,6 +210,13 @@ class ModelRunner:
                                       jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
                                       for c in caches], donate_argnums=(0,))
 
+    def _zero_kv_caches(self) -> list:
+        """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device)."""
+        if self._kv_sharding is None:
+            return [_new_cache(self._kv_spec) for _ in range(self._num_kv_layers)]
+        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding)
+        return [zeros() for _ in range(self._num_kv_layers)]
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the whole KV cache, summed over devices."""
@@ -214,6 +229,9 @@ class ModelRunner:
     def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
                 logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
         """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host."""
+        if self.sleep_level:
+            raise RuntimeError(f"the model runner is asleep (sleep level {self.sleep_level}: its KV cache"
+                               f"{' and weights' if self.sleep_level == 2 else ''} are freed); call wake_up() first")
         fn = self.decode_step if is_decode else self.prefill_step
         lora = None
         if self.lora is not None:
@@ -269,22 +287,64 @@ class ModelRunner:
     @property
     def params(self) -> nnx.State:
         """The model's parameters as an nnx.State (a fresh view of the arrays the steps use)."""
+        if self.param_leaves is None:
+            raise RuntimeError("the weights were freed by sleep(level=2); call wake_up() (or update_weights) first")
         return jax.tree.unflatten(self.param_treedef, self.param_leaves)
 
     def update_weights(self, params: nnx.State) -> None:
-        """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are."""
+        """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are.
+
+        The new leaves may live anywhere: host numpy, another device, or any sharding over any mesh (a trainer's
+        FSDP layout); each is put into the runner's own sharding, device to device for arrays already on devices
+        (inference/runtime/reshard.py), so the steps see exactly the shardings they were compiled for."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self.param_treedef:
             raise ValueError("update_weights: the new parameters do not have the model's structure")
-        for new_leaf, old_leaf in zip(leaves, self.param_leaves):
+        for new_leaf, old_leaf in zip(leaves, self._param_avals):
             if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
                                  f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
         self.param_leaves = self._place(leaves)
+        self._host_weights = None  # the new weights supersede a host copy kept by sleep(level=2)
+
+    # ---- memory release between rollouts (RL): inference/rl docs, docs/rl.md --------------------------------------
+    def sleep(self, level: int = 1, *, keep_weights_on_host: bool = True) -> None:
+        """Free device memory: level 1 the KV cache (its buffers are deleted; the caller drops the pages'
+        bookkeeping), level 2 the weights too, copied to host numpy first unless `keep_weights_on_host=False`
+        (then `update_weights` must refill them before `wake_up`). Weight buffers are released, not deleted: a
+        trainer that shares the arrays (`update_weights` without a copy) keeps them alive and valid."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (the weights too), got {level!r}")
+        if self.sleep_level >= level:
+            return
+        if self.kv_caches is not None:
+            for leaf in jax.tree.leaves(self.kv_caches):
+                leaf.delete()  # only the runner holds its caches
+            self.kv_caches = None
+        if level == 2 and self.param_leaves is not None:
+            self._host_weights = jax.device_get(self.param_leaves) if keep_weights_on_host else None
+            self.param_leaves = None
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed: the weights from their host copy (unless `update_weights` already gave new
+        ones) and a zeroed KV cache. Compiled steps are kept, so nothing recompiles."""
+        if self.param_leaves is None:
+            if self._host_weights is None:
+                raise RuntimeError("wake_up: the weights were dropped by sleep(level=2, keep_weights_on_host=False); "
+                                   "call update_weights(params) first")
+            self.param_leaves, self._host_weights = self._place(self._host_weights), None
+        if self.kv_caches is None:
+            self.kv_caches = self._zero_kv_caches()
+        self.sleep_level = 0
 
     def _place(self, leaves: list) -> list[jax.Array]:
         """Parameter leaves on the runner's devices: each into its NamedSharding under a mesh (every device gets
         only its slice), else onto the default device. The one copy path of the constructor and `update_weights`."""
         if self.param_shardings is None:
-            return [jnp.asarray(x) for x in leaves]
-        return [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)]
+            # Leaves already on the device (or on the host) stay as jnp.asarray leaves them: committing them would
+            # give the jitted steps another input signature (a new entry in their cache).
+            if all(not isinstance(x, jax.Array) or x.devices() == {self._device} for x in leaves):
+                return [jnp.asarray(x) for x in leaves]
+            return reshard_all(leaves, [jax.sharding.SingleDeviceSharding(self._device)] * len(leaves))
+        return reshard_all(leaves, self.param_shardings)
