@@ -135,7 +135,8 @@ def _new_cache(spec):
     """One caching layer's zeroed cache from its `ModelConfig.kv_cache_spec`: an array, or pages + scales for an
     int8 cache."""
     if isinstance(spec, tuple):
-        return QuantizedKV(pages=jnp.zeros(spec[0].shape, spec[0].dtype), scales=jnp.zeros(spec[1].shape, spec[1].dtype))
+        pages, scales = spec
+        return QuantizedKV(pages=jnp.zeros(pages.shape, pages.dtype), scales=jnp.zeros(scales.shape, scales.dtype))
     return jnp.zeros(spec.shape, spec.dtype)
 
 
