@@ -74,6 +74,19 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(llm, adapters)
     assert llm.runner.lora.num_compilations() == 1  # every slot write reuses one compiled update
 
 
+def test_stream_takes_lora_requests_like_generate(llm, adapters):
+    loras = [adapters["a"], None, adapters["d"]]
+    want = [_tokens(llm, lora) for lora in loras]
+    streamed: dict[str, list[int]] = {}
+    order = []
+    for delta in llm.stream(prompt_token_ids=[PROMPT] * 3, sampling_params=GREEDY, lora_request=loras):
+        assert delta.finish_reason != "error", delta.output.error
+        if delta.request_id not in streamed:
+            order.append(delta.request_id)
+        streamed.setdefault(delta.request_id, []).extend(delta.token_ids)
+    assert [streamed[r] for r in order] == want and len({tuple(t) for t in want}) == 3
+
+
 def test_slots_evict_least_recently_used_and_reload(llm, adapters):
     manager = llm.engine.lora
     first = {name: _tokens(llm, adapters[name]) for name in ("a", "b", "c")}
