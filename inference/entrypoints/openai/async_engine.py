@@ -66,10 +66,12 @@ class AsyncStream:
                 self._hand(delta)
         except BaseException as exc:  # noqa: BLE001 - the engine's failure goes to this request's handler
             item = exc
-        self._engine._release(self._num_seqs, final)
-        if self._on_done is not None:  # the engine is done with the request (e.g. its LoRA adapter's count)
-            self._on_done()
-        self._hand(item)
+        try:
+            self._engine._release(self._num_seqs, final)
+            if self._on_done is not None:  # the engine is done with the request (e.g. its LoRA adapter's count)
+                self._on_done()
+        finally:  # whatever those do, the handler hears the end
+            self._hand(item)
 
     def _hand(self, item: object) -> None:
         try:

@@ -16,11 +16,14 @@ another adapter computed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Sequence
 
 from inference.entrypoints.openai.errors import OpenAIError
 from inference.lora.request import LoRARequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -106,7 +109,7 @@ class ServedModels:
             if forget:
                 del self._unloading[lora.lora_int_id]
         if forget:
-            self.engine.remove_lora(lora.lora_int_id)
+            self._forget(lora.lora_int_id)
 
     def response_name(self, lora: LoRARequest | None) -> str:
         """The `model` a response carries: the adapter's name, else the base model's first name (vLLM's)."""
@@ -164,8 +167,14 @@ class ServedModels:
             if not forget:
                 self._unloading[adapter.request.lora_int_id] = adapter
         if forget:
-            self.engine.remove_lora(adapter.request.lora_int_id)
+            self._forget(adapter.request.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _forget(self, lora_id: int) -> None:
+        try:
+            self.engine.remove_lora(lora_id)
+        except ValueError as exc:  # a request from outside the server (LLM.generate on the same engine) uses it
+            log.warning("LoRA adapter %d stays loaded in the engine: %s", lora_id, exc)
 
     def _check_runtime(self) -> None:
         if not self.allow_runtime_lora:
