@@ -35,7 +35,7 @@ class _Adapter:
 
 class ServedModels:
     """The served names. `base_names`: the base model's (the first is the id responses carry); `engine`: the
-    `Engine` whose `lora` manager the adapters live in (None: a server without LoRA)."""
+    `Engine` whose `lora` manager the adapters live in (an engine without one: a server without LoRA)."""
 
     def __init__(self, base_names: Sequence[str], engine, *, loras: Sequence[LoRARequest] = (),
                  allow_runtime_lora: bool = False, max_model_len: int | None = None, created: int = 0):
