@@ -27,6 +27,9 @@ CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
 LORA = flags.DEFINE_multi_string("lora", None, "A LoRA adapter as NAME=PATH (a PEFT folder; repeatable); a row "
                                  "runs with the one its 'lora' field names, rows without it run the base model.")
 MAX_LORA_RANK = flags.DEFINE_integer("max_lora_rank", 16, "Largest LoRA rank served with --lora.", lower_bound=1)
+MAX_LORAS = flags.DEFINE_integer("max_loras", None, "LoRA adapters on the device at once (one batch mixes that many; "
+                                 "others wait or are swapped in LRU). Default: the number of --lora flags.",
+                                 lower_bound=1)
 
 
 def lora_requests() -> dict[str, Any]:
@@ -46,14 +49,15 @@ def lora_requests() -> dict[str, Any]:
     return adapters
 
 
-def build_llm() -> Any:
-    """The engine, configured from the engine flags (imported here: JAX is slow to import). With --lora every
-    adapter gets a device slot (max_loras = their count)."""
+def build_llm(enable_lora: bool = False) -> Any:
+    """The engine, configured from the engine flags (imported here: JAX is slow to import). LoRA is on with --lora
+    (or `enable_lora`: the server's runtime adapter loading); by default every --lora adapter gets a device slot."""
     from inference.entrypoints.llm import LLM
 
-    num_loras = len(LORA.value or [])
+    num_loras = MAX_LORAS.value or len(LORA.value or [])
     return LLM(MODEL.value, dtype=DTYPE.value, kv_cache_memory_bytes=KV_BYTES.value,
                max_model_len=MAX_MODEL_LEN.value, max_num_seqs=MAX_NUM_SEQS.value,
                max_num_batched_tokens=MAX_BATCHED.value, compilation_cache_dir=CACHE_DIR.value or None,
                quantization=QUANTIZATION.value, tensor_parallel_size=TP.value, data_parallel_size=DP.value,
-               enable_lora=num_loras > 0, max_loras=max(num_loras, 1), max_lora_rank=MAX_LORA_RANK.value)
+               enable_lora=enable_lora or bool(LORA.value), max_loras=max(num_loras, 1),
+               max_lora_rank=MAX_LORA_RANK.value)

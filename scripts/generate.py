@@ -4,6 +4,7 @@
     python scripts/generate.py --prompt="Once upon a time" --max_tokens=32
     python scripts/generate.py --input=rows.jsonl --output=out.jsonl --temperature=0.7 --seed=1 --num_samples=4
     python scripts/generate.py --input=rows.jsonl --output=out.jsonl --data_parallel_size=2 --tensor_parallel_size=4
+    python scripts/generate.py --lora=sql=/path/to/adapter --prompt="SELECT" --prompt_lora=sql  # rows: "lora": "sql"
 
 Several processes (hosts), each started with the same flags plus its own --process_id (or the PAGEJAX_* variables,
 see sharding/distributed.py):
@@ -61,6 +62,8 @@ BUILTIN_QUESTIONS = ["What is the capital of France?", "How many legs does a spi
 
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of rows with an id and a prompt or messages.")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeatable); used instead of --input.")
+_PROMPT_LORA = flags.DEFINE_string("prompt_lora", None, "Run every --prompt with this --lora adapter (by its NAME); "
+                                   "--input rows name theirs in a 'lora' field.")
 _CHAT = flags.DEFINE_bool("chat", False, "Send each --prompt as a user message through the chat template.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file to append results to (resumable); default stdout.")
 _MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 64, "Most rows queued in the engine at once (refilled as "
@@ -116,6 +119,9 @@ def input_rows() -> list[dict[str, Any]]:
     """Rows from --input, else --prompt, else the built-in questions (asked as chat: the default model is Instruct)."""
     if _INPUT.value and _PROMPT.value:
         raise app.UsageError("pass --input or --prompt, not both")
+    if _PROMPT_LORA.value is not None and not _PROMPT.value:
+        raise app.UsageError("--prompt_lora applies to --prompt rows; --input rows name their adapter in a 'lora' "
+                             "field")
     if _INPUT.value:
         return jsonl_io.read_input(_INPUT.value)
     if _PROMPT.value:
@@ -124,7 +130,13 @@ def input_rows() -> list[dict[str, Any]]:
     else:
         key, texts = "messages", BUILTIN_QUESTIONS
     as_value = (lambda t: [{"role": "user", "content": t}]) if key == "messages" else (lambda t: t)
-    return [{"id": i, key: as_value(t)} for i, t in enumerate(texts)]
+    lora = {}
+    if _PROMPT_LORA.value is not None:
+        if _PROMPT_LORA.value not in lora_requests():
+            raise app.UsageError(f"--prompt_lora={_PROMPT_LORA.value!r} is not the NAME of a --lora NAME=PATH flag "
+                                 f"(given: {sorted(lora_requests())})")
+        lora = {"lora": _PROMPT_LORA.value}  # each row then picks it as a JSONL row's 'lora' field would
+    return [{"id": i, key: as_value(t), **lora} for i, t in enumerate(texts)]
 
 
 def check_model_can_run(rows: list[dict[str, Any]]) -> None:

@@ -4,6 +4,7 @@
     python scripts/serve.py                                    # SmolLM2-135M-Instruct on http://127.0.0.1:8000
     python scripts/serve.py --model=model.gguf --port=9000 --served_model_name=my-model --max_waiting=64
     PAGEJAX_API_KEY=... python scripts/serve.py --host=0.0.0.0   # clients send Authorization: Bearer <key>
+    python scripts/serve.py --lora=sql=/path/to/sql-adapter        # requests with model="sql" run that adapter
 
 The engine flags (model, KV cache, dtype, quantization, parallelism) are the batch launcher's
 (scripts/engine_flags.py). SIGTERM or Ctrl-C stops accepting connections, lets every in-flight request finish, then
@@ -20,7 +21,7 @@ from typing import Sequence
 from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
-from scripts.engine_flags import build_llm  # noqa: E402
+from scripts.engine_flags import build_llm, lora_requests  # noqa: E402
 
 API_KEY_ENV = "PAGEJAX_API_KEY"
 
@@ -35,6 +36,9 @@ _MAX_WAITING = flags.DEFINE_integer("max_waiting", None, "Sequences that may wai
                                     lower_bound=0)
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 4 << 20, "Largest request body; larger ones get 413.",
                                  lower_bound=1)
+_RUNTIME_LORA = flags.DEFINE_bool("allow_runtime_lora", False, "Enable POST /v1/load_lora_adapter and "
+                                  "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients can "
+                                  "make the server read adapter folders; turns LoRA on even without --lora.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
 
@@ -43,14 +47,16 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     api_key = _API_KEY.value if _API_KEY.value is not None else os.environ.get(API_KEY_ENV) or None
+    loras = list(lora_requests().values())  # --lora NAME=PATH: served as model NAME
     try:
-        llm = build_llm()
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-    from inference.entrypoints.openai.server import serve
+        llm = build_llm(enable_lora=_RUNTIME_LORA.value)
+        from inference.entrypoints.openai.server import serve
 
-    serve(llm, host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value, api_key=api_key,
-          served_model_name=_SERVED_NAME.value, max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value)
+        serve(llm, host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value, api_key=api_key,
+              served_model_name=_SERVED_NAME.value, max_waiting=_MAX_WAITING.value, max_body_bytes=_MAX_BODY.value,
+              lora_modules=loras, allow_runtime_lora=_RUNTIME_LORA.value)
+    except (ValueError, OSError) as e:  # a bad model or adapter: one line, before the server binds
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,15 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget a LoRA adapter between steps (host copy and slot); ValueError while a request still uses it."""
+        with self._lock:
+            if self.lora is None:
+                raise ValueError("this engine was built without LoRA")
+            if any(s.lora_id == lora_id and not s.is_finished for r in self.requests.values() for s in r.seqs):
+                raise ValueError(f"LoRA adapter {lora_id} is still used by a running request; remove it after")
+            self.lora.remove(lora_id)
+
     def _lora_fits(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Admit a sequence only while the running ones need at most max_loras adapters (one slot each)."""
         return self.lora.fits(seq.lora_id, {s.lora_id for s in running if s.lora_id}, self.lora.max_loras)

@@ -200,11 +200,13 @@ class LLM:
 
     def stream(self, prompts: PromptType | Sequence[PromptType] | None = None,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               prompt_token_ids: Sequence[Sequence[int]] | None = None) -> Iterator[StreamDelta]:
-        """Like `generate`, but yield token/text deltas of every request as the engine produces them (in this
-        thread). Prompts that fail validation yield one finished delta with the error on its output."""
+               prompt_token_ids: Sequence[Sequence[int]] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> Iterator[StreamDelta]:
+        """Like `generate` (`lora_request` as there), but yield token/text deltas of every request as the engine
+        produces them (in this thread). Prompts that fail validation yield one finished delta with the error on
+        its output."""
         trackers: dict[str, DeltaTracker] = {}
-        for s in self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids):
+        for s in self.submit(prompts, sampling_params, prompt_token_ids=prompt_token_ids, lora_request=lora_request):
             if s.error is not None:
                 yield StreamDelta(s.request_id, 0, [], "", True, "error", s.error)
             else:

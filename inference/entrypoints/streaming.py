@@ -19,6 +19,7 @@ from typing import Iterator
 
 from inference.engine.client import EngineClient
 from inference.engine.outputs import RequestOutput
+from inference.lora.request import LoRARequest
 from inference.sampling.params import SamplingParams
 
 
@@ -116,8 +117,10 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
-               priority: int = 0, request_id: str | None = None) -> RequestStream:
-        """Queue a request from any thread. Raises ValueError at once if it can never run."""
+               priority: int = 0, request_id: str | None = None,
+               lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request from any thread (with `lora_request`'s adapter). Raises ValueError at once if it can
+        never run."""
         request_id = request_id or f"loop-{next(self._ids)}"
         stream = RequestStream(request_id)
         with self._wake:
@@ -125,7 +128,9 @@ class EngineLoop:
                 raise RuntimeError("the engine loop is closed")
             self._streams[request_id] = (stream, DeltaTracker(params))
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority)
+                lora = {} if lora_request is None else {"lora_request": lora_request}  # engines without LoRA
+                self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
+                                        **lora)
             except ValueError:
                 del self._streams[request_id]
                 raise

@@ -62,6 +62,15 @@ class LoRAManager:
             raise ValueError(f"no LoRA adapter {name_or_id!r} is loaded; known: {sorted(self.ids)}")
         return lora_id
 
+    def remove(self, lora_id: int) -> None:
+        """Forget an adapter (its host copy, its name and its slot, which becomes free); the caller makes sure no
+        sequence still runs with it (`Engine.remove_lora`). Its id is never reused by the server that removed it:
+        the prefix cache may still hold pages keyed by it."""
+        adapter = self.adapters.pop(self.resolve(lora_id))
+        if self.ids.get(adapter.name) == lora_id:
+            del self.ids[adapter.name]
+        self.resident.pop(lora_id, None)
+
     @staticmethod
     def fits(lora_id: int, active: set[int], max_loras: int) -> bool:
         """Whether a sequence with adapter `lora_id` (0: none) may run beside sequences needing `active`."""

@@ -74,6 +74,37 @@ def test_mixed_batch_of_three_adapters_and_base_equals_each_alone(llm, adapters)
     assert llm.runner.lora.num_compilations() == 1  # every slot write reuses one compiled update
 
 
+def test_stream_takes_lora_requests_like_generate(llm, adapters):
+    loras = [adapters["a"], None, adapters["d"]]
+    want = [_tokens(llm, lora) for lora in loras]
+    streamed: dict[str, list[int]] = {}
+    order = []
+    for delta in llm.stream(prompt_token_ids=[PROMPT] * 3, sampling_params=GREEDY, lora_request=loras):
+        assert delta.finish_reason != "error", delta.output.error
+        if delta.request_id not in streamed:
+            order.append(delta.request_id)
+        streamed.setdefault(delta.request_id, []).extend(delta.token_ids)
+    assert [streamed[r] for r in order] == want and len({tuple(t) for t in want}) == 3
+
+
+def test_remove_lora_waits_for_its_requests_then_frees_the_slot(llm, adapters, tmp_path):
+    engine = llm.engine
+    path = lora_adapters.make_adapter(str(tmp_path / "gone"), CONFIG, rank=4, alpha=8, seed=9, std=0.3)
+    gone = LoRARequest("gone", 40, path)
+    want = _tokens(llm, gone)
+    assert gone.lora_int_id in engine.lora.resident
+    engine.add_request("remove-me", PROMPT, GREEDY, lora_request=gone)
+    with pytest.raises(ValueError, match="still used by a running request"):
+        engine.remove_lora(gone.lora_int_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.pop_finished("remove-me")
+    engine.remove_lora(gone.lora_int_id)
+    assert gone.lora_int_id not in engine.lora.adapters and gone.lora_int_id not in engine.lora.resident
+    assert "gone" not in engine.lora.ids
+    assert _tokens(llm, LoRARequest("gone", 41, path)) == want  # the name again, under a new id
+
+
 def test_slots_evict_least_recently_used_and_reload(llm, adapters):
     manager = llm.engine.lora
     first = {name: _tokens(llm, adapters[name]) for name in ("a", "b", "c")}

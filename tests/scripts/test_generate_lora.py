@@ -37,6 +37,23 @@ def test_lora_flags_configure_the_llm(monkeypatch):
         jsonl_io.row_lora({"id": 1, "lora": 3}, {"a": None})
 
 
+def test_prompt_lora_gives_every_prompt_row_the_adapter():
+    FLAGS.unparse_flags()
+    try:
+        FLAGS(["generate.py", *LIGHT, "--lora=a=/tmp/a", "--prompt=hi", "--prompt=yo", "--prompt_lora=a"])
+        assert generate.input_rows() == [{"id": 0, "prompt": "hi", "lora": "a"}, {"id": 1, "prompt": "yo", "lora": "a"}]
+        FLAGS.unparse_flags()
+        FLAGS(["generate.py", *LIGHT, "--lora=a=/tmp/a", "--prompt=hi", "--prompt_lora=b"])
+        with pytest.raises(app.UsageError, match=r"--prompt_lora='b' is not the NAME of a --lora.*\['a'\]"):
+            generate.input_rows()
+        FLAGS.unparse_flags()
+        FLAGS(["generate.py", *LIGHT, "--lora=a=/tmp/a", "--input=rows.jsonl", "--prompt_lora=a"])
+        with pytest.raises(app.UsageError, match="applies to --prompt rows"):
+            generate.input_rows()
+    finally:
+        FLAGS.unparse_flags()
+
+
 def test_rows_pick_their_adapter(tmp_path, smollm2_lora, monkeypatch):
     monkeypatch.setattr(generate, "build_llm", lambda: smollm2_lora)
     path = lora_adapters.make_adapter(str(tmp_path / "r"), get_model_config("smollm2-135m"), rank=8, alpha=16,

@@ -90,3 +90,40 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
     assert max(r["after_sigterm"] for r in results) > 1  # chunks still came after the signal: it drained them
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_lora_flags_reach_the_server(monkeypatch, tmp_path):
+    """--lora NAME=PATH becomes build_app's lora_modules (ids 1, 2, ... in flag order), --allow_runtime_lora turns
+    LoRA on without --lora; an adapter the loader rejects stops the launcher with its message before it binds."""
+    from absl import flags
+
+    from inference.entrypoints.openai import server
+    from inference.lora.request import LoRARequest
+    from scripts import serve
+    from tests.llm_configs import TINY_ENGINE
+
+    FLAGS = flags.FLAGS
+    seen: dict = {}
+    monkeypatch.setattr(serve, "build_llm", lambda **kw: seen.update(build=kw) or "llm")
+    monkeypatch.setattr(server, "serve", lambda llm, **kw: seen.update(serve=kw))
+    FLAGS.unparse_flags()
+    try:
+        FLAGS(["serve.py", "--lora=a=/adapters/a", "--lora=b=/adapters/b"])
+        serve.main(["serve.py"])
+        assert seen["build"] == {"enable_lora": False}
+        assert seen["serve"]["lora_modules"] == [LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 2, "/adapters/b")]
+        assert seen["serve"]["allow_runtime_lora"] is False
+        FLAGS.unparse_flags()
+        FLAGS(["serve.py", "--allow_runtime_lora"])
+        serve.main(["serve.py"])
+        assert seen["build"] == {"enable_lora": True} and seen["serve"]["allow_runtime_lora"] is True
+
+        monkeypatch.undo()  # the real serve(): build_app loads the adapter before uvicorn starts
+        llm = TINY_ENGINE.build(enable_lora=True, max_loras=1, max_lora_rank=8)
+        monkeypatch.setattr(serve, "build_llm", lambda **kw: llm)
+        FLAGS.unparse_flags()
+        FLAGS(["serve.py", f"--lora=a={tmp_path / 'missing'}"])
+        with pytest.raises(SystemExit, match="error: LoRA adapter 'a'.*is not a folder"):
+            serve.main(["serve.py"])
+    finally:
+        FLAGS.unparse_flags()

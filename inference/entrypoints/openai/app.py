@@ -1,9 +1,10 @@
 """The FastAPI app: `build_app(llm, ...)`.
 
-Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, GET /health, GET /metrics
-(Prometheus text), and vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (lm-eval's remote tokenizer
-reads them, so lm-eval needs no local tokenizer). Every HTTP request shares the one `EngineLoop`, so requests from
-different clients batch together.
+Routes: POST /v1/completions and /v1/chat/completions (streaming or not; `model` picks the base model or a LoRA
+adapter), GET /v1/models, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (only with
+`allow_runtime_lora`), GET /health, GET /metrics (Prometheus text), and vLLM's POST /tokenize, POST /detokenize
+and GET /tokenizer_info (lm-eval's remote tokenizer reads them, so lm-eval needs no local tokenizer). Every HTTP
+request shares the one `EngineLoop`, so requests from different clients (and adapters) batch together.
 
 A pure ASGI guard runs before the routes: with `api_key` set, every route but /health and /metrics needs
 `Authorization: Bearer <key>` (compared with `hmac.compare_digest`, constant time); a body over `max_body_bytes` is a
@@ -20,7 +21,7 @@ from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,9 +29,11 @@ from inference.entrypoints.openai import chat, completions, errors
 from inference.entrypoints.openai.async_engine import Admission, AsyncEngine
 from inference.entrypoints.openai.errors import OpenAIError
 from inference.entrypoints.openai.metrics import ServerMetrics
+from inference.entrypoints.openai.models import ServedModels
 from inference.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   TokenizeRequest)
+                                                   LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from inference.entrypoints.openai.serving import ServingContext
+from inference.lora.request import LoRARequest
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _OPEN_PATHS = ("/health", "/metrics")
@@ -86,10 +89,13 @@ class _Guard:
 
 
 def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
-              max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              lora_modules: Sequence[LoRARequest] = (), allow_runtime_lora: bool = False) -> FastAPI:
     """The server for `llm` (an `LLM`). `served_model_name`: the name(s) clients pass as `model` (default: the model
     argument `llm` was built with); `max_waiting`: sequences that may wait beyond the engine's running slots
-    (None: unbounded). The engine loop starts with the app and stops after it has drained."""
+    (None: unbounded); `lora_modules`: LoRA adapters served under their names (`llm` built with enable_lora=True;
+    each is loaded and checked now); `allow_runtime_lora`: enable POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter. The engine loop starts with the app and stops after it has drained."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if api_key is not None and not api_key:
@@ -99,13 +105,16 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     replicas = llm.engine_config.parallel.data_parallel_size
     admission = Admission(slots=llm.engine_config.scheduler.max_num_seqs * replicas, max_waiting=max_waiting)
     metrics = ServerMetrics(llm.engine, names[0])
+    created = int(time.time())
+    models = ServedModels(names, llm.engine, loras=lora_modules, allow_runtime_lora=allow_runtime_lora,
+                          max_model_len=llm.engine.max_model_len, created=created)
     state: dict = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loop = llm.background()
         state["ctx"] = ServingContext(AsyncEngine(loop, admission, on_finished=metrics.observe), llm.tokenizer,
-                                      names, llm.engine.max_model_len)
+                                      models, llm.engine.max_model_len)
         try:
             yield
         finally:
@@ -118,8 +127,7 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     app.add_exception_handler(RequestValidationError, errors.validation_handler)
     app.add_exception_handler(OpenAIError, errors.openai_error_handler)
     app.add_exception_handler(StarletteHTTPException, errors.http_error_handler)
-    app.state.admission, app.state.metrics = admission, metrics
-    created = int(time.time())
+    app.state.admission, app.state.metrics, app.state.models = admission, metrics, models
 
     def ctx() -> ServingContext:
         return state["ctx"]
@@ -134,8 +142,17 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
 
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "pagejax",
-                                            "max_model_len": llm.engine.max_model_len} for n in names]}
+        return {"object": "list", "data": models.cards()}
+
+    # vLLM's runtime adapter endpoints; their answers are plain text, as vLLM's are. Loading reads files: off the
+    # event loop, so generation requests keep streaming meanwhile.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await asyncio.to_thread(models.load, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(models.unload(body.lora_name))
 
     @app.get("/health")
     async def health():
@@ -154,13 +171,13 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ctx().check_model(body.model)
+        models.resolve(body.model)
         tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        ctx().check_model(body.model)
+        models.resolve(body.model)
         return {"prompt": tokenizer().decode(body.tokens)}
 
     @app.get("/tokenizer_info")

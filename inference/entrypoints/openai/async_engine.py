@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from inference.engine.outputs import RequestOutput
 from inference.entrypoints.openai.errors import OpenAIError
 from inference.entrypoints.streaming import EngineLoop, RequestStream, StreamDelta
+from inference.lora.request import LoRARequest
 from inference.sampling.params import SamplingParams
 
 RETRY_AFTER_S = 1
@@ -47,10 +48,11 @@ class Admission:
 class AsyncStream:
     """One submitted request's deltas as an async iterator; `output` is the final RequestOutput once it is done."""
 
-    def __init__(self, stream: RequestStream, engine: "AsyncEngine", num_seqs: int):
+    def __init__(self, stream: RequestStream, engine: "AsyncEngine", num_seqs: int,
+                 on_done: Callable[[], None] | None = None):
         self.request_id = stream.request_id
         self.output: RequestOutput | None = None
-        self._stream, self._engine, self._num_seqs = stream, engine, num_seqs
+        self._stream, self._engine, self._num_seqs, self._on_done = stream, engine, num_seqs, on_done
         self._queue: asyncio.Queue = asyncio.Queue()
         self._aloop = asyncio.get_running_loop()
         threading.Thread(target=self._pump, name=f"pump-{self.request_id}", daemon=True).start()
@@ -64,8 +66,12 @@ class AsyncStream:
                 self._hand(delta)
         except BaseException as exc:  # noqa: BLE001 - the engine's failure goes to this request's handler
             item = exc
-        self._engine._release(self._num_seqs, final)
-        self._hand(item)
+        try:
+            self._engine._release(self._num_seqs, final)
+            if self._on_done is not None:  # the engine is done with the request (e.g. its LoRA adapter's count)
+                self._on_done()
+        finally:  # whatever those do, the handler hears the end
+            self._hand(item)
 
     def _hand(self, item: object) -> None:
         try:
@@ -120,15 +126,17 @@ class AsyncEngine:
         with self._lock:
             self.admission.in_flight -= num_seqs
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               prompt: str | None) -> AsyncStream:
-        """Queue a request whose room `reserve` claimed; ValueError (room given back) if the engine rejects it."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, *,
+               lora_request: LoRARequest | None = None, on_done: Callable[[], None] | None = None) -> AsyncStream:
+        """Queue a request whose room `reserve` claimed; ValueError (room given back) if the engine rejects it.
+        `on_done` runs (on another thread) once the engine has finished with it."""
         try:
-            stream = self.loop.submit(prompt_token_ids, params, prompt=prompt, request_id=request_id)
+            stream = self.loop.submit(prompt_token_ids, params, prompt=prompt, request_id=request_id,
+                                      lora_request=lora_request)
         except ValueError:
             self.unreserve(params.n)
             raise
-        return AsyncStream(stream, self, params.n)
+        return AsyncStream(stream, self, params.n, on_done)
 
     def _release(self, num_seqs: int, output: RequestOutput | None) -> None:
         self.unreserve(num_seqs)

@@ -48,7 +48,7 @@ def _check(body: ChatCompletionRequest) -> None:
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.models.resolve(body.model)  # None: the base model
     _check(body)
     try:
         params = body.to_sampling_params()
@@ -56,9 +56,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise sampling_error(exc, body.param_names()) from None
     ids, text = render(ctx, body)
     request_id = serving.new_id("chatcmpl")
-    streams = serving.submit_all(ctx, request_id, [(ids, text)], params, "messages")
+    streams = serving.submit_all(ctx, request_id, [(ids, text)], params, "messages", lora)
+    model = ctx.models.response_name(lora)
     if body.stream:
-        return event_stream(serving.sse_events(_stream(ctx, body, request_id, len(ids), streams), streams))
+        return event_stream(serving.sse_events(_stream(ctx, body, model, request_id, len(ids), streams), streams))
     try:
         [out] = await serving.collect(request, streams)
     except OpenAIError:
@@ -76,18 +77,18 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids
         choices.append(choice)
-    return {"id": request_id, "object": "chat.completion", "created": serving.now(), "model": ctx.model_name,
+    return {"id": request_id, "object": "chat.completion", "created": serving.now(), "model": model,
             "choices": choices,
             "usage": serving.usage(len(ids), sum(len(c.token_ids) for c in out.outputs))}
 
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, request_id: str, num_prompt_tokens: int,
-                  streams) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, model: str, request_id: str,
+                  num_prompt_tokens: int, streams) -> AsyncIterator[str]:
     created = serving.now()
 
     def chunk(choices: list[dict], **extra) -> str:
         return event({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                      "model": ctx.model_name, "choices": choices, **extra})
+                      "model": model, "choices": choices, **extra})
 
     for j in range(body.n):  # OpenAI's first chunk of each choice names the role
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -45,7 +45,7 @@ def _prompt_text(ctx: ServingContext, ids: list[int], text: str | None) -> str:
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.models.resolve(body.model)  # None: the base model
     try:
         params = body.to_sampling_params()
     except ValueError as exc:
@@ -55,19 +55,21 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                           "prompt's logprobs come with the whole response)", param="echo", code="unsupported")
     prompts = _prompts(ctx, body.prompt)
     request_id = serving.new_id("cmpl")
-    streams = serving.submit_all(ctx, request_id, prompts, params, "prompt")
+    streams = serving.submit_all(ctx, request_id, prompts, params, "prompt", lora)
+    model = ctx.models.response_name(lora)
     if body.stream:
-        return event_stream(serving.sse_events(_stream(ctx, body, request_id, prompts, streams), streams))
+        return event_stream(serving.sse_events(_stream(ctx, body, model, request_id, prompts, streams), streams))
     try:
         outputs = await serving.collect(request, streams)
     except OpenAIError:
         raise
     except Exception as exc:  # noqa: BLE001 - the engine's failure, as a 500 for this request only
         raise serving.engine_failure(exc) from None
-    return _response(ctx, body, request_id, prompts, outputs)
+    return _response(ctx, body, model, request_id, prompts, outputs)
 
 
-def _response(ctx: ServingContext, body: CompletionRequest, request_id: str, prompts, outputs: list[RequestOutput]):
+def _response(ctx: ServingContext, body: CompletionRequest, model: str, request_id: str, prompts,
+              outputs: list[RequestOutput]):
     choices, completion_tokens = [], 0
     for i, ((ids, text), out) in enumerate(zip(prompts, outputs)):
         if out.error is not None:
@@ -86,16 +88,16 @@ def _response(ctx: ServingContext, body: CompletionRequest, request_id: str, pro
                 choice["prompt_token_ids"] = ids
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
-    return {"id": request_id, "object": "text_completion", "created": serving.now(), "model": ctx.model_name,
+    return {"id": request_id, "object": "text_completion", "created": serving.now(), "model": model,
             "choices": choices, "usage": serving.usage(sum(len(ids) for ids, _ in prompts), completion_tokens)}
 
 
-async def _stream(ctx: ServingContext, body: CompletionRequest, request_id: str, prompts,
+async def _stream(ctx: ServingContext, body: CompletionRequest, model: str, request_id: str, prompts,
                   streams) -> AsyncIterator[str]:
     created = serving.now()
 
     def chunk(choices: list[dict], **extra) -> str:
-        return event({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return event({"id": request_id, "object": "text_completion", "created": created, "model": model,
                       "choices": choices, **extra})
 
     offsets: dict[int, int] = {}  # choice index -> text streamed so far (for text_offset)

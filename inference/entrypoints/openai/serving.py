@@ -1,10 +1,11 @@
-"""What both generation endpoints share: the model check, admission and submission of a request's prompts, and
+"""What both generation endpoints share: admission and submission of a request's prompts, and
 waiting for them (aborting every one of them when the client goes away)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from typing import AsyncIterator
@@ -14,8 +15,10 @@ from fastapi import Request
 from inference.engine.outputs import RequestOutput
 from inference.entrypoints.openai.async_engine import AsyncEngine, AsyncStream
 from inference.entrypoints.openai.errors import OpenAIError
+from inference.entrypoints.openai.models import ServedModels
 from inference.entrypoints.openai.sse import DONE, event
 from inference.entrypoints.streaming import StreamDelta
+from inference.lora.request import LoRARequest
 from inference.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
@@ -25,18 +28,8 @@ DISCONNECT_POLL_S = 0.25
 class ServingContext:
     engine: AsyncEngine
     tokenizer: object  # inference.loading.tokenizer.Tokenizer, or None for a model without one
-    model_names: tuple[str, ...]  # the first is the name responses carry
+    models: ServedModels  # the names `model` may take: the base model's and the LoRA adapters'
     max_model_len: int
-
-    @property
-    def model_name(self) -> str:
-        return self.model_names[0]
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                              f"{', '.join(map(repr, self.model_names))} (GET /v1/models)",
-                              param="model", code="model_not_found")
 
 
 def new_id(prefix: str) -> str:
@@ -48,17 +41,24 @@ def now() -> int:
 
 
 def submit_all(ctx: ServingContext, request_id: str, prompts: list[tuple[list[int], str | None]],
-               params: SamplingParams, prompt_param: str) -> list[AsyncStream]:
-    """Reserve room for every prompt's `n` sequences at once (all or none: 503), then submit them; an engine
-    rejection (a prompt too long for the context, a bad token id) aborts those already submitted and is a 400
-    naming `prompt_param`."""
+               params: SamplingParams, prompt_param: str, lora: LoRARequest | None = None) -> list[AsyncStream]:
+    """Reserve room for every prompt's `n` sequences at once (all or none: 503), then submit them (with `lora`'s
+    adapter, held until each finishes); an engine rejection (a prompt too long for the context, a bad token id)
+    aborts those already submitted and is a 400 naming `prompt_param`."""
     ctx.engine.reserve(params.n * len(prompts))
+    try:
+        ctx.models.hold(lora, len(prompts))
+    except OpenAIError:
+        ctx.engine.unreserve(params.n * len(prompts))
+        raise
     streams: list[AsyncStream] = []
     for i, (ids, text) in enumerate(prompts):
         try:
-            streams.append(ctx.engine.submit(f"{request_id}-{i}", ids, params, text))
+            streams.append(ctx.engine.submit(f"{request_id}-{i}", ids, params, text, lora_request=lora,
+                                             on_done=functools.partial(ctx.models.release, lora)))
         except ValueError as exc:
             ctx.engine.unreserve(params.n * (len(prompts) - i - 1))
+            ctx.models.release(lora, len(prompts) - i)
             for s in streams:
                 s.abort()
             where = f" (prompt {i})" if len(prompts) > 1 else ""
