@@ -29,6 +29,16 @@ Design (why it is shaped this way):
     Page-table entries past a sequence's last page become page 0 in the wrapper: a garbage entry is never
     followed. No warp specialization yet (one warpgroup issues the TMAs and does the math; a producer warpgroup
     and two consumer warpgroups, as JAX's `attention_mgpu` does, is the next step, to be decided on timings).
+  * int8 cache (`kv_scales`, per-token-per-head f32 scales, `kv_cache/layout.py`): the pages arrive int8 by the
+    same TMA copies into int8 stage buffers (64-byte swizzle at D 64), half the bytes of bf16. Each block's
+    scales arrive on the stage's mbarrier too, as one TMA copy of two contiguous rows (K's, V's) of a per-sequence
+    array the wrapper gathers (`scales_by_sequence` says why not one TMA per page). Before the MMAs the
+    warpgroup dequantizes the stage into one bf16 K tile and one bf16 V tile in shared memory (`int8 * scale` in
+    f32 registers, in int8's own WGMMA_8BIT layout on jax >= 0.11, each token's scale a row broadcast, rounded
+    to q's dtype), and the two wgmmas read those, as for a bf16 cache. V scales outside [kv_lo, kv_hi) are zeroed
+    first, so stale V rows become exact zeros in every block (the bf16 path's first / last block fix-up is not
+    needed). Scaling the tiles rather than the score and probability columns (the Triton kernel's way) keeps
+    the MMA operands and the softmax code one path for both caches; its rounding is that of a bf16 cache.
   * Stale slots (NaN/Inf past kv_len, before the window, in pages padding entries point at): keys outside the
     tile's range [kv_lo, kv_hi) get the mask value in their score column (a `where`, so a NaN K stays harmless),
     and in the first and last block of the range (the only ones that can hold such keys) V's rows outside the
@@ -37,11 +47,19 @@ Design (why it is shaped this way):
   * Split-KV (`num_kv_splits`, static; default: enough for ~512 programs, `default_kv_splits`): a tile's KV-block
     range is cut into contiguous chunks on a third grid axis; each writes its normalized f32 output and
     log-sum-exp, and a tiny XLA pass combines them. An empty chunk writes zeros and lse = -inf (weight 0).
-  * Precision: bf16 / f16 q and cache: MMAs in that dtype with f32 accumulation, probabilities rounded to the
-    input dtype for PV (as the Triton kernel); exact `exp` (`approx_math=False`). Not supported yet (`supports`
-    says False, the entry point raises NotImplementedError): f32 (wgmma's f32 is TF32, ~5e-4 off, not the
-    accuracy path the f32 contract means; the Triton kernel's IEEE path stays), int8 caches with scales, head_dim
-    other than 64 or 128, page sizes not a multiple of 8 or not dividing the KV block.
+  * Precision: bf16 / f16 q with a cache of that dtype or int8 (dequantized to q's dtype): MMAs in q's dtype with
+    f32 accumulation, probabilities rounded to q's dtype for PV (as the Triton kernel); exact `exp`
+    (`approx_math=False`). f32 inputs (q or cache) are not supported (`supports` says False, the entry point
+    raises NotImplementedError naming impl='gpu'): the Triton kernel's f32 path is IEEE f32 (`Precision.HIGHEST`,
+    FMAs on the CUDA cores), not bf16 with f32 accumulation, because f32 is the accuracy path (the reference's and
+    the CPU kernel's numbers). wgmma's only 32-bit input type is TF32 (~5e-4 off at D 128, gpu.py's docstring),
+    so a real f32 path here would be 3xTF32 (hi/lo splits, three MMAs per product); and Mosaic GPU's CPU
+    interpreter computes an f32 wgmma exactly, so no CPU test could see a TF32 path's error. Also unsupported:
+    head_dim other than 64 or 128, page sizes not a multiple of 8 or not dividing the KV block.
+  * No MLA variant yet (MLA stays on the Triton kernel, `mla/gpu.py`): its value is the 512-lane latent, and a
+    64-row f32 accumulator of 512 lanes is 256 registers a thread, past the ceiling of one warpgroup; it needs the
+    value split over warpgroups (or passes), a different program shape, to be designed after this kernel's first
+    timings.
   * Interpret mode differs from the compiled kernel in two places, because Mosaic GPU's interpreter cannot run
     them: its wgmma reads the A operand only from shared memory and runs neither `run_state(ACC.init(acc))` nor a
     store into an accumulator, so interpreted, P is staged through a shared-memory tile and a fresh PV
@@ -56,7 +74,13 @@ H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints n
     209 (219) registers, 0 spills, 149504 B shared memory (q tile 16 KiB + 4 x (K 16 + V 16) KiB + barriers);
   * the same with 4 KV splits: 225 (221) registers, 0 spills, 183296 B (+ the f32 output tile and lse);
   * mixed 4 x 512-token prefills + 60 decodes: 209 (219) registers, 0 spills, 149504 B;
-  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B.
+  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
+  * int8 cache, the decode shape: 226 (241) registers, 0 spills, 118784 B (q 16 KiB + 4 x (K 8 + V 8)
+    KiB int8 stages + 4 x 512 B scales + the bf16 K and V tiles 2 x 16 KiB); the mixed batch: the same figures;
+  * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B.
+  jax 0.12: the int8 dequantization's loads in the 16-bit WGMMA layout put the D 128 kernel at 255 registers (no
+  spills); int8's own WGMMA_8BIT layout brought it to 226 (jax 0.10 cannot broadcast into that layout and uses
+  WGMMA's: 241).
   One block per SM by shared memory (227 KiB opt-in) at D 128 and 4 stages; 128 threads x ~210 registers.
   Beside it, the Triton kernel (shared/ACCELERATOR_NOTES.md, its own shapes: 64 seqs x 256 tokens): bf16 decode
   165 registers, 104 KiB shared memory; prefill 8 x 512: 255 registers. No timings exist for either.
@@ -77,7 +101,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.attention.reference import DEFAULT_MASK_VALUE, check_attention_inputs
-from kernels_pallas.kv_cache.layout import cache_dims
+from kernels_pallas.kv_cache.layout import cache_dims, scales_by_page
 
 ROWS = 64  # query rows per tile: the M of one warpgroup MMA
 SWIZZLE = 128  # bytes; the widest wgmma swizzle
@@ -129,12 +153,18 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
              block_kv: int | None = None) -> bool:
     """Whether this kernel handles the case (impl="auto" can route here, else to the Triton kernel).
 
-    bf16 / f16 q and cache of the same dtype (no f32, no int8 yet), head_dim 64 or 128 (128-byte swizzled tiles;
-    the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the 255-register ceiling),
-    page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64 tokens, or the page itself up
-    to 128), a group of at most 64 query heads per KV head (one tile row per head)."""
+    bf16 / f16 q with a cache of the same dtype, or with an int8 cache and its scales (`kv_scales`); no f32 (the
+    module docstring says why); head_dim 64 or 128
+    (128-byte swizzled tiles; the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the
+    255-register ceiling), page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64
+    tokens, or the page itself up to 128), a group of at most 64 query heads per KV head (one tile row per head)."""
     q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
-    if kv_scales or q_dtype != kv_dtype or q_dtype.name not in SUPPORTED_DTYPES:
+    if q_dtype.name not in SUPPORTED_DTYPES:
+        return False
+    if kv_dtype == jnp.int8:
+        if not kv_scales:
+            return False
+    elif kv_scales or q_dtype != kv_dtype:
         return False
     bkv = block_kv or default_block_kv(page_size)
     return (head_dim in (64, 128) and page_size % 8 == 0 and bkv % page_size == 0
@@ -204,6 +234,21 @@ def sanitize_pages(page_indices, kv_lens, page_size, width):
     return jnp.where(col < jnp.minimum(last, pages_per_seq)[:, None], padded, 0)
 
 
+def scales_by_sequence(kv_scales, pages, num_pages, page_size):
+    """An int8 cache's scales `[Hkv, scale_rows, 128]` -> `[Hkv, S, 2, W * page_size]`: each sequence's K scales
+    (row 0) and V scales (row 1) token after token over its `W` (sanitized) page-table entries, so one TMA copy
+    brings a KV block's scales as two contiguous rows. Why a gather here rather than one TMA per page in the
+    kernel: a page's K scales are `page_size * 4` bytes (64 at page 16), below the 128-byte alignment a TMA's
+    shared-memory destination needs, and the row-broadcast of the dequantization wants each block's scales as one
+    contiguous vector. Its cost is 8 bytes per (token, KV head) gathered and re-read, 2 * D bytes being the int8
+    cache's own (3% at D 128)."""
+    by_page = scales_by_page(kv_scales.astype(jnp.float32), num_pages, page_size)  # [Hkv, P, 2, ps]
+    num_kv_heads = by_page.shape[0]
+    max_seqs, width = pages.shape
+    seq = by_page[:, pages]  # [Hkv, S, W, 2, ps]
+    return seq.transpose(0, 1, 3, 2, 4).reshape(num_kv_heads, max_seqs, 2, width * page_size)
+
+
 def combine_splits(o, lse):
     """o f32 [K, ..., D] normalized per split, lse f32 [K, ...] -> the softmax over all splits."""
     top = jnp.max(lse, axis=0)
@@ -217,15 +262,19 @@ def combine_splits(o, lse):
 
 
 def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_size, block_kv, num_stages,
-            num_splits, sm_scale, sliding_window, soft_cap, mask_value, v_scale, interpret):
-    """One (tile, KV head, KV split) program. refs: the outputs (o, or o f32 + lse f32 for split-KV), then the
-    scratch: q/o tile, K and V stage buffers, barriers (q, KV stages), and for split-KV the f32 o and lse tiles."""
+            num_splits, sm_scale, sliding_window, soft_cap, mask_value, v_scale, quantized, interpret):
+    """One (tile, KV head, KV split) program. refs: for an int8 cache its scales by sequence
+    (`scales_by_sequence`), the outputs (o, or o f32 + lse f32 for split-KV), then the scratch: q/o tile, K and
+    V stage buffers, barriers (q, KV stages), for split-KV the f32 o and lse tiles, the interpreter's P tile,
+    and for an int8 cache the scale stages and the bf16 K and V tiles the dequantization writes."""
+    scales_ref = refs[0] if quantized else None
+    refs = refs[1:] if quantized else refs
     if num_splits == 1:
         (o_ref, scratch) = refs
         lse_ref = None
     else:
         (o_ref, lse_ref, scratch) = refs
-    q_smem, k_smem, v_smem, q_bar, kv_bar, extra, p_smem = scratch
+    q_smem, k_smem, v_smem, q_bar, kv_bar, extra, p_smem, int8_scratch = scratch
     tile = lax.axis_index("tile")
     h = lax.axis_index("head")
     sp = lax.axis_index("split")
@@ -243,6 +292,9 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
                                     kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(kv_ref.at[h, page, :, pl.ds(head_dim, head_dim)], v_smem.at[slot, dst],
                                     kv_bar.at[slot])
+        if quantized:  # the block's K and V scales: two contiguous rows of the sequence's gathered scales
+            plgpu.copy_gmem_to_smem(scales_ref.at[h, seq, :, pl.ds(b * block_kv, block_kv)],
+                                    int8_scratch[0].at[slot], kv_bar.at[slot])
 
     @pl.when(seq >= 0)
     def _():
@@ -255,13 +307,42 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
         plgpu.barrier_wait(q_bar)
         wgmma_layout = plgpu.Layout.WGMMA
 
-        def iota(shape, dim):  # register layouts are a compiler matter; jax 0.10's interpreter runs no layout ops
-            if interpret:
+        def iota(shape, dim, layout=wgmma_layout):  # layouts are a compiler matter; jax 0.10's interpreter
+            if interpret:  # runs no layout ops
                 return lax.broadcasted_iota(jnp.int32, shape, dim)
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
 
         def cast(x, layout):
             return x if interpret else plgpu.layout_cast(x, layout)
+
+        def load(ref, layout):
+            return ref[...] if interpret else _load(ref, layout)
+
+        def dequantize(slot, start):
+            """int8 K and V of the stage -> bf16 tiles `int8 * scale` (a row broadcast of each token's scale, the
+            WGMMA layout's own). V scales outside [kv_lo, kv_hi) become zeros first, so those V rows are exact
+            zeros (a stale scale may be NaN/Inf; the int8 values are finite), a `where` over a (block_kv,)
+            vector rather than over the whole tile. K's stale rows stay: each reaches only its own score column,
+            which the mask `where` replaces."""
+            sc_smem, k16_smem, v16_smem = int8_scratch
+            shape = (block_kv, head_dim)
+            # int8's own register layout (4 bytes a load): with the 16-bit WGMMA layout the D 128 kernel sat at
+            # the 255-register ceiling; rows are spread as in WGMMA's, so the row broadcast and the bf16 store
+            # into the swizzled tile lower as they are. jax 0.10 cannot broadcast into WGMMA_8BIT: WGMMA there.
+            int8_layout = wgmma_layout if OLD_API else plgpu.Layout.WGMMA_8BIT
+            row_layout = int8_layout.reduce(1)
+
+            def scaled(x_smem, sc):  # one tile at a time
+                sc = lax.broadcast_in_dim(sc, shape, [0])
+                return (load(x_smem.at[slot], int8_layout).astype(jnp.float32) * sc).astype(dtype)
+
+            key = start + iota((block_kv,), 0, row_layout)
+            v_sc = load(sc_smem.at[slot, 1], row_layout)
+            k16_smem.at[0][...] = scaled(k_smem, load(sc_smem.at[slot, 0], row_layout))
+            v16_smem[...] = scaled(v_smem, jnp.where((key >= kv_lo) & (key < kv_hi), v_sc, 0.0))
+            plgpu.commit_smem()
+            # V as a whole ref: a static index (`.at[0]`) closed over by the PV `run_state` does not lower
+            return k16_smem.at[0], v16_smem
 
         row, col = iota((ROWS, block_kv), 0), iota((ROWS, block_kv), 1)
         q_pos = first_pos + lax.div(row, jnp.int32(group))
@@ -271,20 +352,24 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
             slot = lax.rem(b - lo, jnp.int32(num_stages))
             plgpu.barrier_wait(kv_bar.at[slot])
             start = b * block_kv
+            if quantized:
+                k_tile, v_tile = dequantize(slot, start)
+            else:
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
 
-            @pl.when((start < kv_lo) | (start + block_kv > kv_hi))
-            def _():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi) (stale, maybe NaN)
-                v = v_smem[slot] if interpret else _load(v_smem.at[slot], wgmma_layout)
-                key = start + iota((block_kv, head_dim), 0)
-                v_smem.at[slot][...] = jnp.where((key >= kv_lo) & (key < kv_hi), v, jnp.zeros_like(v))
-                plgpu.commit_smem()
+                @pl.when((start < kv_lo) | (start + block_kv > kv_hi))
+                def _():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi) (stale, maybe NaN)
+                    v = load(v_tile, wgmma_layout)
+                    key = start + iota((block_kv, head_dim), 0)
+                    v_tile[...] = jnp.where((key >= kv_lo) & (key < kv_hi), v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, _transpose(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, _transpose(k_tile, (1, 0)))
                 return acc_ref[...]
 
             if interpret and OLD_INTERPRETER:  # jax 0.10's interpreter cannot read a transposed wgmma operand
-                s = _dot(q_smem[...], k_smem[slot], ((1,), (1,))) * sm_scale
+                s = _dot(q_smem[...], k_tile[...], ((1,), (1,))) * sm_scale
             else:
                 s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
             if soft_cap is not None:
@@ -302,7 +387,7 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
 
             p16 = p.astype(dtype)
             if interpret and OLD_INTERPRETER:
-                acc = acc + _dot(p16, v_smem[slot], ((1,), (0,)))
+                acc = acc + _dot(p16, v_tile[...], ((1,), (0,)))
             elif interpret:
                 # The interpreter's wgmma reads A only from shared memory and runs neither run_state(ACC.init)
                 # nor a store into an ACC: P goes through shared memory and a fresh PV accumulator is added.
@@ -310,13 +395,13 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
                 plgpu.commit_smem()
 
                 def pv_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
             else:  # on the GPU, P is the MMA's A operand from registers and it accumulates into acc (FA3's way)
                 def pv_state(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p16, v_tile)
 
                 acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
 
@@ -350,8 +435,12 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
 
 
 def _tiled(shape, dtype):
-    elems = SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+    """Shared memory in (8, swizzle) tiles, as TMA writes and wgmma reads them: the widest swizzle the rows allow
+    (128 bytes, or 64 for int8 rows of head_dim 64)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def ragged_paged_attention_mosaic_gpu(
@@ -390,7 +479,9 @@ def ragged_paged_attention_mosaic_gpu(
         raise NotImplementedError(
             f"the Mosaic GPU kernel does not support q {q.dtype}, cache {kv_pages.dtype}"
             f"{' with int8 scales' if kv_scales is not None else ''}, head_dim {head_dim}, page_size {page_size}, "
-            f"group {group}, block_kv {block_kv} (see mosaic_gpu.supports); use impl='gpu' (Triton) or 'reference'")
+            f"group {group}, block_kv {block_kv} (see mosaic_gpu.supports: bf16/f16 queries over a cache of the same "
+            f"dtype or int8 with kv_scales; f32 is the Triton kernel's IEEE path); use impl='gpu' (Triton) or "
+            f"'reference'")
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1 (or None for the default), got {num_kv_splits}")
     del max_q_len
@@ -401,7 +492,7 @@ def ragged_paged_attention_mosaic_gpu(
     num_tiles = -(-num_tokens // block_q) + max_seqs
     num_kv_blocks = -(-pages_per_seq * page_size // block_kv)
     splits = num_kv_splits or default_kv_splits(num_tiles * num_kv_heads, num_kv_blocks)
-    tile_bytes = block_kv * head_dim * q.dtype.itemsize
+    tile_bytes = block_kv * head_dim * kv_pages.dtype.itemsize
     stages = num_stages or max(2, min(4, (160 * 1024) // (2 * tile_bytes)))
 
     info, tile_start = tile_info(kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
@@ -415,13 +506,17 @@ def ragged_paged_attention_mosaic_gpu(
     out_rows = num_tiles * ROWS
     q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [Hkv, T, group, D]
     q_tiles = jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype).at[:, token_rows].set(q_heads, mode="drop")
+    quantized = kv_scales is not None
+    operands = [info, pages, q_tiles, kv_pages]
+    if quantized:
+        operands.append(scales_by_sequence(kv_scales, pages, num_pages, page_size))
 
     scratch = [
         _tiled((ROWS, head_dim), q.dtype),
         _tiled((stages, block_kv, head_dim), kv_pages.dtype),
         _tiled((stages, block_kv, head_dim), kv_pages.dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2 * (block_kv // page_size) + quantized, num_barriers=stages),
     ]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype)]
@@ -431,14 +526,16 @@ def ragged_paged_attention_mosaic_gpu(
                      jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32)]
         scratch.append((plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)))
     scratch.append(_tiled((ROWS, block_kv), q.dtype) if interpret else None)  # P, for the interpreter's wgmma
+    scratch.append((plgpu.SMEM((stages, 2, block_kv), jnp.float32), _tiled((1, block_kv, head_dim), q.dtype),
+                    _tiled((block_kv, head_dim), q.dtype)) if quantized else None)
 
     kernel = functools.partial(
         _kernel, group=group, head_dim=head_dim, page_size=page_size, block_kv=block_kv, num_stages=stages,
         num_splits=splits, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=mask_value, v_scale=v_scale, interpret=interpret)
+        mask_value=mask_value, v_scale=v_scale, quantized=quantized, interpret=interpret)
 
     def ragged_paged_attention_mosaic_gpu_kernel(*refs):
-        num_in = 4
+        num_in = len(operands)
         ins, outs = refs[:num_in], refs[num_in:]
         pl.run_scoped(lambda *scr: kernel(*ins, *outs, scr), *scratch)
 
@@ -447,7 +544,7 @@ def ragged_paged_attention_mosaic_gpu(
         grid_names=("tile", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else None,
-    )(info, pages, q_tiles, kv_pages)
+    )(*operands)
     if splits == 1:
         out = outs[0] if isinstance(outs, (list, tuple)) else outs
         out = out.astype(jnp.float32)
