@@ -153,8 +153,11 @@ def test_supports_and_rejects():
     rng = np.random.default_rng(4)
     args = tuple(map(jnp.asarray, make_case(rng, [1], [5], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                             page_size=16, pages_per_seq=1, num_pages=2)))
-    with pytest.raises(NotImplementedError, match="Mosaic GPU kernel does not support"):
+    with pytest.raises(NotImplementedError, match="Mosaic GPU kernel does not support q float32.*impl='gpu'"):
         ragged_paged_attention_mosaic_gpu(*args, interpret=True)  # f32
+    q, kv = args[0].astype(jnp.bfloat16), quantize_cache(args[1])[0]
+    with pytest.raises(NotImplementedError, match="cache int8"):  # an int8 cache without its scales
+        ragged_paged_attention_mosaic_gpu(q, kv, *args[2:], interpret=True)
 
 
 def test_dispatcher_routes_mosaic_gpu():
