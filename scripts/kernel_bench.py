@@ -8,8 +8,9 @@ Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
     the kernel with several split-KV counts, and the same with an int8 cache (per-token scales);
   * mixed: 16 decode sequences at 2048 tokens + 2 prefill chunks of 512 queries (contexts 1024 and 2048);
-  * the Mosaic GPU kernel (`attention/mosaic_gpu.py`, Hopper, bf16; no int8 yet) beside the Triton one in decode
-    (same split counts) and mixed; `--smoke` runs it on a small bf16 decode case ("decode_bf16") in its interpreter.
+  * the Mosaic GPU kernel (`attention/mosaic_gpu.py`, Hopper, bf16 queries over a bf16 or int8 cache) beside the
+    Triton one in decode (same split counts), decode_int8 and mixed; `--smoke` runs it on small bf16 decode cases
+    ("decode_bf16", and "decode_bf16_int8" over an int8 cache) in its interpreter.
 For each variant: the max abs error against the reference computed in f32 at `Precision.HIGHEST` (so TF32 cannot
 blur the check), the time (median over rounds of `--calls` back-to-back calls, so dispatch overlaps), and the
 achieved bandwidth = (KV bytes the batch must read, scales included, + q bytes) / time, also as a fraction of the
@@ -171,9 +172,14 @@ def main(argv):
         cases["decode_bf16"] = run_case("decode_bf16", bf16, {"xla_reference": reference, "pallas": gpu,
                                                               "mosaic": mosaic},
                                         kv_scales=None, max_q_len=1, **(common | dict(tol=2e-2)))
+        bf16_int8, bf16_scales = quantize_cache(bf16[1])
+        cases["decode_bf16_int8"] = run_case("decode_bf16_int8", (bf16[0], bf16_int8, bf16[2]), {
+            "xla_reference": reference, "pallas": gpu, "mosaic": mosaic}, kv_scales=bf16_scales, max_q_len=1,
+            **(common | dict(tol=2e-2)))
     kv_int8, scales = quantize_cache(decode[1])
     cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
-        "xla_reference": reference, f"pallas_splits{splits[-1]}": functools.partial(gpu, num_kv_splits=splits[-1])},
+        "xla_reference": reference, f"pallas_splits{splits[-1]}": functools.partial(gpu, num_kv_splits=splits[-1])} | ({
+        f"mosaic_splits{splits[-1]}": functools.partial(mosaic, num_kv_splits=splits[-1])} if with_mosaic else {}),
         kv_scales=scales, max_q_len=1, **common)
     del decode, kv_int8, scales
     cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,

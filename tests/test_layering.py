@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels_pallas.kv_cache.layout",),
     ("kernels_pallas.native",),
     ("kernels_pallas.kv_cache", "kernels_pallas.matmul"),
-    ("kernels_pallas.attention",),
+    ("kernels_pallas.attention", "kernels_pallas.attention.mosaic_gpu_tiles"),
     ("kernels_pallas.mla",),
     ("kernels_pallas.sharded",),
     ("kernels_pallas",),

@@ -14,7 +14,7 @@ Design (why it is shaped this way):
     consecutively; the static bound `cdiv(T, block_q) + S` tiles covers any split of T tokens into S sequences,
     so no program is spent on the empty query blocks of a `(S, max_q_blocks)` grid. The wrapper computes each
     tile's scalars (sequence, first query position, the key range, the KV-block range of each KV split) in
-    plain XLA, and the kernel reads them from one small int32 array in GMEM.
+    plain XLA (`mosaic_gpu_tiles.py`), and the kernel reads them from one small int32 array in GMEM.
   * q and the output live in the tiles' layout `[Hkv, tiles * 64, D]` (a scatter of q before the kernel, a gather
     of the output after it, both plain XLA over T * Hq * D elements): a tile's rows start at `tile * 64`, because
     a TMA copy into (8, 64)-tiled shared memory needs a GMEM row offset that is a multiple of 8 (Mosaic's layout
@@ -29,6 +29,16 @@ Design (why it is shaped this way):
     Page-table entries past a sequence's last page become page 0 in the wrapper: a garbage entry is never
     followed. No warp specialization yet (one warpgroup issues the TMAs and does the math; a producer warpgroup
     and two consumer warpgroups, as JAX's `attention_mgpu` does, is the next step, to be decided on timings).
+  * int8 cache (`kv_scales`, per-token-per-head f32 scales, `kv_cache/layout.py`): the pages arrive int8 by the
+    same TMA copies into int8 stage buffers (64-byte swizzle at D 64), half the bytes of bf16. Each block's
+    scales arrive on the stage's mbarrier too, as one TMA copy of two contiguous rows (K's, V's) of a per-sequence
+    array the wrapper gathers (`scales_by_sequence` says why not one TMA per page). Before the MMAs the
+    warpgroup dequantizes the stage into one bf16 K tile and one bf16 V tile in shared memory (`int8 * scale` in
+    f32 registers, in int8's own WGMMA_8BIT layout on jax >= 0.11, each token's scale a row broadcast, rounded
+    to q's dtype), and the two wgmmas read those, as for a bf16 cache. V scales outside [kv_lo, kv_hi) are zeroed
+    first, so stale V rows become exact zeros in every block (the bf16 path's first / last block fix-up is not
+    needed). Scaling the tiles rather than the score and probability columns (the Triton kernel's way) keeps
+    the MMA operands and the softmax code one path for both caches; its rounding is that of a bf16 cache.
   * Stale slots (NaN/Inf past kv_len, before the window, in pages padding entries point at): keys outside the
     tile's range [kv_lo, kv_hi) get the mask value in their score column (a `where`, so a NaN K stays harmless),
     and in the first and last block of the range (the only ones that can hold such keys) V's rows outside the
@@ -37,11 +47,19 @@ Design (why it is shaped this way):
   * Split-KV (`num_kv_splits`, static; default: enough for ~512 programs, `default_kv_splits`): a tile's KV-block
     range is cut into contiguous chunks on a third grid axis; each writes its normalized f32 output and
     log-sum-exp, and a tiny XLA pass combines them. An empty chunk writes zeros and lse = -inf (weight 0).
-  * Precision: bf16 / f16 q and cache: MMAs in that dtype with f32 accumulation, probabilities rounded to the
-    input dtype for PV (as the Triton kernel); exact `exp` (`approx_math=False`). Not supported yet (`supports`
-    says False, the entry point raises NotImplementedError): f32 (wgmma's f32 is TF32, ~5e-4 off, not the
-    accuracy path the f32 contract means; the Triton kernel's IEEE path stays), int8 caches with scales, head_dim
-    other than 64 or 128, page sizes not a multiple of 8 or not dividing the KV block.
+  * Precision: bf16 / f16 q with a cache of that dtype or int8 (dequantized to q's dtype): MMAs in q's dtype with
+    f32 accumulation, probabilities rounded to q's dtype for PV (as the Triton kernel); exact `exp`
+    (`approx_math=False`). f32 inputs (q or cache) are not supported (`supports` says False, the entry point
+    raises NotImplementedError naming impl='gpu'): the Triton kernel's f32 path is IEEE f32 (`Precision.HIGHEST`,
+    FMAs on the CUDA cores), not bf16 with f32 accumulation, because f32 is the accuracy path (the reference's and
+    the CPU kernel's numbers). wgmma's only 32-bit input type is TF32 (~5e-4 off at D 128, gpu.py's docstring),
+    so a real f32 path here would be 3xTF32 (hi/lo splits, three MMAs per product); and Mosaic GPU's CPU
+    interpreter computes an f32 wgmma exactly, so no CPU test could see a TF32 path's error. Also unsupported:
+    head_dim other than 64 or 128, page sizes not a multiple of 8 or not dividing the KV block.
+  * No MLA variant yet (MLA stays on the Triton kernel, `mla/gpu.py`): its value is the 512-lane latent, and a
+    64-row f32 accumulator of 512 lanes is 256 registers a thread, past the ceiling of one warpgroup; it needs the
+    value split over warpgroups (or passes), a different program shape, to be designed after this kernel's first
+    timings.
   * Interpret mode differs from the compiled kernel in two places, because Mosaic GPU's interpreter cannot run
     them: its wgmma reads the A operand only from shared memory and runs neither `run_state(ACC.init(acc))` nor a
     store into an accumulator, so interpreted, P is staged through a shared-memory tile and a fresh PV
@@ -56,7 +74,13 @@ H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints n
     209 (219) registers, 0 spills, 149504 B shared memory (q tile 16 KiB + 4 x (K 16 + V 16) KiB + barriers);
   * the same with 4 KV splits: 225 (221) registers, 0 spills, 183296 B (+ the f32 output tile and lse);
   * mixed 4 x 512-token prefills + 60 decodes: 209 (219) registers, 0 spills, 149504 B;
-  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B.
+  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
+  * int8 cache, the decode shape: 226 (241) registers, 0 spills, 118784 B (q 16 KiB + 4 x (K 8 + V 8)
+    KiB int8 stages + 4 x 512 B scales + the bf16 K and V tiles 2 x 16 KiB); the mixed batch: the same figures;
+  * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B.
+  jax 0.12: the int8 dequantization's loads in the 16-bit WGMMA layout put the D 128 kernel at 255 registers (no
+  spills); int8's own WGMMA_8BIT layout brought it to 226 (jax 0.10 cannot broadcast into that layout and uses
+  WGMMA's: 241).
   One block per SM by shared memory (227 KiB opt-in) at D 128 and 4 stages; 128 threads x ~210 registers.
   Beside it, the Triton kernel (shared/ACCELERATOR_NOTES.md, its own shapes: 64 seqs x 256 tokens): bf16 decode
   165 registers, 104 KiB shared memory; prefill 8 x 512: 255 registers. No timings exist for either.
@@ -76,13 +100,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.attention.mosaic_gpu_tiles import (NUM_INFO, ROWS, combine_splits, default_block_kv,
+                                                       default_kv_splits, sanitize_pages, scales_by_sequence,
+                                                       tile_info, token_rows_of)
 from kernels_pallas.attention.reference import DEFAULT_MASK_VALUE, check_attention_inputs
 from kernels_pallas.kv_cache.layout import cache_dims
 
-ROWS = 64  # query rows per tile: the M of one warpgroup MMA
 SWIZZLE = 128  # bytes; the widest wgmma swizzle
 SUPPORTED_DTYPES = ("bfloat16", "float16")
-NUM_INFO = 8  # int32 scalars per (split, tile): see `tile_info`
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,12 +154,18 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
              block_kv: int | None = None) -> bool:
     """Whether this kernel handles the case (impl="auto" can route here, else to the Triton kernel).
 
-    bf16 / f16 q and cache of the same dtype (no f32, no int8 yet), head_dim 64 or 128 (128-byte swizzled tiles;
-    the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the 255-register ceiling),
-    page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64 tokens, or the page itself up
-    to 128), a group of at most 64 query heads per KV head (one tile row per head)."""
+    bf16 / f16 q with a cache of the same dtype, or with an int8 cache and its scales (`kv_scales`); no f32 (the
+    module docstring says why); head_dim 64 or 128
+    (128-byte swizzled tiles; the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the
+    255-register ceiling), page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64
+    tokens, or the page itself up to 128), a group of at most 64 query heads per KV head (one tile row per head)."""
     q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
-    if kv_scales or q_dtype != kv_dtype or q_dtype.name not in SUPPORTED_DTYPES:
+    if q_dtype.name not in SUPPORTED_DTYPES:
+        return False
+    if kv_dtype == jnp.int8:
+        if not kv_scales:
+            return False
+    elif kv_scales or q_dtype != kv_dtype:
         return False
     bkv = block_kv or default_block_kv(page_size)
     return (head_dim in (64, 128) and page_size % 8 == 0 and bkv % page_size == 0
@@ -148,84 +179,24 @@ def is_hopper(device_kind: str | None) -> bool:
     return any(chip in kind for chip in ("h100", "h200", "h800", "h20"))
 
 
-def default_block_kv(page_size: int) -> int:
-    return max(64, page_size)
-
-
-def default_kv_splits(num_programs: int, num_kv_blocks: int, target_programs: int = 512) -> int:
-    """Enough splits for ~`target_programs` programs (about 4 per SM of a 132-SM H100/H200), a power of two, at most
-    16 and at most the KV blocks of the longest sequence. Untuned (no GPU here)."""
-    want = -(-target_programs // max(num_programs, 1))
-    return max(1, min(16, 1 << max(0, want - 1).bit_length(), num_kv_blocks))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# wrapper-side bookkeeping (plain XLA)
-
-
-def tile_info(kv_lens, cu_q_lens, num_seqs, *, num_tokens, block_q, block_kv, num_tiles, num_splits,
-              sliding_window):
-    """int32 [splits, tiles, NUM_INFO]: (seq or -1, first packed token (for debugging; unused), first query
-    position, kv_lo, kv_hi, first KV block, end KV block, tile) per KV split and tile; and each sequence's first
-    tile."""
-    max_seqs = kv_lens.shape[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    seq_valid = jnp.arange(max_seqs) < num_seqs[0]
-    n_tiles = jnp.where(seq_valid, -(-q_lens // block_q), 0)
-    tile_end = jnp.cumsum(n_tiles)
-    tile_start = tile_end - n_tiles
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), max_seqs - 1).astype(jnp.int32)
-    valid = t < tile_end[-1]
-    tok0 = (t - tile_start[seq]) * block_q
-    q_len, kv_len = q_lens[seq], kv_lens[seq]
-    n_valid = jnp.minimum(block_q, q_len - tok0)
-    first_pos = kv_len - q_len + tok0
-    kv_hi = first_pos + n_valid
-    kv_lo = jnp.zeros_like(kv_hi) if sliding_window is None else jnp.maximum(0, first_pos - sliding_window + 1)
-    b_lo = kv_lo // block_kv
-    b_hi = -(-kv_hi // block_kv)
-    chunk = -(-(b_hi - b_lo) // num_splits)
-    split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
-    lo = jnp.minimum(b_lo[None] + split * chunk[None], b_hi[None])
-    hi = jnp.minimum(lo + chunk[None], b_hi[None])
-    fields = [jnp.where(valid, seq, -1), cu_q_lens[seq] + tok0, first_pos, kv_lo, kv_hi]
-    fields = [jnp.broadcast_to(f[None], lo.shape) for f in fields]
-    fields += [jnp.where(valid[None], lo, 0), jnp.where(valid[None], hi, 0), jnp.broadcast_to(t[None], lo.shape)]
-    return jnp.stack(fields, axis=-1).astype(jnp.int32), tile_start
-
-
-def sanitize_pages(page_indices, kv_lens, page_size, width):
-    """Entries past each sequence's last page -> page 0 (never follow a garbage entry), padded to `width`."""
-    max_seqs, pages_per_seq = page_indices.shape
-    last = -(-kv_lens // page_size)
-    col = jnp.arange(width)[None, :]
-    padded = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq)))
-    return jnp.where(col < jnp.minimum(last, pages_per_seq)[:, None], padded, 0)
-
-
-def combine_splits(o, lse):
-    """o f32 [K, ..., D] normalized per split, lse f32 [K, ...] -> the softmax over all splits."""
-    top = jnp.max(lse, axis=0)
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)[None]), 0.0)
-    total = jnp.sum(w, axis=0)
-    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the kernel
 
 
 def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_size, block_kv, num_stages,
-            num_splits, sm_scale, sliding_window, soft_cap, mask_value, v_scale, interpret):
-    """One (tile, KV head, KV split) program. refs: the outputs (o, or o f32 + lse f32 for split-KV), then the
-    scratch: q/o tile, K and V stage buffers, barriers (q, KV stages), and for split-KV the f32 o and lse tiles."""
+            num_splits, sm_scale, sliding_window, soft_cap, mask_value, v_scale, quantized, interpret):
+    """One (tile, KV head, KV split) program. refs: for an int8 cache its scales by sequence
+    (`scales_by_sequence`), the outputs (o, or o f32 + lse f32 for split-KV), then the scratch: q/o tile, K and
+    V stage buffers, barriers (q, KV stages), for split-KV the f32 o and lse tiles, the interpreter's P tile,
+    and for an int8 cache the scale stages and the bf16 K and V tiles the dequantization writes."""
+    scales_ref = refs[0] if quantized else None
+    refs = refs[1:] if quantized else refs
     if num_splits == 1:
         (o_ref, scratch) = refs
         lse_ref = None
     else:
         (o_ref, lse_ref, scratch) = refs
-    q_smem, k_smem, v_smem, q_bar, kv_bar, extra, p_smem = scratch
+    q_smem, k_smem, v_smem, q_bar, kv_bar, extra, p_smem, int8_scratch = scratch
     tile = lax.axis_index("tile")
     h = lax.axis_index("head")
     sp = lax.axis_index("split")
@@ -243,6 +214,9 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
                                     kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(kv_ref.at[h, page, :, pl.ds(head_dim, head_dim)], v_smem.at[slot, dst],
                                     kv_bar.at[slot])
+        if quantized:  # the block's K and V scales: two contiguous rows of the sequence's gathered scales
+            plgpu.copy_gmem_to_smem(scales_ref.at[h, seq, :, pl.ds(b * block_kv, block_kv)],
+                                    int8_scratch[0].at[slot], kv_bar.at[slot])
 
     @pl.when(seq >= 0)
     def _():
@@ -255,13 +229,42 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
         plgpu.barrier_wait(q_bar)
         wgmma_layout = plgpu.Layout.WGMMA
 
-        def iota(shape, dim):  # register layouts are a compiler matter; jax 0.10's interpreter runs no layout ops
-            if interpret:
+        def iota(shape, dim, layout=wgmma_layout):  # layouts are a compiler matter; jax 0.10's interpreter
+            if interpret:  # runs no layout ops
                 return lax.broadcasted_iota(jnp.int32, shape, dim)
-            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)
 
         def cast(x, layout):
             return x if interpret else plgpu.layout_cast(x, layout)
+
+        def load(ref, layout):
+            return ref[...] if interpret else _load(ref, layout)
+
+        def dequantize(slot, start):
+            """int8 K and V of the stage -> bf16 tiles `int8 * scale` (a row broadcast of each token's scale, the
+            WGMMA layout's own). V scales outside [kv_lo, kv_hi) become zeros first, so those V rows are exact
+            zeros (a stale scale may be NaN/Inf; the int8 values are finite), a `where` over a (block_kv,)
+            vector rather than over the whole tile. K's stale rows stay: each reaches only its own score column,
+            which the mask `where` replaces."""
+            sc_smem, k16_smem, v16_smem = int8_scratch
+            shape = (block_kv, head_dim)
+            # int8's own register layout (4 bytes a load): with the 16-bit WGMMA layout the D 128 kernel sat at
+            # the 255-register ceiling; rows are spread as in WGMMA's, so the row broadcast and the bf16 store
+            # into the swizzled tile lower as they are. jax 0.10 cannot broadcast into WGMMA_8BIT: WGMMA there.
+            int8_layout = wgmma_layout if OLD_API else plgpu.Layout.WGMMA_8BIT
+            row_layout = int8_layout.reduce(1)
+
+            def scaled(x_smem, sc):  # one tile at a time
+                sc = lax.broadcast_in_dim(sc, shape, [0])
+                return (load(x_smem.at[slot], int8_layout).astype(jnp.float32) * sc).astype(dtype)
+
+            key = start + iota((block_kv,), 0, row_layout)
+            v_sc = load(sc_smem.at[slot, 1], row_layout)
+            k16_smem.at[0][...] = scaled(k_smem, load(sc_smem.at[slot, 0], row_layout))
+            v16_smem[...] = scaled(v_smem, jnp.where((key >= kv_lo) & (key < kv_hi), v_sc, 0.0))
+            plgpu.commit_smem()
+            # V as a whole ref: a static index (`.at[0]`) closed over by the PV `run_state` does not lower
+            return k16_smem.at[0], v16_smem
 
         row, col = iota((ROWS, block_kv), 0), iota((ROWS, block_kv), 1)
         q_pos = first_pos + lax.div(row, jnp.int32(group))
@@ -271,20 +274,24 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
             slot = lax.rem(b - lo, jnp.int32(num_stages))
             plgpu.barrier_wait(kv_bar.at[slot])
             start = b * block_kv
+            if quantized:
+                k_tile, v_tile = dequantize(slot, start)
+            else:
+                k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
 
-            @pl.when((start < kv_lo) | (start + block_kv > kv_hi))
-            def _():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi) (stale, maybe NaN)
-                v = v_smem[slot] if interpret else _load(v_smem.at[slot], wgmma_layout)
-                key = start + iota((block_kv, head_dim), 0)
-                v_smem.at[slot][...] = jnp.where((key >= kv_lo) & (key < kv_hi), v, jnp.zeros_like(v))
-                plgpu.commit_smem()
+                @pl.when((start < kv_lo) | (start + block_kv > kv_hi))
+                def _():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi) (stale, maybe NaN)
+                    v = load(v_tile, wgmma_layout)
+                    key = start + iota((block_kv, head_dim), 0)
+                    v_tile[...] = jnp.where((key >= kv_lo) & (key < kv_hi), v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, _transpose(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, _transpose(k_tile, (1, 0)))
                 return acc_ref[...]
 
             if interpret and OLD_INTERPRETER:  # jax 0.10's interpreter cannot read a transposed wgmma operand
-                s = _dot(q_smem[...], k_smem[slot], ((1,), (1,))) * sm_scale
+                s = _dot(q_smem[...], k_tile[...], ((1,), (1,))) * sm_scale
             else:
                 s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
             if soft_cap is not None:
@@ -302,7 +309,7 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
 
             p16 = p.astype(dtype)
             if interpret and OLD_INTERPRETER:
-                acc = acc + _dot(p16, v_smem[slot], ((1,), (0,)))
+                acc = acc + _dot(p16, v_tile[...], ((1,), (0,)))
             elif interpret:
                 # The interpreter's wgmma reads A only from shared memory and runs neither run_state(ACC.init)
                 # nor a store into an ACC: P goes through shared memory and a fresh PV accumulator is added.
@@ -310,13 +317,13 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
                 plgpu.commit_smem()
 
                 def pv_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
                     return acc_ref[...]
 
                 acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
             else:  # on the GPU, P is the MMA's A operand from registers and it accumulates into acc (FA3's way)
                 def pv_state(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p16, v_tile)
 
                 acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
 
@@ -350,8 +357,12 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
 
 
 def _tiled(shape, dtype):
-    elems = SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+    """Shared memory in (8, swizzle) tiles, as TMA writes and wgmma reads them: the widest swizzle the rows allow
+    (128 bytes, or 64 for int8 rows of head_dim 64)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def ragged_paged_attention_mosaic_gpu(
@@ -390,7 +401,9 @@ def ragged_paged_attention_mosaic_gpu(
         raise NotImplementedError(
             f"the Mosaic GPU kernel does not support q {q.dtype}, cache {kv_pages.dtype}"
             f"{' with int8 scales' if kv_scales is not None else ''}, head_dim {head_dim}, page_size {page_size}, "
-            f"group {group}, block_kv {block_kv} (see mosaic_gpu.supports); use impl='gpu' (Triton) or 'reference'")
+            f"group {group}, block_kv {block_kv} (see mosaic_gpu.supports: bf16/f16 queries over a cache of the same "
+            f"dtype or int8 with kv_scales; f32 is the Triton kernel's IEEE path); use impl='gpu' (Triton) or "
+            f"'reference'")
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1 (or None for the default), got {num_kv_splits}")
     del max_q_len
@@ -401,7 +414,7 @@ def ragged_paged_attention_mosaic_gpu(
     num_tiles = -(-num_tokens // block_q) + max_seqs
     num_kv_blocks = -(-pages_per_seq * page_size // block_kv)
     splits = num_kv_splits or default_kv_splits(num_tiles * num_kv_heads, num_kv_blocks)
-    tile_bytes = block_kv * head_dim * q.dtype.itemsize
+    tile_bytes = block_kv * head_dim * kv_pages.dtype.itemsize
     stages = num_stages or max(2, min(4, (160 * 1024) // (2 * tile_bytes)))
 
     info, tile_start = tile_info(kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
@@ -411,17 +424,21 @@ def ragged_paged_attention_mosaic_gpu(
     pages = sanitize_pages(page_indices, kv_lens.astype(jnp.int32), page_size, num_kv_blocks * block_kv // page_size)
     # q in the tiles' layout [Hkv, tiles * 64, D], the output's too: token t's group of query heads is rows
     # `token_rows[t]` of its tile (a scatter here, a gather after the kernel; rows of no valid token stay zero)
-    token_rows = _token_rows(cu_q_lens.astype(jnp.int32), num_seqs, tile_start, num_tokens, block_q, group)
+    token_rows = token_rows_of(cu_q_lens.astype(jnp.int32), num_seqs, tile_start, num_tokens, block_q, group)
     out_rows = num_tiles * ROWS
     q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [Hkv, T, group, D]
     q_tiles = jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype).at[:, token_rows].set(q_heads, mode="drop")
+    quantized = kv_scales is not None
+    operands = [info, pages, q_tiles, kv_pages]
+    if quantized:
+        operands.append(scales_by_sequence(kv_scales, pages, num_pages, page_size))
 
     scratch = [
         _tiled((ROWS, head_dim), q.dtype),
         _tiled((stages, block_kv, head_dim), kv_pages.dtype),
         _tiled((stages, block_kv, head_dim), kv_pages.dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        plgpu.Barrier(num_arrivals=2 * (block_kv // page_size), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2 * (block_kv // page_size) + quantized, num_barriers=stages),
     ]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_kv_heads, out_rows, head_dim), q.dtype)]
@@ -431,14 +448,16 @@ def ragged_paged_attention_mosaic_gpu(
                      jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32)]
         scratch.append((plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32)))
     scratch.append(_tiled((ROWS, block_kv), q.dtype) if interpret else None)  # P, for the interpreter's wgmma
+    scratch.append((plgpu.SMEM((stages, 2, block_kv), jnp.float32), _tiled((1, block_kv, head_dim), q.dtype),
+                    _tiled((block_kv, head_dim), q.dtype)) if quantized else None)
 
     kernel = functools.partial(
         _kernel, group=group, head_dim=head_dim, page_size=page_size, block_kv=block_kv, num_stages=stages,
         num_splits=splits, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=mask_value, v_scale=v_scale, interpret=interpret)
+        mask_value=mask_value, v_scale=v_scale, quantized=quantized, interpret=interpret)
 
     def ragged_paged_attention_mosaic_gpu_kernel(*refs):
-        num_in = 4
+        num_in = len(operands)
         ins, outs = refs[:num_in], refs[num_in:]
         pl.run_scoped(lambda *scr: kernel(*ins, *outs, scr), *scratch)
 
@@ -447,7 +466,7 @@ def ragged_paged_attention_mosaic_gpu(
         grid_names=("tile", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
         interpret=interpret_params() if interpret else None,
-    )(info, pages, q_tiles, kv_pages)
+    )(*operands)
     if splits == 1:
         out = outs[0] if isinstance(outs, (list, tuple)) else outs
         out = out.astype(jnp.float32)
@@ -458,16 +477,3 @@ def ragged_paged_attention_mosaic_gpu(
     gathered = gathered.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
     token_valid = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
     return jnp.where(token_valid[:, None, None], gathered, 0).astype(q.dtype)
-
-
-def _token_rows(cu_q_lens, num_seqs, tile_start, num_tokens, block_q, group):
-    """int32 [T, group]: the tile rows of each token's query heads (token `within` of its sequence is row
-    `(within % block_q) * group + g` of the sequence's tile `within // block_q`); tokens of no valid sequence
-    get an out-of-range row (dropped by the scatter, clipped and zeroed by the gather)."""
-    max_seqs = tile_start.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, max_seqs - 1)
-    within = t - cu_q_lens[seq]
-    row = (tile_start[seq] + within // block_q) * ROWS + (within % block_q) * group
-    row = jnp.where(t < cu_q_lens[num_seqs[0]], row, jnp.iinfo(jnp.int32).max // 2)
-    return row[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]

@@ -23,7 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMEM_OPT_IN = 232448  # bytes of shared memory a block may opt into on H100 / H200 (configs/gpu_targets)
 KERNEL = "ragged_paged_attention_mosaic_gpu_kernel"
 
-# name: (q_lens, kv_lens, Hq, Hkv, head_dim, page_size, pages_per_seq, kwargs)
+# name: (q_lens, kv_lens, Hq, Hkv, head_dim, page_size, pages_per_seq, kwargs); kwargs' "kv_dtype": the cache's
+# dtype (bf16 unless named; "int8" adds its scales), the rest go to the kernel
 CASES = {
     # decode: 64 sequences x 2048 tokens, Hq 32 / Hkv 8 / D 128, bf16, 16-token pages
     "decode_64x2048": ([1] * 64, [2048] * 64, 32, 8, 128, 16, 128, {}),
@@ -34,6 +35,11 @@ CASES = {
     # head_dim 64, 64-token pages, sliding window and soft cap
     "decode_d64_p64_window_softcap": ([1] * 32, [4096] * 32, 32, 4, 64, 64, 64,
                                       {"sliding_window": 1024, "soft_cap": 30.0}),
+    # int8 cache with its per-token scales (bf16 queries): the decode shape above, and D 64 with split-KV (a
+    # program's code does not depend on the batch's shape: the mixed batch compiled to the decode's figures)
+    "decode_64x2048_int8": ([1] * 64, [2048] * 64, 32, 8, 128, 16, 128, {"kv_dtype": "int8"}),
+    "decode_d64_p32_int8_split4": ([1] * 32, [4096] * 32, 32, 4, 64, 32, 128,
+                                   {"kv_dtype": "int8", "num_kv_splits": 4}),
 }
 
 _SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
@@ -54,20 +60,26 @@ def compile_case(chip: str, name: str, impl: str = "mosaic_gpu") -> dict:
     from kernels_pallas.kv_cache.layout import kv_cache_spec
 
     q_lens, kv_lens, hq, hkv, head_dim, page_size, pps, kw = CASES[name]
+    kw = dict(kw)
+    kv_dtype = jnp.dtype(kw.pop("kv_dtype", "bfloat16"))
     target = open(os.path.join(REPO, "configs", "gpu_targets", f"{chip}.txtpb")).read()
     topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
     mesh = Mesh(np.array(topo.devices), ("x",))
     rep = NamedSharding(mesh, PartitionSpec())
     seqs = len(q_lens)
-    cache = kv_cache_spec(seqs * pps + 1, page_size, hkv, head_dim, jnp.bfloat16)
+    cache = kv_cache_spec(seqs * pps + 1, page_size, hkv, head_dim, kv_dtype)
+    cache, scales = cache if kv_dtype == jnp.int8 else (cache, None)
     shapes = [((sum(q_lens), hq, head_dim), jnp.bfloat16), (cache.shape, cache.dtype), ((seqs,), jnp.int32),
               ((seqs, pps), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
+    if scales is not None:
+        shapes.append((scales.shape, scales.dtype))
     args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
     if impl == "mosaic_gpu":
         kernel = ragged_paged_attention_mosaic_gpu
     else:  # the Triton kernel blocks its queries by max_q_len (static)
         kernel, kw = ragged_paged_attention_gpu, {**kw, "max_q_len": max(q_lens)}
-    fn = lambda *a: kernel(*a, sm_scale=head_dim ** -0.5, **kw)  # noqa: E731
+    def fn(*a):
+        return kernel(*a[:6], sm_scale=head_dim ** -0.5, kv_scales=a[6] if len(a) > 6 else None, **kw)
     with capture_native_fd(2) as err, capture_native_fd(1) as out:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             lowered = jax.jit(fn).lower(*args)

@@ -145,6 +145,17 @@ def test_rejects_shapes_triton_cannot_tile():
         ragged_paged_attention_gpu(*args, interpret=True, block_q=4)
 
 
+def poisoned_int8_pools(rng, clean, seen):
+    """{"clean": (int8 pages, scales), "dirty": the same with random int8 values in every slot not `seen` and
+    NaN/Inf in their scales and in the scales' padding tail} for a float pool `clean` (kv_cache/layout.py)."""
+    kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean)))
+    dirty = np.where(seen[None, :, :, None], kv_q, rng.integers(-128, 128, kv_q.shape, dtype=np.int8))
+    flat_seen = np.zeros(scales[0].size, bool)
+    flat_seen[:seen.size * 2] = np.repeat(seen, 2, axis=0).reshape(-1)  # page after page: K scales, V scales
+    assert not flat_seen.all()  # the padding tail is poisoned too
+    return {"clean": (kv_q, scales), "dirty": (dirty, poison(scales, flat_seen.reshape(scales.shape[1:])))}
+
+
 @pytest.mark.parametrize("kv_dtype,options", [
     ("float32", {}),
     ("bfloat16", {"sliding_window": 5, "num_kv_splits": 2}),
@@ -159,12 +170,7 @@ def test_stale_non_finite_slots_change_no_output(kv_dtype, options):
     (q, clean, *rest), seen = poisoned_pool_case(rng, head_dim=64, sliding_window=options.get("sliding_window"))
     kw = dict(sm_scale=0.125, block_q=8, pages_per_block=4) | options
     if kv_dtype == "int8":
-        kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean)))
-        dirty = np.where(seen[None, :, :, None], kv_q, rng.integers(-128, 128, kv_q.shape, dtype=np.int8))
-        flat_seen = np.zeros(scales[0].size, bool)
-        flat_seen[:seen.size * 2] = np.repeat(seen, 2, axis=0).reshape(-1)  # page after page: K scales, V scales
-        assert not flat_seen.all()  # the padding tail is poisoned too
-        pools = {"clean": (kv_q, scales), "dirty": (dirty, poison(scales, flat_seen.reshape(scales.shape[1:])))}
+        pools = poisoned_int8_pools(rng, clean, seen)
     else:
         dirty = poison(clean, seen[None, :, :, None])
         pools = {name: (jnp.asarray(x, kv_dtype), None) for name, x in (("clean", clean), ("dirty", dirty))}

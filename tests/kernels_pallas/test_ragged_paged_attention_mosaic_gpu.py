@@ -5,7 +5,8 @@ registers, spills and shared memory.
 
 Interpreted cases cost several seconds each (the interpreter simulates every thread, barrier and TMA), so the
 sweep is pairwise: each value of each factor (decode / prefill / mixed / chunked prefill, page size 16/32/64, GQA
-ratio 1/3/8, head_dim 64/128, window, soft cap, split-KV, fewer stages than KV blocks, bf16 / f16, empty /
+ratio 1/3/8, head_dim 64/128, window, soft cap, split-KV, fewer stages than KV blocks, bf16 / f16 / an int8
+cache with its scales under bf16 queries, empty /
 one-page / page-crossing sequences, num_seqs below the array size, garbage page-table tails) appears, not every
 combination. On jax 0.10 the interpreter cannot run a transposed wgmma operand, so there the two products are
 `dot_general`s on the same shared-memory tiles (see the kernel's `OLD_INTERPRETER`); jax >= 0.11 interprets the
@@ -26,8 +27,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention.mosaic_gpu import is_hopper, ragged_paged_attention_mosaic_gpu, supports
+from kernels_pallas.kv_cache.writes import quantize_cache
 from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
-from tests.kernels_pallas.test_ragged_paged_attention_gpu import build as build_case
+from tests.kernels_pallas.test_ragged_paged_attention_gpu import build as build_case, dequantize, poisoned_int8_pools
 from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison, poisoned_pool_case
 from tests.kernels_pallas.test_ragged_paged_attention_tpu import assert_close, run_reference
 
@@ -50,6 +52,13 @@ CASES = {
     # long-ish decode split 4 ways (one split of the 1-token sequence is empty), window
     "decode_g8_p16_d128_split4_window": ([1, 1, 1], [130, 1, 40], (8, 1), 128, 16, 9, 3, "bfloat16",
                                          dict(num_kv_splits=4, sliding_window=50)),
+    # int8 cache + per-token scales, bf16 queries: decode at group 3 (one page, page-crossing, num_seqs below the
+    # array size), a mixed batch at MHA with window + soft cap, a GQA-8 prefill over 64-token pages split 2 ways
+    "decode_g3_p16_d128_int8": ([1, 1, 1], [16, 40, 5], (6, 2), 128, 16, 3, 4, "int8", {}),
+    "mixed_g1_p32_d64_int8_window_softcap": ([1, 9, 3], [50, 9, 33], (2, 2), 64, 32, 2, 3, "int8",
+                                             dict(sliding_window=20, soft_cap=5.0)),
+    "prefill_g8_p64_d128_int8_split2": ([20, 1], [70, 65], (8, 1), 128, 64, 2, 2, "int8",
+                                        dict(num_kv_splits=2)),
 }
 
 
@@ -58,25 +67,33 @@ def build(name):
     return build_case(name, CASES, garbage_case="decode_g3_p16_d64")
 
 
-def run_mosaic(args, **kw):
-    fn = jax.jit(lambda *a: ragged_paged_attention_mosaic_gpu(*a, interpret=True, **kw))
-    return fn(*map(jnp.asarray, args))
+def run_mosaic(args, kv_scales=None, **kw):
+    fn = jax.jit(lambda *a, s: ragged_paged_attention_mosaic_gpu(*a, kv_scales=s, interpret=True, **kw))
+    return fn(*map(jnp.asarray, args), s=kv_scales)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name):
     q, kv, rest, dtype, kw, safe = build(name)
-    q16, kv16 = jnp.asarray(q, dtype), jnp.asarray(kv, dtype)
-    got = run_mosaic((q16, kv16, *rest), sm_scale=0.125, **kw)
-    assert got.dtype == jnp.dtype(dtype)
+    q_dtype = jnp.bfloat16 if dtype == "int8" else dtype
+    q16 = jnp.asarray(q, q_dtype)
+    if dtype == "int8":  # both sides read the same int8 values and scales; the loop reads them dequantized
+        kv16, scales = quantize_cache(jnp.asarray(kv))
+        kv32 = dequantize(kv16, scales)
+    else:
+        kv16, scales = jnp.asarray(kv, dtype), None
+        kv32 = np.asarray(kv16.astype(jnp.float32))
+    got = run_mosaic((q16, kv16, *rest), kv_scales=scales, sm_scale=0.125, **kw)
+    assert got.dtype == jnp.dtype(q_dtype)
     got = np.asarray(got.astype(jnp.float32))
-    q32, kv32 = np.asarray(q16.astype(jnp.float32)), np.asarray(kv16.astype(jnp.float32))
+    q32 = np.asarray(q16.astype(jnp.float32))
     ref_kw = {k: v for k, v in kw.items() if k not in ("num_kv_splits", "num_stages")} | {"sm_scale": 0.125}
     num_real = int(rest[2][-1])
     assert_close(got[:num_real], naive(q32[:num_real], kv32, rest[0], safe, *rest[2:], **ref_kw), tol=BF16_TOL)
     assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
     if (safe == rest[1]).all():
-        assert_close(got, run_reference((q32, kv32, *rest), **ref_kw), tol=BF16_TOL)
+        assert_close(got, run_reference((q32, kv16 if dtype == "int8" else kv32, *rest), kv_scales=scales,
+                                        **ref_kw), tol=BF16_TOL)
 
 
 def poisoned_case(rng, *, sliding_window):
@@ -86,23 +103,34 @@ def poisoned_case(rng, *, sliding_window):
                               kv_lens=(21, 40, 80, 12, 6), page_size=16, pages_per_seq=6, num_pages=16)
 
 
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "soft_cap": 3.0, "num_kv_splits": 2}])
-def test_stale_non_finite_slots_change_no_output(options):
+@pytest.mark.parametrize("kv_dtype,options", [
+    ("bfloat16", {}),
+    ("bfloat16", {"sliding_window": 5, "soft_cap": 3.0, "num_kv_splits": 2}),
+    ("int8", {"sliding_window": 5, "soft_cap": 3.0}),
+])
+def test_stale_non_finite_slots_change_no_output(kv_dtype, options):
     """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, the page padding
-    entries point at, the keys of a sequence without queries) leave the output bit-identical to the clean pool's
-    and finite; 64-token KV blocks of 16-token pages put stale slots inside blocks the kernel loads."""
+    entries point at, the keys of a sequence without queries; for an int8 cache random int8 values there and
+    NaN/Inf in their scales and the scales' padding tail) leave the output bit-identical to the clean pool's and
+    finite; 64-token KV blocks of 16-token pages put stale slots inside blocks the kernel loads."""
     rng = np.random.default_rng(8)
     (q, clean, *rest), seen = poisoned_case(rng, sliding_window=options.get("sliding_window"))
-    dirty = poison(clean, seen[None, :, :, None])
+    if kv_dtype == "int8":
+        pools = poisoned_int8_pools(rng, clean, seen)
+    else:
+        pools = {name: (jnp.asarray(x, jnp.bfloat16), None)
+                 for name, x in (("clean", clean), ("dirty", poison(clean, seen[None, :, :, None])))}
     kw = dict(sm_scale=0.125) | options
-    out = {name: np.asarray(run_mosaic((jnp.asarray(q, jnp.bfloat16), jnp.asarray(x, jnp.bfloat16), *rest),
+    q16 = jnp.asarray(q, jnp.bfloat16)
+    out = {name: np.asarray(run_mosaic((q16, kv, *rest), kv_scales=None if s is None else jnp.asarray(s),
                                        **kw).astype(jnp.float32))
-           for name, x in (("clean", clean), ("dirty", dirty))}
+           for name, (kv, s) in pools.items()}
     assert np.isfinite(out["dirty"]).all()
     np.testing.assert_array_equal(out["dirty"], out["clean"])
-    q32 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
-    kv32 = np.asarray(jnp.asarray(clean, jnp.bfloat16).astype(jnp.float32))
-    want = run_reference((q32, kv32, *rest), **{k: v for k, v in kw.items() if k != "num_kv_splits"})
+    kv, s = pools["clean"]
+    kv = kv if kv_dtype == "int8" else np.asarray(kv.astype(jnp.float32))
+    want = run_reference((np.asarray(q16.astype(jnp.float32)), kv, *rest), kv_scales=s,
+                         **{k: v for k, v in kw.items() if k != "num_kv_splits"})
     assert_close(out["clean"], want, tol=BF16_TOL)
 
 
@@ -111,7 +139,11 @@ def test_supports_and_rejects():
     assert supports(jnp.bfloat16, jnp.bfloat16, 128, 16, 4)
     assert supports(jnp.float16, jnp.float16, 64, 64, 8)
     assert not supports(jnp.float32, jnp.float32, 128, 16, 4)  # f32: Triton kernel (IEEE f32 dots)
-    assert not supports(jnp.bfloat16, jnp.int8, 128, 16, 4, kv_scales=True)  # int8: not yet
+    assert supports(jnp.bfloat16, jnp.int8, 128, 16, 4, kv_scales=True)  # int8 cache + scales, bf16 queries
+    assert supports(jnp.float16, jnp.int8, 64, 8, 3, kv_scales=True)
+    assert not supports(jnp.bfloat16, jnp.int8, 128, 16, 4)  # an int8 cache needs its scales
+    assert not supports(jnp.float32, jnp.int8, 128, 16, 4, kv_scales=True)  # f32 queries: Triton kernel
+    assert not supports(jnp.bfloat16, jnp.float16, 128, 16, 4)  # mixed float dtypes
     assert not supports(jnp.bfloat16, jnp.bfloat16, 80, 16, 4)  # head_dim not a multiple of 64
     assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 12, 4)  # page not a multiple of 8 rows
     assert not supports(jnp.bfloat16, jnp.bfloat16, 128, 48, 4)  # 48 does not divide the 64-token block
@@ -121,8 +153,11 @@ def test_supports_and_rejects():
     rng = np.random.default_rng(4)
     args = tuple(map(jnp.asarray, make_case(rng, [1], [5], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                             page_size=16, pages_per_seq=1, num_pages=2)))
-    with pytest.raises(NotImplementedError, match="Mosaic GPU kernel does not support"):
+    with pytest.raises(NotImplementedError, match="Mosaic GPU kernel does not support q float32.*impl='gpu'"):
         ragged_paged_attention_mosaic_gpu(*args, interpret=True)  # f32
+    q, kv = args[0].astype(jnp.bfloat16), quantize_cache(args[1])[0]
+    with pytest.raises(NotImplementedError, match="cache int8"):  # an int8 cache without its scales
+        ragged_paged_attention_mosaic_gpu(q, kv, *args[2:], interpret=True)
 
 
 def test_dispatcher_routes_mosaic_gpu():

@@ -19,11 +19,13 @@ def test_kernel_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["all_ok"] and result["copy_bandwidth_GBps"] > 0
-    assert set(result["cases"]) == {"decode", "decode_int8", "mixed", "decode_bf16"}
+    assert set(result["cases"]) == {"decode", "decode_int8", "mixed", "decode_bf16", "decode_bf16_int8"}
     for name, case in result["cases"].items():
         assert "xla_reference" in case["variants"] and len(case["variants"]) >= 2
         for v in case["variants"].values():
-            assert v["max_err"] <= (2e-2 if name == "decode_bf16" else 2e-5) and v["time_ms"] > 0 and v["GBps"] > 0
-    assert set(result["cases"]["decode_bf16"]["variants"]) == {"xla_reference", "pallas", "mosaic"}
+            tol = 2e-2 if name.startswith("decode_bf16") else 2e-5
+            assert v["max_err"] <= tol and v["time_ms"] > 0 and v["GBps"] > 0
+    for name in ("decode_bf16", "decode_bf16_int8"):
+        assert set(result["cases"][name]["variants"]) == {"xla_reference", "pallas", "mosaic"}
     # the int8 cache reads 1-byte values plus one f32 scale per token and head slot: fewer bytes than f32
     assert result["cases"]["decode_int8"]["bytes_read"] < result["cases"]["decode"]["bytes_read"]
