@@ -426,7 +426,7 @@ class Engine:
         completions = []
         for seq in request.seqs:
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:],  # one copy
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,
