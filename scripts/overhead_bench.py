@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import json
 import os
 import sys
@@ -40,10 +41,31 @@ flags.DEFINE_integer("decode_steps", 24, "Measured decode steps per size (after 
 flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
 flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
 flags.DEFINE_string("json", None, "Write the results here as JSON.")
+flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then out of "
+                  "the collector's generations), to see whether collections cause the dispatch spikes.")
 
 _MISSING = object()
 PHASES = ("schedule", "pages", "batch_build", "dispatch", "wait_readback", "process", "stop_checks",
           "detokenize", "outputs", "other")
+
+
+class GcTimer:
+    """Wall time spent inside Python's cyclic garbage collector, per generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += (time.perf_counter() - self._t0) * 1e3
+            self.count[info["generation"]] += 1
+
+    def snapshot(self) -> tuple[list[float], list[int]]:
+        return list(self.ms), list(self.count)
 
 
 class PhaseProfiler:
@@ -162,10 +184,13 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
                 not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
             if profiler is not None and decoding and len(steps) < decode_steps:
                 profiler_totals = dict(profiler.totals)
+                gc_before = gc_timer.snapshot()
                 t0 = time.perf_counter()
                 outs = engine.step()
                 steps.append((time.perf_counter() - t0,
                               {k: profiler.totals[k] - profiler_totals.get(k, 0.0) for k in PHASES}))
+                gc_steps.append([sum(a - b for a, b in zip(gc_timer.snapshot()[0], gc_before[0])),
+                                 *(a - b for a, b in zip(gc_timer.snapshot()[1], gc_before[1]))])
             else:
                 outs = engine.step()
             for out in outs:
@@ -174,6 +199,10 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         return {"steps": steps}
 
     run(None)  # compiles every shape of this workload
+    if FLAGS.gc_freeze:
+        gc.freeze()
+    gc_timer, gc_steps = GcTimer(), []
+    gc.callbacks.append(gc_timer)
     compiled = sum(runner.num_compilations().values())
     profiler = PhaseProfiler()
     capture = {}
@@ -191,17 +220,24 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     finally:
         profiler.restore()
         del runner.execute
+        gc.callbacks.remove(gc_timer)
     if not result["steps"]:
         raise RuntimeError(f"no step had all {num_seqs} sequences decoding; raise max_num_seqs / the page pool")
     walls = np.asarray([w for w, _ in result["steps"]])
     phases_ms = {k: float(np.mean([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES}
+    dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
+    gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
     device_ms = replay_ms(runner, capture["step"], repeats)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
     return {"seqs": num_seqs, "measured_steps": len(walls), "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
-            "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled}
+            "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled,
+            "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
+            "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
+            "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
+            "gc_frozen": FLAGS.gc_freeze}
 
 
 def replay_ms(runner, captured, repeats: int) -> float:
@@ -236,7 +272,9 @@ def main(argv: list[str]) -> None:
             rows.append(row)
             print(f"seqs={n:4d}  step {row['step_ms']:7.2f} ms  host {row['host_ms']:7.2f} ms "
                   f"({row['host_ms_per_seq'] * 1e3:6.1f} us/seq)  device {row['device_ms']:6.2f} ms  "
-                  f"busy {row['device_busy']:.2f}  " + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()),
+                  f"busy {row['device_busy']:.2f}  " + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
+                  + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
+                  f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
                   flush=True)
     result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps, "rows": rows}
     if FLAGS.json:

@@ -68,7 +68,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
     ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages", "inference.engine.logprobs"),
     ("inference.engine.scheduler",),
-    ("inference.runtime", "inference.runtime.compile_progress"),
+    ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup"),
     ("inference.spec_decode",),
     ("inference.engine",),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).

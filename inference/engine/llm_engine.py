@@ -14,6 +14,7 @@ import threading
 import time
 
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
+from inference.runtime.warmup import prefill_shapes
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
@@ -221,10 +222,15 @@ class Engine:
                 if not seq.is_finished:
                     self._finish(seq, "abort")
 
-    def warmup(self, structured_outputs: bool = False) -> int:
+    def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
         """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the
-        variants that carry a token mask."""
-        return self.runner.warmup_decode(self.limits, token_mask=structured_outputs)
+        variants that carry a token mask; with `prefill` also every prefill shape the limits allow
+        (`inference/runtime/warmup.py: prefill_shapes`; off by default: at the default limits that is over a
+        thousand shapes). Returns how many variants were compiled."""
+        n = self.runner.warmup_decode(self.limits, token_mask=structured_outputs)
+        if prefill:
+            n += self.runner.warmup_prefill(prefill_shapes(self.limits, self.page_size), token_mask=structured_outputs)
+        return n
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached KV pages (their contents came from other weights)."""
@@ -445,7 +451,7 @@ class Engine:
         completions = []
         for seq in request.seqs:
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:],  # one copy
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,

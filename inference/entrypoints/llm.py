@@ -289,10 +289,11 @@ class LLM:
                 finished[request_id] = self.engine.output_of(request_id)
         return finished
 
-    def warmup(self, structured_outputs: bool = False) -> int:
+    def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
         """Compile every decode bucket up front (with `structured_outputs` also the variants with a token mask, so
-        constrained requests compile nothing either); returns the number of variants compiled."""
-        return self.engine.warmup(structured_outputs=structured_outputs)
+        constrained requests compile nothing either; with `prefill` also every prefill shape the engine's limits
+        allow, so serving without logprobs compiles nothing); returns the number of variants compiled."""
+        return self.engine.warmup(structured_outputs=structured_outputs, prefill=prefill)
 
     # ---- RL hooks ---------------------------------------------------------------------------------------------
     def get_params(self) -> nnx.State:

@@ -13,6 +13,7 @@ of this is numpy on the host; one `device_put` per step moves it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -123,26 +124,35 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     logits_indices = np.zeros(padded_seqs, np.int32)
     token_slots = None if lora_slots is None else np.zeros(padded_tokens, np.int32)
 
-    offset = 0
-    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        start = seq.num_computed_tokens
-        pos = np.arange(start, start + count, dtype=np.int32)
-        source = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
-        tokens[offset:offset + count] = source[start:start + count]
-        positions[offset:offset + count] = pos
-        for g, table in enumerate(seq.block_tables):
-            pages = np.asarray(table, np.int32)
-            slot_mapping[g, offset:offset + count] = pages[pos // page_size] * page_size + pos % page_size
-            page_indices[g, i, :len(pages)] = pages
-        nxt = seq.token_ids[start + 1:min(start + count + 1, seq.num_prompt_tokens)]
-        target_ids[offset:offset + len(nxt)] = nxt
-        kv_lens[i] = start + count
-        if token_slots is not None:
-            token_slots[offset:offset + count] = lora_slots[i]
-        offset += count
-        cu_q_lens[i + 1] = offset
-        logits_indices[i] = offset - 1
-    cu_q_lens[num_seqs + 1:] = offset
+    # Vectorized over the batch: one Python pass gathers each sequence's scalars and token slice, numpy does the
+    # rest, so a 256-sequence decode step costs no per-sequence numpy calls.
+    seqs = batch.seqs
+    counts = np.asarray(batch.num_new_tokens, np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+    ends = np.cumsum(counts)
+    cu_q_lens[1:num_seqs + 1] = ends
+    cu_q_lens[num_seqs + 1:] = num_tokens
+    logits_indices[:num_seqs] = ends - 1
+    kv_lens[:num_seqs] = starts + counts
+    row = np.repeat(np.arange(num_seqs), counts)  # each real token's sequence
+    pos = np.arange(num_tokens) - np.repeat(ends - counts - starts, counts)
+    positions[:num_tokens] = pos
+    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(
+        (s.token_ids + s.spec_tokens if s.spec_tokens else s.token_ids)[c:c + n]
+        for s, c, n in zip(seqs, starts.tolist(), batch.num_new_tokens)), np.int32, num_tokens)
+    for g in range(num_groups):
+        tables = [s.block_tables[g] for s in seqs]
+        lens = np.fromiter(map(len, tables), np.int64, num_seqs)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+        page_indices[g, np.repeat(np.arange(num_seqs), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens,
+                                                                                             lens)] = flat
+        slot_mapping[g, :num_tokens] = page_indices[g, row, pos // page_size] * page_size + pos % page_size
+    for i, (seq, c, n) in enumerate(zip(seqs, starts.tolist(), batch.num_new_tokens)):
+        if c + 1 < seq.num_prompt_tokens:  # a prompt chunk: its tokens' next prompt tokens (prompt logprobs)
+            nxt = seq.token_ids[c + 1:min(c + n + 1, seq.num_prompt_tokens)]
+            target_ids[ends[i] - n:ends[i] - n + len(nxt)] = nxt
+    if token_slots is not None:
+        token_slots[:num_tokens] = np.repeat(np.asarray(lora_slots, np.int32), counts)
     if num_groups == 1:  # one group: the plain [T] and [S, P] layout every kernel and test knows
         slot_mapping, page_indices = slot_mapping[0], page_indices[0]
 

@@ -19,6 +19,7 @@ from flax import nnx
 from inference.lora.slots import LoRASlots
 from inference.runtime.reshard import reshard_all
 from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
+from inference.runtime.warmup import StepShape
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
@@ -273,17 +274,29 @@ class ModelRunner:
         """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
         filters (and with `token_mask` also with and without a structured-outputs mask), so serving never compiles
         a decode step. Returns how many variants were compiled."""
-        before = self.decode_step._cache_size()
-        for seqs in bucket_ladder(1, limits.max_seqs):
-            for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages):
-                inp = ModelInput.empty(num_tokens=seqs, num_seqs=seqs, pages_per_seq=pages, max_q_len=1,
-                                       num_groups=len(self.group_caches))
-                masks = [None] + ([all_allowed(seqs, self.config.vocab_size)] if token_mask else [])
-                for mask in masks:
-                    sampling = SamplingTensors.from_params([], [], [], pad_to=seqs, token_mask=mask)
-                    for use_filters in (False, True):
-                        self.execute(inp, sampling, is_decode=True, use_filters=use_filters)
-        return self.decode_step._cache_size() - before
+        shapes = [StepShape(seqs, seqs, pages, 1) for seqs in bucket_ladder(1, limits.max_seqs)
+                  for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages)]
+        return self._warm(shapes, is_decode=True, token_mask=token_mask)
+
+    def warmup_prefill(self, shapes: list[StepShape], token_mask: bool = False) -> int:
+        """Compile the prefill step for each shape (`inference/runtime/warmup.py: prefill_shapes`), with and without
+        filters (and a token mask with `token_mask`). Returns how many variants were compiled."""
+        return self._warm(shapes, is_decode=False, token_mask=token_mask)
+
+    def _warm(self, shapes: list[StepShape], *, is_decode: bool, token_mask: bool) -> int:
+        """Run each shape once on an input that reads and writes nothing (`ModelInput.empty`)."""
+        fn = self.decode_step if is_decode else self.prefill_step
+        before = fn._cache_size()
+        for shape in shapes:
+            inp = ModelInput.empty(num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
+                                   pages_per_seq=shape.pages_per_seq, max_q_len=shape.max_q_len,
+                                   num_groups=len(self.group_caches))
+            masks = [None] + ([all_allowed(shape.num_seqs, self.config.vocab_size)] if token_mask else [])
+            for mask in masks:
+                sampling = SamplingTensors.from_params([], [], [], pad_to=shape.num_seqs, token_mask=mask)
+                for use_filters in (False, True):
+                    self.execute(inp, sampling, is_decode=is_decode, use_filters=use_filters)
+        return fn._cache_size() - before
 
     @property
     def params(self) -> nnx.State:

@@ -119,6 +119,9 @@ class BlockManager:
     # ---- the sequence's table and the window -------------------------------------------------------------------
     def table(self, seq: Sequence) -> list[int]:
         """The sequence's page table of this manager's group (made empty on first use)."""
+        tables = seq.block_tables
+        if len(tables) > self.group:
+            return tables[self.group]
         while len(seq.block_tables) <= self.group:
             seq.block_tables.append([])
         return seq.block_tables[self.group]
@@ -184,8 +187,24 @@ class BlockManager:
         table = self.table(seq)
         return self.num_free_pages + sum(self.ref_counts[table[i]] == 1 for i in behind)
 
+    def _in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """The steady-decode case, checked before the general one because it is most steps of most sequences: no
+        window, the table already covers `num_tokens`, and every page the step writes is private and unregistered,
+        so `grow` has nothing to allocate, copy, release or forget."""
+        if self.window is not None:
+            return False
+        table = self.table(seq)
+        if -(-num_tokens // self.page_size) > len(table):
+            return False
+        for i in self._written_pages(seq, num_tokens):
+            if self.ref_counts[table[i]] != 1 or table[i] in self.page_hash:
+                return False
+        return True
+
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `grow(seq, num_tokens)` would succeed: new pages plus copy-on-write copies fit."""
+        if self._in_place(seq, num_tokens):
+            return True
         new, cow, behind = self._pages_to_take(seq, num_tokens)
         return new + len(cow) <= self._room(seq, behind)
 
@@ -197,6 +216,8 @@ class BlockManager:
         their entries point at the null page. Returns the (src, dst) page copies the engine must run on device
         before the step; they are also queued in `pending_copies` (see `take_copies`).
         """
+        if self._in_place(seq, num_tokens):
+            return []
         new, cow, behind = self._pages_to_take(seq, num_tokens)
         if new + len(cow) > self._room(seq, behind):
             raise OutOfPagesError(f"need {new + len(cow)} pages, {self._room(seq, behind)} free")

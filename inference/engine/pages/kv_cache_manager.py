@@ -89,8 +89,10 @@ class KVCacheManager:
         return all(g.can_grow(seq, num_tokens) for g in self.groups)
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[list[tuple[int, int]]]:
-        """`BlockManager.grow` in every group, or in none: returns each group's (src, dst) page copies."""
-        for g in self.groups:
+        """`BlockManager.grow` in every group, or in none: returns each group's (src, dst) page copies. One group
+        needs no separate check (its `grow` checks before it changes anything), which spares the hot decode path one
+        page check per sequence."""
+        for g in self.groups if len(self.groups) > 1 else ():
             if not g.can_grow(seq, num_tokens):
                 raise OutOfPagesError(f"KV cache group {g.group} (window {g.window}) has no room for "
                                       f"{num_tokens} tokens of sequence {seq.seq_id}")
