@@ -163,17 +163,20 @@ def run(llm, *, steps: int, problems_per_step: int, group: int, max_tokens: int,
     return records
 
 
-flags.DEFINE_string("model", "smollm2-135m", "model name or path (as LLM(model=...))")
-flags.DEFINE_integer("steps", 10, "rollout + update rounds")
-flags.DEFINE_integer("problems", 8, "problems per step")
-flags.DEFINE_integer("group", 4, "samples per problem (GRPO's group)")
-flags.DEFINE_integer("max_tokens", 4, "completion tokens per sample")
-flags.DEFINE_integer("inner_steps", 2, "optax updates per rollout batch")
-flags.DEFINE_float("learning_rate", 1e-5, "Adam learning rate")
-flags.DEFINE_float("temperature", 1.0, "sampling temperature")
-flags.DEFINE_float("kl_beta", 0.02, "KL penalty weight")
-flags.DEFINE_integer("seed", 0, "problem and sampling seed")
-flags.DEFINE_string("out", None, "append one JSON line per step here (else stdout only)")
+def define_flags() -> None:
+    """The script's flags, defined when it runs (not on import: the tests import it beside the launchers, whose
+    flags share names such as --model and --max_tokens)."""
+    flags.DEFINE_string("model", "smollm2-135m", "model name or path (as LLM(model=...))")
+    flags.DEFINE_integer("steps", 10, "rollout + update rounds")
+    flags.DEFINE_integer("problems", 8, "problems per step")
+    flags.DEFINE_integer("group", 4, "samples per problem (GRPO's group)")
+    flags.DEFINE_integer("max_tokens", 4, "completion tokens per sample")
+    flags.DEFINE_integer("inner_steps", 2, "optax updates per rollout batch")
+    flags.DEFINE_float("learning_rate", 1e-5, "Adam learning rate")
+    flags.DEFINE_float("temperature", 1.0, "sampling temperature")
+    flags.DEFINE_float("kl_beta", 0.02, "KL penalty weight")
+    flags.DEFINE_integer("seed", 0, "problem and sampling seed")
+    flags.DEFINE_string("out", None, "append one JSON line per step here (else stdout only)")
 
 
 def main(argv) -> None:
@@ -195,4 +198,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

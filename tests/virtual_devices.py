@@ -11,7 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_worker(script: str, devices: int = 8, timeout: int = 900) -> dict:
+def run_worker(script: str, devices: int = 8, timeout: int = 2400) -> dict:
     """`script`: a path relative to the repository root. Fails the test with the worker's stderr tail."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script)], cwd=ROOT, env=env, capture_output=True,

@@ -26,7 +26,7 @@ def _check(llm: LLM, records: list[dict], loras: list[LoRARequest]) -> None:
     outs = llm.generate(prompt_token_ids=seqs, sampling_params=TEACHER, lora_request=loras)
     for r, ids, out in zip(records, seqs, outs):
         assert out.error is None, out.error
-        got = np.array([out.prompt_logprobs[i][ids[i]] for i in range(1, len(ids))])
+        got = np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
         assert np.abs(got - np.asarray(r["target_logprobs"])).max() <= 1e-4, (r["adapter"], r["prompt_index"])
     outs = llm.generate(prompt_token_ids=[r["prompt_ids"] for r in records], sampling_params=GREEDY,
                         lora_request=loras)

@@ -246,7 +246,7 @@ def test_mixed_batch_equals_each_alone_seeds_reproduce_and_preemption_recomputes
     seq = engine.requests["preempted"].seqs[0]
     while seq.num_output_tokens < 3:
         engine.step()
-    engine.scheduler._preempt(seq)
+    engine.scheduler.preempt(seq)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.num_preemptions >= 1

@@ -42,7 +42,8 @@ def run(tp: int, loras: list) -> dict:
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras)
     slots = llm.runner.lora.arrays
     result = {"tokens": [o.outputs[0].token_ids for o in outs], "errors": [o.error for o in outs],
-              "prompt_logprobs": [[e[t] for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs],
+              "prompt_logprobs": [[e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                                  for o in outs],
               "specs": {f"{name}.{part}": str(getattr(getattr(slots[name], part).sharding, "spec", None))
                         for name in ("layers.0.q_proj", "layers.0.k_proj", "layers.0.o_proj", "layers.0.down_proj")
                         for part in ("a", "b")},
