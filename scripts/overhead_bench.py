@@ -36,13 +36,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("seqs", ["8", "64", "256"], "Running sequences per measurement.")
-flags.DEFINE_integer("decode_steps", 24, "Measured decode steps per size (after every sequence is decoding).")
-flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
-flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
-flags.DEFINE_string("json", None, "Write the results here as JSON.")
-flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then out of "
-                  "the collector's generations), to see whether collections cause the dispatch spikes.")
+
+
+def define_flags() -> None:
+    """The script's flags, defined when it runs (not on import: tests import it beside the launchers, whose flags
+    share names such as --seed)."""
+    flags.DEFINE_list("seqs", ["8", "64", "256"], "Running sequences per measurement.")
+    flags.DEFINE_integer("decode_steps", 24, "Measured decode steps per size (after every sequence is decoding).")
+    flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
+    flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
+    flags.DEFINE_string("json", None, "Write the results here as JSON.")
+    flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
+                      "out of the collector's generations), to see whether collections cause the dispatch spikes.")
+
 
 _MISSING = object()
 PHASES = ("schedule", "pages", "batch_build", "dispatch", "wait_readback", "process", "stop_checks",
@@ -284,4 +290,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
