@@ -60,7 +60,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine.config", "inference.lora"),
     # StructuredOutputsParams (a SamplingParams field) sits beside it; the matchers sit with the tokenizer they need.
     ("inference.sampling.params", "inference.structured.__init__", "inference.structured.params"),
-    ("inference.sampling.sampler", "inference.sampling.token_mask", "inference.sampling.logit_bias"),
+    ("inference.sampling.sampler", "inference.sampling.token_mask", "inference.sampling.logit_bias",
+     "inference.sampling.penalties"),
     ("inference.sampling",),
     ("inference.loading", "inference.structured", "inference.rl"),  # grammar matchers; RL's logprobs (no engine)
     # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
