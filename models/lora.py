@@ -126,13 +126,12 @@ def single_adapter(pairs: dict[str, tuple[jax.Array, jax.Array]], scaling: float
                              f"models/weights.py's, e.g. {sorted(shapes)[:2]}")
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise ValueError(f"LoRA adapter entry {name} must be an (a, b) pair of arrays")
-        a, b = pair
+        a, b = jnp.asarray(pair[0]), jnp.asarray(pair[1])
         d_in, d_out = shapes[name]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != d_in or b.shape[1] != d_out or a.shape[1] != b.shape[0]:
             raise ValueError(f"LoRA adapter entry {name}: a {list(a.shape)}, b {list(b.shape)}; it needs "
                              f"a [{d_in}, r] and b [r, {d_out}] (x @ a @ b)")
-        out[name] = LoRAWeights(a=jnp.asarray(a)[None], b=jnp.asarray(b)[None],
-                                scaling=jnp.full((1,), scaling, jnp.float32))
+        out[name] = LoRAWeights(a=a[None], b=b[None], scaling=jnp.full((1,), scaling, jnp.float32))
     return out
 
 
