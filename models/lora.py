@@ -18,10 +18,15 @@ tokens by slot for `ragged_dot` needs a permutation in and out of every projecti
 Adapters are applied to `models.layers.Linear` by `bind_lora` inside the jitted step (on the model merged there):
 each targeted Linear gets a `LoRABinding` holding its slot arrays and the step's token slots, and adds the delta
 to its output. The adapter arrays are not model parameters, so `update_weights`, quantization, checkpoint export
-and the parameter shardings never see them.
+and the parameter shardings never see them. A trainer binds one adapter the same way (`adapter_bound`: a single
+slot, every token on it; `inference/rl/logprobs.py`), so its LoRA forward is this delta, differentiable in A and B.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +63,11 @@ def lora_delta(x: jax.Array, weights: LoRAWeights, token_slots: jax.Array) -> ja
     return out.reshape(*lead, -1).astype(x.dtype)
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoRABinding:
-    """What a Linear holds during one step: its adapter slots and the step's per-token slot indices."""
+    """What a Linear holds during one step: its adapter slots and the step's per-token slot indices. A plain
+    dataclass, not a pytree: nnx refuses arrays in a Module's static attribute outside a trace, and an opaque
+    object shows it none, so the eager `log_probs(..., lora=...)` can bind it as the jitted step does."""
 
     weights: LoRAWeights
     token_slots: jax.Array  # i32[T]
@@ -89,12 +96,71 @@ def empty_slots(shapes: dict[str, tuple[int, int]], num_slots: int, max_rank: in
             for name, (d_in, d_out) in shapes.items()}
 
 
+def _target_linear(model, name: str):
+    _, layer, module = name.split(".")
+    linear = model.layers[int(layer)]
+    for part in TARGET_MODULES[module].split("."):
+        linear = getattr(linear, part)
+    return linear
+
+
 def bind_lora(model, lora: dict[str, LoRAWeights], token_slots: jax.Array) -> None:
     """Attach each projection's slots and the step's token slots to the model's Linears (a model merged inside the
     traced step: the bindings live only as long as that trace)."""
     for name, weights in lora.items():
-        _, layer, module = name.split(".")
-        linear = model.layers[int(layer)]
-        for part in TARGET_MODULES[module].split("."):
-            linear = getattr(linear, part)
-        linear.lora = LoRABinding(weights=weights, token_slots=token_slots)
+        _target_linear(model, name).lora = LoRABinding(weights=weights, token_slots=token_slots)
+
+
+def single_adapter(pairs: dict[str, tuple[jax.Array, jax.Array]], scaling: float,
+                   shapes: dict[str, tuple[int, int]]) -> dict[str, LoRAWeights]:
+    """One adapter's (a [in, r], b [r, out]) pairs as one-slot `LoRAWeights` (its slot 0 is this adapter, scaling
+    `scaling`), checked against `shapes` (`target_shapes`). A trainer binds these with every token on slot 0, so it
+    runs the engine's own `lora_delta` with A and B as differentiable inputs rather than a second LoRA forward."""
+    if not pairs:
+        raise ValueError("the LoRA adapter has no projections; give {name: (a, b)} for at least one of "
+                         f"{sorted(shapes)[:3]}...")
+    out = {}
+    for name, pair in pairs.items():
+        if name not in shapes:
+            raise ValueError(f"LoRA adapter targets {name!r}, which this model cannot adapt; names are "
+                             f"models/weights.py's, e.g. {sorted(shapes)[:2]}")
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"LoRA adapter entry {name} must be an (a, b) pair of arrays")
+        a, b = jnp.asarray(pair[0]), jnp.asarray(pair[1])
+        d_in, d_out = shapes[name]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != d_in or b.shape[1] != d_out or a.shape[1] != b.shape[0]:
+            raise ValueError(f"LoRA adapter entry {name}: a {list(a.shape)}, b {list(b.shape)}; it needs "
+                             f"a [{d_in}, r] and b [r, {d_out}] (x @ a @ b)")
+        out[name] = LoRAWeights(a=a[None], b=b[None], scaling=jnp.full((1,), scaling, jnp.float32))
+    return out
+
+
+@contextlib.contextmanager
+def adapter_bound(model, pairs: dict[str, tuple[jax.Array, jax.Array]], scaling: float) -> Iterator[None]:
+    """Run `model` (a Decoder) with one adapter on every token, then take the bindings off again, so a Decoder the
+    caller keeps (or closes over in a jitted function) holds no traced arrays afterwards. The token slots are one
+    slot 0 that `lora_delta`'s mask broadcasts over any number of tokens (the cache-free forward projects q/k/v per
+    sequence under a vmap, so the token count differs between projections)."""
+    lora = single_adapter(pairs, scaling, target_shapes(model.config))
+    bind_lora(model, lora, jnp.zeros((1,), jnp.int32))
+    try:
+        yield
+    finally:
+        for name in lora:
+            _target_linear(model, name).lora = None
+
+
+def init_adapter(shapes: dict[str, tuple[int, int]], rank: int, key: jax.Array
+                 ) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """A fresh adapter for training, as PEFT initialises one (`init_lora_weights=True`): A kaiming-uniform with
+    a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and B zero, so the adapted model starts exactly at the base
+    model and the first update moves B. `shapes`: the projections to adapt (`target_shapes`, or a subset)."""
+    if rank < 1:
+        raise ValueError(f"a LoRA rank must be >= 1, got {rank}")
+    out = {}
+    for name, key_i in zip(sorted(shapes), jax.random.split(key, len(shapes))):
+        d_in, d_out = shapes[name]
+        bound = 1.0 / float(d_in) ** 0.5
+        out[name] = (jax.random.uniform(key_i, (d_in, rank), jnp.float32, -bound, bound),
+                     jnp.zeros((rank, d_out), jnp.float32))
+    return out

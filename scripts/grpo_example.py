@@ -12,6 +12,13 @@ Both sides use logprobs_mode="processed" (the distribution sampled from, tempera
 inner step the ratio is 1 up to float rounding (reported as ratio_max_dev). One JSON line per step: reward,
 accuracy, KL, loss, wall seconds. A model without a tokenizer (the tiny test presets) reads and writes characters
 as token ids (`CharCodec`).
+
+LoRA-only training (`--lora_rank=R`, `--lora_alpha`): the base weights stay frozen and the trainer learns an
+adapter's A/B on every projection (PEFT's init: A random, B zero, so step 0 starts at the base model). The engine is
+built with `enable_lora=True` and the adapter is registered from a PEFT folder (`save_peft_adapter`); rollouts run
+with its `lora_request`, the loss differentiates `log_probs(..., lora=A/B)` in the adapter only, and
+`LLM.update_lora` writes the new A/B into the adapter's device slot (no recompile, no base-weight copy). The KL is
+against the starting policy, the base model.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import os
 import random
 import re
 import sys
+import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,9 +41,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from inference import SamplingParams  # noqa: E402
+from inference import LoRARequest, SamplingParams  # noqa: E402
+from inference.lora.peft import adapter_scaling, save_peft_adapter  # noqa: E402
 from inference.rl.grpo import GRPOConfig, group_advantages, grpo_loss  # noqa: E402
 from inference.rl.logprobs import log_probs, processed_tensors  # noqa: E402
+from models.lora import init_adapter, target_shapes  # noqa: E402
 
 FEW_SHOT = "3+4=7\n12+9=21\n"
 
@@ -86,9 +97,10 @@ class Rollout:
     texts: list[str]
 
 
-def rollout(llm, codec, problems: list[Problem], params: SamplingParams, pad_to: int) -> Rollout:
+def rollout(llm, codec, problems: list[Problem], params: SamplingParams, pad_to: int,
+            lora_request: LoRARequest | None = None) -> Rollout:
     prompts = [codec.encode(p.prompt) for p in problems]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, lora_request=lora_request)
     rows, lens, logps, texts = [], [], [], []
     rewards = np.zeros((len(problems), params.n), np.float32)
     for i, (problem, prompt, out) in enumerate(zip(problems, prompts, outs)):
@@ -112,14 +124,65 @@ def rollout(llm, codec, problems: list[Problem], params: SamplingParams, pad_to:
     return Rollout(ids, lens, mask, rollout_logp, rewards, texts)
 
 
+@dataclasses.dataclass
+class Policy:
+    """What the trainer differentiates and how the engine receives it: every weight (`update_weights`), or a LoRA
+    adapter's {projection: (a, b)} over frozen base weights (`update_lora`)."""
+
+    trainable: Any
+    frozen: Any = None  # the base weights under LoRA (an argument of the jitted steps, never a baked-in constant)
+    lora_request: LoRARequest | None = None
+    lora_scaling: float | None = None
+
+    def log_probs(self, graphdef, trainable, frozen, ids, sampling) -> jax.Array:
+        if self.lora_request is None:
+            return log_probs((graphdef, trainable), ids, sampling=sampling)
+        return log_probs((graphdef, frozen), ids, sampling=sampling, lora=trainable, lora_scaling=self.lora_scaling)
+
+    def sync(self, llm, trainable) -> None:
+        if self.lora_request is None:
+            llm.update_weights(trainable)
+        else:
+            llm.update_lora(self.lora_request.lora_name, trainable)
+
+
+def lora_policy(llm, rank: int, alpha: float, seed: int, name: str = "grpo") -> Policy:
+    """A fresh PEFT-initialised adapter on every projection, registered with `llm` (built with enable_lora=True and
+    max_lora_rank >= rank) from a PEFT folder; a second call with the same name resets that adapter."""
+    lora = llm.engine_config.lora
+    if not lora.enable_lora:
+        raise ValueError("--lora_rank needs an LLM built with enable_lora=True")
+    if not 1 <= rank <= lora.max_lora_rank:
+        raise ValueError(f"lora_rank must be in [1, max_lora_rank={lora.max_lora_rank}], got {rank}")
+    weights = init_adapter(target_shapes(llm.config), rank, jax.random.key(seed))
+    with tempfile.TemporaryDirectory() as folder:  # read once at registration, then kept on the host
+        request = LoRARequest(name, 1, save_peft_adapter(folder, weights, alpha=alpha))
+        llm.engine.lora.register(request)
+    llm.update_lora(name, weights)  # an adapter of this name registered earlier starts over from `weights`
+    return Policy(trainable=weights, frozen=llm.get_params(), lora_request=request,
+                  lora_scaling=adapter_scaling(alpha, rank, use_rslora=False))
+
+
+def compilations(llm, *jitted) -> int:
+    """Compiled variants so far of the engine's steps, its LoRA slot write and the given jitted functions: the same
+    number after every step once the first has run (no recompile across steps)."""
+    count = sum(llm.runner.num_compilations().values()) + sum(f._cache_size() for f in jitted)
+    return count + (llm.runner.lora.num_compilations() if llm.runner.lora is not None else 0)
+
+
 def run(llm, *, steps: int, problems_per_step: int, group: int, max_tokens: int, inner_steps: int,
         learning_rate: float, temperature: float, seed: int, grpo: GRPOConfig = GRPOConfig(),
-        log=None) -> list[dict]:
-    """Run GRPO on `llm` for `steps` rollouts; returns one record per step (and calls `log(record)`)."""
+        lora_rank: int = 0, lora_alpha: float | None = None, log=None) -> list[dict]:
+    """Run GRPO on `llm` for `steps` rollouts; returns one record per step (and calls `log(record)`). `lora_rank`
+    > 0: LoRA-only training (alpha defaults to 2 x rank)."""
     codec = llm.tokenizer if llm.tokenizer is not None else CharCodec(llm.config.vocab_size)
     graphdef = llm.runner.graphdef
-    params = jax.tree.map(jnp.copy, llm.get_params())  # the trainer's own copy
-    ref = jax.tree.map(jnp.copy, params)
+    if lora_rank:
+        policy = lora_policy(llm, lora_rank, lora_alpha or 2.0 * lora_rank, seed)
+    else:
+        policy = Policy(trainable=jax.tree.map(jnp.copy, llm.get_params()))  # the trainer's own copy
+    params, frozen = policy.trainable, policy.frozen
+    ref = jax.tree.map(jnp.copy, params)  # the starting policy (under LoRA: B = 0, the base model)
     optimizer = optax.adam(learning_rate)
     opt_state = optimizer.init(params)
     sample = SamplingParams(n=group, temperature=temperature, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
@@ -127,12 +190,12 @@ def run(llm, *, steps: int, problems_per_step: int, group: int, max_tokens: int,
     longest = max(len(codec.encode(p.prompt)) for p in make_problems(64, seed)) + max_tokens
     pad_to = -(-longest // 16) * 16  # one padded width for every step: the trainer's step compiles once
 
-    lp_fn = jax.jit(lambda p, ids, sampling: log_probs((graphdef, p), ids, sampling=sampling))
+    lp_fn = jax.jit(lambda p, base, ids, sampling: policy.log_probs(graphdef, p, base, ids, sampling))
 
-    @jax.jit  # nothing donated: after update_weights the engine runs on the trainer's arrays
-    def train_step(params, opt_state, ids, rollout_logp, ref_logp, adv, mask, sampling):
+    @jax.jit  # nothing donated: after the sync the engine may run on the trainer's arrays
+    def train_step(params, frozen, opt_state, ids, rollout_logp, ref_logp, adv, mask, sampling):
         def loss_fn(p):
-            logp = log_probs((graphdef, p), ids, sampling=sampling)
+            logp = policy.log_probs(graphdef, p, frozen, ids, sampling)
             return grpo_loss(logp, rollout_logp, ref_logp, adv, mask, grpo)
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -142,25 +205,42 @@ def run(llm, *, steps: int, problems_per_step: int, group: int, max_tokens: int,
     for step in range(steps):
         start = time.perf_counter()
         problems = make_problems(problems_per_step, seed * 100_003 + step)
-        ro = rollout(llm, codec, problems, sample.replace(seed=seed * 100_003 + step), pad_to)
+        ro = rollout(llm, codec, problems, sample.replace(seed=seed * 100_003 + step), pad_to, policy.lora_request)
         rollout_s = time.perf_counter() - start
         sampling, _ = processed_tensors(sample, ro.token_ids, ro.prompt_lens)
-        ref_logp = lp_fn(ref, ro.token_ids, sampling)
+        ref_logp = lp_fn(ref, frozen, ro.token_ids, sampling)
         adv = jnp.asarray(group_advantages(ro.rewards).reshape(-1))  # problem-major, like the rows
         first = None
         for _ in range(inner_steps):
-            params, opt_state, metrics = train_step(params, opt_state, ro.token_ids, ro.rollout_logp, ref_logp, adv,
-                                                    ro.mask, sampling)
+            params, opt_state, metrics = train_step(params, frozen, opt_state, ro.token_ids, ro.rollout_logp,
+                                                    ref_logp, adv, ro.mask, sampling)
             first = first or {k: float(v) for k, v in metrics.items()}
-        llm.update_weights(params)
+        jax.block_until_ready(params)
+        sync_start = time.perf_counter()
+        policy.sync(llm, params)
+        sync_s = time.perf_counter() - sync_start
         record = dict(step=step, reward=float(ro.rewards.mean()), accuracy=float((ro.rewards >= 1).mean()),
                       kl=first["kl"], loss=first["loss"], ratio_max_dev=first["ratio_max_dev"],
                       clipped=first["clipped"], completion_tokens=int(ro.mask.sum()), rollout_s=rollout_s,
-                      step_s=time.perf_counter() - start, sample=ro.texts[0])
+                      sync_s=sync_s, step_s=time.perf_counter() - start,
+                      compilations=compilations(llm, lp_fn, train_step), sample=ro.texts[0])
         records.append(record)
         if log is not None:
             log(record)
     return records
+
+
+def full_sync_seconds(llm, repeats: int = 3) -> list[float]:
+    """Seconds of `update_weights` with a fresh copy of the engine's weights (same values), `repeats` times: what
+    a full-weight step would pay for its sync, to set beside a LoRA run's `update_lora` seconds on one machine."""
+    out = []
+    for _ in range(repeats):
+        copy = jax.block_until_ready(jax.tree.map(jnp.copy, llm.get_params()))
+        start = time.perf_counter()
+        llm.update_weights(copy)
+        jax.block_until_ready(llm.get_params())
+        out.append(time.perf_counter() - start)
+    return out
 
 
 def define_flags() -> None:
@@ -176,14 +256,17 @@ def define_flags() -> None:
     flags.DEFINE_float("temperature", 1.0, "sampling temperature")
     flags.DEFINE_float("kl_beta", 0.02, "KL penalty weight")
     flags.DEFINE_integer("seed", 0, "problem and sampling seed")
+    flags.DEFINE_integer("lora_rank", 0, "> 0: LoRA-only training of a rank-R adapter (base weights frozen)")
+    flags.DEFINE_float("lora_alpha", None, "the adapter's alpha (scaling alpha / rank); default 2 x rank")
     flags.DEFINE_string("out", None, "append one JSON line per step here (else stdout only)")
 
 
 def main(argv) -> None:
     del argv
     from inference import LLM
-    llm = LLM(flags.FLAGS.model, kv_cache_memory_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512)
     f = flags.FLAGS
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=f.lora_rank) if f.lora_rank else {}
+    llm = LLM(f.model, kv_cache_memory_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512, **lora)
 
     def log(record: dict) -> None:
         line = json.dumps(record)
@@ -192,9 +275,11 @@ def main(argv) -> None:
             with open(f.out, "a") as fh:
                 fh.write(line + "\n")
 
-    run(llm, steps=f.steps, problems_per_step=f.problems, group=f.group, max_tokens=f.max_tokens,
-        inner_steps=f.inner_steps, learning_rate=f.learning_rate, temperature=f.temperature, seed=f.seed,
-        grpo=GRPOConfig(kl_beta=f.kl_beta), log=log)
+    records = run(llm, steps=f.steps, problems_per_step=f.problems, group=f.group, max_tokens=f.max_tokens,
+                  inner_steps=f.inner_steps, learning_rate=f.learning_rate, temperature=f.temperature, seed=f.seed,
+                  grpo=GRPOConfig(kl_beta=f.kl_beta), lora_rank=f.lora_rank, lora_alpha=f.lora_alpha, log=log)
+    if f.lora_rank:  # the sync a full-weight run would pay, in this process, beside update_lora's
+        log(dict(update_lora_s=[r["sync_s"] for r in records], update_weights_s=full_sync_seconds(llm)))
 
 
 if __name__ == "__main__":

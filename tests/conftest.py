@@ -40,3 +40,12 @@ def tiny_llama():
     from tests.llm_configs import TINY_SPEC
 
     return TINY_SPEC.build()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_lora():
+    """The random tiny Llama serving one LoRA adapter (tests/llm_configs.py: TINY_LORA), shared by the LoRA-only RL
+    tests. Tests leave its base weights alone; each registers its adapter under its own name."""
+    from tests.llm_configs import TINY_LORA
+
+    return TINY_LORA.build()

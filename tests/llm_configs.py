@@ -41,6 +41,8 @@ TINY_ENGINE = LLMConfig("tiny-llama", dict(kv_cache_memory_bytes=1 << 20, page_s
 # `tiny_llama`), and with speculative_method=... their speculating engines.
 TINY_SPEC = LLMConfig("tiny-llama", dict(kv_cache_memory_bytes=4 << 20, page_size=16, max_num_seqs=16,
                                          max_num_batched_tokens=256))
+# TINY_SPEC serving one LoRA adapter of rank <= 8: the session fixture `tiny_llama_lora` (LoRA-only RL tests).
+TINY_LORA = TINY_SPEC.replace(enable_lora=True, max_loras=1, max_lora_rank=8)
 # A pool of 1/4 MiB in 4-token pages, 4 sequences, 32-token steps: small engines of the tiny presets (int8 KV cache,
 # MLA, CLA) and, with a larger pool, the family fixture folders.
 SMALL_POOL = LLMConfig("tiny-llama", dict(kv_cache_memory_bytes=1 << 18, page_size=4, max_num_seqs=4,

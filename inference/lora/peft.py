@@ -149,3 +149,36 @@ def _pairs(tensors: dict[str, np.ndarray], config: ModelConfig, rank: int, label
             raise ValueError(f"LoRA adapter {label!r}: {name} holds NaN or infinite values; the file is corrupt")
         weights[name] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
     return weights
+
+
+def save_peft_adapter(folder: str, weights: dict[str, tuple[np.ndarray, np.ndarray]], *, alpha: float,
+                      use_rslora: bool = False, base_model_name: str | None = None) -> str:
+    """Write (a [in, r], b [r, out]) pairs by canonical name as a PEFT folder (`load_peft_adapter`'s inverse, the
+    files PEFT's `save_pretrained` writes), e.g. an RL trainer's freshly initialised adapter for a `LoRARequest`.
+    Returns `folder`."""
+    from safetensors.numpy import save_file
+
+    if not weights:
+        raise ValueError("save_peft_adapter: the adapter has no projections")
+    ranks = {np.shape(a)[1] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"save_peft_adapter: every projection needs the same rank, got ranks {sorted(ranks)}")
+    tensors, modules = {}, set()
+    for name, (a, b) in weights.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in TARGET_MODULES:
+            raise ValueError(f"save_peft_adapter: {name!r} is not a projection LoRA adapts (layers.<i>.<module>, "
+                             f"module one of {sorted(TARGET_MODULES)})")
+        parent = "self_attn" if TARGET_MODULES[parts[2]].startswith("attn.") else "mlp"
+        key = f"base_model.model.model.layers.{parts[1]}.{parent}.{parts[2]}"
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(np.asarray(a, np.float32).T)
+        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(b, np.float32).T)
+        modules.add(parts[2])
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ranks.pop(), "lora_alpha": alpha,
+              "use_rslora": use_rslora, "target_modules": sorted(modules), "base_model_name_or_path": base_model_name,
+              "lora_dropout": 0.0, "bias": "none"}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME))
+    return folder

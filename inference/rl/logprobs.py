@@ -28,6 +28,7 @@ gaps).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax
@@ -38,6 +39,7 @@ from flax import nnx
 from inference.sampling.params import SamplingParams
 from inference.sampling.sampler import SamplingTensors, compute_logprobs, needs_filters, process_logits
 from models.decoder import Decoder
+from models.lora import adapter_bound
 
 
 def _as_model(model_or_params) -> Decoder:
@@ -51,7 +53,8 @@ def _as_model(model_or_params) -> Decoder:
 
 
 def log_probs(model_or_params, token_ids: jax.Array, *, sampling: SamplingTensors | None = None,
-              use_filters: bool = False, vocab_size: int | None = None) -> jax.Array:
+              use_filters: bool = False, vocab_size: int | None = None, lora: dict | None = None,
+              lora_scaling: float | None = None) -> jax.Array:
     """f32[B, L]: entry [b, j] = logprob of token_ids[b, j] after token_ids[b, :j] (entry [b, 0] is 0).
 
     Args:
@@ -62,15 +65,22 @@ def log_probs(model_or_params, token_ids: jax.Array, *, sampling: SamplingTensor
         (B * L rows, row b * L + j describes the sampling of token j of sequence b).
       use_filters: static; True when `sampling` has a row with top-k / top-p / min-p (`processed_tensors` says).
       vocab_size: the real vocabulary when the model's is padded (tensor parallelism); logits past it are dropped.
+      lora: a LoRA adapter on every token, {projection: (a [in, r], b [r, out])} in models/weights.py's names (what
+        `LLM.update_lora` takes), applied by the engine's own delta (models/lora.py); with `lora_scaling` (PEFT's
+        alpha / r, or alpha / sqrt(r) for rsLoRA: `inference.lora.peft.adapter_scaling`).
 
-    Jittable (with `use_filters` and `vocab_size` static) and differentiable in the parameters.
+    Jittable (with `use_filters` and `vocab_size` static) and differentiable in the parameters and in `lora`'s
+    arrays (LoRA-only training: differentiate in `lora` alone, the base weights stay frozen).
     """
     model = _as_model(model_or_params)
     tokens = jnp.asarray(token_ids, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"token_ids must be [batch, length], got shape {tokens.shape}")
     b, length = tokens.shape
-    logits = model.forward(tokens)
+    if (lora is None) != (lora_scaling is None):
+        raise ValueError("log_probs takes lora and lora_scaling together (the adapter's scaling is part of its math)")
+    with contextlib.nullcontext() if lora is None else adapter_bound(model, lora, lora_scaling):
+        logits = model.forward(tokens)
     if vocab_size is not None:
         logits = logits[..., :vocab_size]
     # Position j - 1's logits predict token j: shift the targets left (the last position predicts nothing).

@@ -25,9 +25,9 @@ def token_logprob(entry, token: int) -> float:
     return float(getattr(value, "logprob", value))  # a float, or a vLLM-style Logprob object
 
 
-def rollout(llm, params: list[SamplingParams]):
+def rollout(llm, params: list[SamplingParams], lora_request=None):
     """(right-padded ids [B, L], prompt lengths, completion lengths, engine logprobs [B, L] at completion slots)."""
-    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, lora_request=lora_request)
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)]
     length = max(map(len, seqs))
     ids = np.zeros((len(seqs), length), np.int32)

@@ -19,3 +19,4 @@ def test_quickstart_notebook_executes(tmp_path):
     outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "Paris" in outputs and "output tok/s" in outputs
     assert (tmp_path / "cost_model.png").stat().st_size > 10_000
+    assert "update_lora" in outputs and (tmp_path / "grpo.png").stat().st_size > 10_000  # the GRPO section ran
