@@ -152,12 +152,14 @@ def lora_policy(llm, rank: int, alpha: float, seed: int, name: str = "grpo") -> 
     lora = llm.engine_config.lora
     if not lora.enable_lora:
         raise ValueError("--lora_rank needs an LLM built with enable_lora=True")
+    if not alpha > 0:
+        raise ValueError(f"lora_alpha must be > 0 (the adapter's scaling is alpha / rank), got {alpha}")
     if not 1 <= rank <= lora.max_lora_rank:
         raise ValueError(f"lora_rank must be in [1, max_lora_rank={lora.max_lora_rank}], got {rank}")
     weights = init_adapter(target_shapes(llm.config), rank, jax.random.key(seed))
     with tempfile.TemporaryDirectory() as folder:  # read once at registration, then kept on the host
         request = LoRARequest(name, 1, save_peft_adapter(folder, weights, alpha=alpha))
-        llm.engine.lora.register(request)
+        llm.add_lora(request)
     llm.update_lora(name, weights)  # an adapter of this name registered earlier starts over from `weights`
     return Policy(trainable=weights, frozen=llm.get_params(), lora_request=request,
                   lora_scaling=adapter_scaling(alpha, rank, use_rslora=False))
@@ -178,7 +180,7 @@ def run(llm, *, steps: int, problems_per_step: int, group: int, max_tokens: int,
     codec = llm.tokenizer if llm.tokenizer is not None else CharCodec(llm.config.vocab_size)
     graphdef = llm.runner.graphdef
     if lora_rank:
-        policy = lora_policy(llm, lora_rank, lora_alpha or 2.0 * lora_rank, seed)
+        policy = lora_policy(llm, lora_rank, 2.0 * lora_rank if lora_alpha is None else lora_alpha, seed)
     else:
         policy = Policy(trainable=jax.tree.map(jnp.copy, llm.get_params()))  # the trainer's own copy
     params, frozen = policy.trainable, policy.frozen

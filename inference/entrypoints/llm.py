@@ -306,6 +306,13 @@ class LLM:
             runner.update_weights(params)
         self.engine.reset_prefix_cache()
 
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Load and validate an adapter now rather than on its first request (vLLM's `add_lora`); returns its id.
+        Needs `LLM(enable_lora=True)`; a bad adapter is a ValueError naming the problem."""
+        if not self.engine_config.lora.enable_lora:
+            raise ValueError("add_lora needs an LLM built with enable_lora=True")
+        return self.engine.lora.register(lora_request)
+
     def update_lora(self, lora: str | int, weights: dict) -> None:
         """Replace a loaded adapter's A/B in place (RL: a LoRA-only training step), by name or id: `weights` maps
         projection names (`layers.3.q_proj`, models/weights.py) to (a [in, r], b [r, out]) pairs (x @ a @ b, the

@@ -36,8 +36,12 @@ def adapter(tiny_llama_lora, tmp_path_factory):
     return LoRARequest("rl-logprobs", 2, folder), weights
 
 
-def test_saved_adapter_loads_back_exactly(tiny_llama_lora, adapter):
+def test_saved_adapter_loads_back_exactly(tiny_llama_lora, adapter, tiny_llama):
     request, weights = adapter
+    assert tiny_llama_lora.add_lora(request) == request.lora_int_id  # loads it now; a second add is a no-op
+    assert tiny_llama_lora.add_lora(request) == request.lora_int_id
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        tiny_llama.add_lora(request)
     loaded = load_peft_adapter(request.lora_path, tiny_llama_lora.config, max_rank=8)
     assert loaded.rank == RANK and loaded.scaling == SCALING and sorted(loaded.weights) == sorted(weights)
     for name, (a, b) in weights.items():
