@@ -69,6 +69,25 @@ def invariant_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, po
     return _invariant(x, w, transposed, portable)
 
 
+SUM_CHUNK = 64  # invariant_row_sum: chains of 64, then one chain over the chunk sums (error ~ (64 + N / 64) ulp)
+
+
+def invariant_row_sum(x: jax.Array) -> jax.Array:
+    """float32 x [..., N] -> [...]: each row's sum in a fixed order, whatever the row count. Why: XLA:CPU's row
+    reductions of short rows (RMSNorm over 64 features, a log-softmax over 256 logits) vectorize across rows, so
+    their bits depend on how many rows there are (tests/inference/test_batch_invariance.py). Two invariant matmuls
+    against ones: each 64-element chunk summed in order, then the chunk sums in order (the row zero-padded to whole
+    chunks; adding 0 is exact)."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"invariant_row_sum takes float32, got {x.dtype}")
+    lead, n = x.shape[:-1], x.shape[-1]
+    chunks = -(-n // SUM_CHUNK)
+    rows = jnp.pad(x.reshape(-1, n), ((0, 0), (0, chunks * SUM_CHUNK - n)))
+    partial = invariant_matmul(rows.reshape(-1, SUM_CHUNK), jnp.ones((SUM_CHUNK, 1), jnp.float32))
+    total = invariant_matmul(partial.reshape(-1, chunks), jnp.ones((chunks, 1), jnp.float32))
+    return total.reshape(lead)
+
+
 def invariant_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """The kernel's order in JAX: acc = acc + x[..., k] * w[k, :] for k = 0 .. K-1 (`lax.fori_loop`). JAX has no
     fma op, so this rounds the product separately and agrees with the kernel to rounding, not bitwise; the bitwise
@@ -84,4 +103,4 @@ def invariant_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool =
     return acc.reshape(*x.shape[:-1], w_kn.shape[1])
 
 
-__all__ = ["KERNEL", "invariant_matmul", "invariant_matmul_reference"]
+__all__ = ["KERNEL", "invariant_matmul", "invariant_matmul_reference", "invariant_row_sum"]
