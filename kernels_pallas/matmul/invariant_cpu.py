@@ -76,16 +76,19 @@ def invariant_row_sum(x: jax.Array) -> jax.Array:
     """float32 x [..., N] -> [...]: each row's sum in a fixed order, whatever the row count. Why: XLA:CPU's row
     reductions of short rows (RMSNorm over 64 features, a log-softmax over 256 logits) vectorize across rows, so
     their bits depend on how many rows there are (tests/inference/test_batch_invariance.py). Two invariant matmuls
-    against ones: each 64-element chunk summed in order, then the chunk sums in order (the row zero-padded to whole
-    chunks; adding 0 is exact)."""
+    of ones against the rows: each 64-element chunk summed in order, then the chunk sums in order (the row
+    zero-padded to whole chunks; adding 0 is exact). The rows are the matmul's transposed operand, so they fill the
+    kernel's vector lanes (as its x, one lane of sixteen would be used)."""
     if x.dtype != jnp.float32:
         raise ValueError(f"invariant_row_sum takes float32, got {x.dtype}")
     lead, n = x.shape[:-1], x.shape[-1]
     chunks = -(-n // SUM_CHUNK)
     rows = jnp.pad(x.reshape(-1, n), ((0, 0), (0, chunks * SUM_CHUNK - n)))
-    partial = invariant_matmul(rows.reshape(-1, SUM_CHUNK), jnp.ones((SUM_CHUNK, 1), jnp.float32))
-    total = invariant_matmul(partial.reshape(-1, chunks), jnp.ones((chunks, 1), jnp.float32))
-    return total.reshape(lead)
+
+    def sums(v: jax.Array, width: int) -> jax.Array:  # v [R * width] -> the R in-order sums of its rows
+        return invariant_matmul(jnp.ones((1, width), jnp.float32), v.reshape(-1, width), transposed=True)[0]
+
+    return sums(sums(rows, SUM_CHUNK), chunks).reshape(lead)
 
 
 def invariant_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:

@@ -186,3 +186,20 @@ def test_log_probs_equal_the_engines_bitwise(llm, mode):
         engine = np.asarray([e[t].logprob for e, t in zip(c.logprobs, c.token_ids)], np.float32)
         assert np.all(np.isfinite(engine))
         np.testing.assert_array_equal(got[b, len(p):len(p) + len(c.token_ids)], engine)
+
+
+def test_tied_head_qk_norm_and_sliding_windows_too():
+    """tiny-gemma3: a tied LM head (the transposed kernel), QK-norm, Gemma norms, sliding-window and full layers
+    with two RoPE bases: batch-invariant and equal to `log_probs`, bit for bit."""
+    gemma = TINY.replace("tiny-gemma3").build()
+    rng = np.random.default_rng(3)
+    target = rng.integers(1, gemma.config.vocab_size, 29).tolist()
+    alone = _top(gemma.generate(prompt_token_ids=[target], sampling_params=SEEDED)[0])
+    for count in (2, 5):
+        others = [rng.integers(1, gemma.config.vocab_size, int(rng.integers(3, 30))).tolist() for _ in range(count)]
+        outs = gemma.generate(prompt_token_ids=others + [target],
+                              sampling_params=[SamplingParams(max_tokens=4, ignore_eos=True)] * count + [SEEDED])
+        assert _top(outs[-1]) == alone
+    ids = np.asarray([target + alone[0]], np.int32)
+    got = np.asarray(jax.jit(log_probs)((gemma.runner.graphdef, gemma.get_params()), ids))[0, len(target):]
+    np.testing.assert_array_equal(got, np.asarray([e[t] for e, t in zip(alone[1], alone[0])], np.float32))

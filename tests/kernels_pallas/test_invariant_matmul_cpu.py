@@ -101,3 +101,17 @@ def test_thread_count_does_not_change_bits(tmp_path):
         subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(path)], check=True, env=env, timeout=300)
         outs.append(np.load(path))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("n", [64, 100, 49152])
+def test_row_sum_is_the_in_order_sum_of_64_element_chunks(n):
+    """invariant_row_sum = numpy's sequential float32 sums (cumsum) of each 64-element chunk, then of the chunk sums:
+    bit for bit, for every row count."""
+    from kernels_pallas.matmul.invariant_cpu import invariant_row_sum
+
+    x = np.random.default_rng(n).standard_normal((5, n)).astype(np.float32)
+    chunks = -(-n // 64)
+    padded = np.pad(x, ((0, 0), (0, chunks * 64 - n))).reshape(5, chunks, 64)
+    want = np.cumsum(np.cumsum(padded, axis=2, dtype=np.float32)[:, :, -1], axis=1, dtype=np.float32)[:, -1]
+    np.testing.assert_array_equal(np.asarray(invariant_row_sum(jnp.asarray(x))), want)
+    np.testing.assert_array_equal(np.asarray(invariant_row_sum(jnp.asarray(x[2:3]))), want[2:3])
