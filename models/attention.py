@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kernels_pallas import ragged_paged_attention, sharded_ragged_paged_attention, write_kv
+from kernels_pallas.attention.causal import causal_visible, dense_causal_attention, paged_causal_attention
 from kernels_pallas.attention.reference import masked_softmax
 from models.config import ModelConfig
 from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
@@ -19,11 +20,7 @@ from models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
     """Softmax of cache-free scores [..., L, L] over keys, with the paged path's soft cap and window: key m is
     visible to query l when m <= l and m > l - window. Shared by `Attention` and MLA's `forward_dense`."""
-    length = scores.shape[-1]
-    visible = jnp.tril(jnp.ones((length, length), bool))
-    if sliding_window is not None:
-        visible &= ~jnp.tril(jnp.ones((length, length), bool), k=-sliding_window)
-    return masked_softmax(scores, visible, soft_cap, -jnp.inf)
+    return masked_softmax(scores, causal_visible(scores.shape[-1], sliding_window), soft_cap, -jnp.inf)
 
 
 @struct.dataclass
@@ -90,6 +87,7 @@ class Attention(nnx.Module):
         self.mesh = mesh
         self.soft_cap = config.attn_logit_softcap
         self.attn_impl = attn_impl
+        self.batch_invariant = False  # models/batch_invariant.py: forward_dense through the paged C++ kernel
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         """Roped q [T, Hq, D], and roped k and v [T, Hkv, D] (None, None for a layer that shares its KV)."""
@@ -135,10 +133,8 @@ class Attention(nnx.Module):
         q, k, v = jax.vmap(lambda xb: self._qkv(xb, positions))(x)
         if not self.owns_kv:
             k, v = shared_kv
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim).astype(jnp.float32)
-        scores = jnp.einsum("blhgd,bmhd->bhglm", q, k.astype(jnp.float32)) * self.sm_scale
-        probs = causal_softmax(scores, self.sliding_window, self.soft_cap)
-        out = jnp.einsum("bhglm,bmhd->blhgd", probs, v.astype(jnp.float32)).astype(x.dtype)
+        attend = paged_causal_attention if self.batch_invariant else dense_causal_attention
+        out = attend(q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+                     soft_cap=self.soft_cap).astype(x.dtype)
         return self.o_proj(out.reshape(batch, length, -1)), (k, v)
 

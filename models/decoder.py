@@ -75,6 +75,8 @@ class Decoder(nnx.Module):
         self.final_norm = _norm(config, dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
+        # models/batch_invariant.py sets it (with its layers'); the step and log_probs read it for the sampler's sums.
+        self.batch_invariant = False
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:

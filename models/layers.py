@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas import rope_cpu
+from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
 from models.quantization.modes import embedding_lookup, is_quantized, quantized_matmul
@@ -35,10 +36,14 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.matmul_method: str | None = None
         self.lora = None
+        self.batch_invariant = False  # models/batch_invariant.py: the row-invariant C++ matmul
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
-        y = quantized_matmul(x, kernel, self.matmul_method) if is_quantized(kernel) else x @ kernel
+        if is_quantized(kernel):
+            y = quantized_matmul(x, kernel, self.matmul_method)
+        else:
+            y = invariant_matmul(x, kernel) if self.batch_invariant else x @ kernel
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
 
@@ -51,10 +56,14 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype) if style == "rms" else jnp.zeros((dim,), dtype))
         self.eps = eps
         self.style = style
+        self.batch_invariant = False  # models/batch_invariant.py: the mean square summed in a fixed order
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        squares = x32 * x32
+        mean = (invariant_row_sum(squares)[..., None] / x.shape[-1] if self.batch_invariant
+                else jnp.mean(squares, axis=-1, keepdims=True))
+        normed = x32 * jax.lax.rsqrt(mean + self.eps)
         w = self.weight[...].astype(jnp.float32)
         return (normed * (w if self.style == "rms" else 1.0 + w)).astype(x.dtype)
 
@@ -71,6 +80,7 @@ class Embed(nnx.Module):
         self.scale = scale
         self.dtype = dtype
         self.matmul_method: str | None = None
+        self.batch_invariant = False  # models/batch_invariant.py: `attend` through the row-invariant C++ matmul
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding.get_value()
@@ -85,7 +95,9 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         table = self.embedding.get_value()
-        return quantized_matmul(x, table, self.matmul_method) if is_quantized(table) else x @ table.T
+        if is_quantized(table):
+            return quantized_matmul(x, table, self.matmul_method)
+        return invariant_matmul(x, table, transposed=True) if self.batch_invariant else x @ table.T
 
 
 def activation(x: jax.Array, kind: str) -> jax.Array:

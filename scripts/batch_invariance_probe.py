@@ -1,7 +1,7 @@
 """Measure whether one request's logprobs are bitwise the same across batch compositions, prefill chunk sizes and
-prefix-cache hits (a measurement, not a mode: pagejax has no batch-invariant mode yet).
+prefix-cache hits, in the default mode or with `--batch_invariant` (`LLM(batch_invariant=True)`).
 
-    python scripts/batch_invariance_probe.py --model=tiny-llama --trials=20
+    python scripts/batch_invariance_probe.py --model=tiny-llama --trials=20 [--batch_invariant]
 
 The target request (fixed prompt, greedy, logprobs=5 of every generated token) runs alone, then in --trials random
 batches (0-15 random companions of random lengths, the target at a random position), with prefill chunks of 16 and
@@ -26,6 +26,7 @@ from inference import LLM, SamplingParams  # noqa: E402
 flags.DEFINE_string("model", "tiny-llama", "model name or path")
 flags.DEFINE_integer("trials", 20, "random batch compositions")
 flags.DEFINE_integer("seed", 0, "composition seed")
+flags.DEFINE_bool("batch_invariant", False, "run the engine with batch_invariant=True")
 FLAGS = flags.FLAGS
 
 
@@ -40,11 +41,11 @@ def main(argv) -> None:
     del argv
     rng = np.random.default_rng(FLAGS.seed)
     vocab = None
-    result = {"model": FLAGS.model}
+    result = {"model": FLAGS.model, "batch_invariant": FLAGS.batch_invariant}
     target_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     for chunk in (256, 16):
         llm = LLM(FLAGS.model, max_num_batched_tokens=chunk, max_num_seqs=16, kv_cache_memory_bytes=64 << 20,
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=True, batch_invariant=FLAGS.batch_invariant)
         vocab = llm.config.vocab_size
         target = rng.integers(1, vocab, 40).tolist() if chunk == 256 else result["target"]
         result["target"] = target

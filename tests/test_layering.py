@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.layers",),
     ("models.attention",),
     ("models.mla", "models.moe"),
-    ("models.decoder",),
+    ("models.decoder", "models.batch_invariant"),
     ("models.loaders",),
     ("models",),
     # configs.presets: instances of models.config, above every model module; the configs __init__ re-exports them.

@@ -182,7 +182,8 @@ class EngineConfig:
 
     `dtype`: "auto" (bfloat16 on TPU and GPU, float32 on CPU) or a name of `DTYPES`; `attn_impl`: an attention
     implementation name (kernels_pallas/attention/dispatch.py); `compilation_cache_dir`: see
-    inference/runtime/compile_cache.py `apply_cache_setting`.
+    inference/runtime/compile_cache.py `apply_cache_setting`; `batch_invariant`: a request's logits do not depend
+    on its batch (`check_batch_invariant` says what it refuses and why; models/batch_invariant.py how).
     """
 
     model: str = "smollm2-135m"
@@ -190,6 +191,7 @@ class EngineConfig:
     attn_impl: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = "default"
+    batch_invariant: bool = False
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
@@ -212,6 +214,8 @@ class EngineConfig:
         if self.lora.enable_lora and (spec.method is not None or self.parallel.data_parallel_size > 1):
             raise ValueError("enable_lora with speculative decoding or data_parallel_size > 1 is not supported yet; "
                              "use one replica without speculative_method")
+        if self.batch_invariant is not False:
+            check_batch_invariant(self)
         if spec.enabled:
             check_speculative_budget(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens,
                                      spec.num_speculative_tokens)
@@ -232,9 +236,38 @@ class EngineConfig:
         return cls(**top, **{name: kind(**parts[name]) for name, kind in _PARTS.items()})
 
 
+def check_batch_invariant(config: EngineConfig) -> None:
+    """ValueError naming every setting `batch_invariant=True` cannot make invariant, and the fix. The model-dependent
+    refusals (MLA, MoE, no C++ kernels) come later, from `models.batch_invariant.make_batch_invariant`."""
+    if not isinstance(config.batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be True or False, got {config.batch_invariant!r}")
+    problems = []
+    if config.dtype not in ("auto", "float32"):
+        problems.append(f"dtype={config.dtype!r}: the invariant matmul is float32 (use dtype='float32')")
+    if config.cache.kv_cache_dtype not in (None, "float32"):
+        problems.append(f"kv_cache_dtype={config.cache.kv_cache_dtype!r}: a trainer's forward keeps float32 K/V "
+                        "(leave kv_cache_dtype unset)")
+    if config.quantization.mode is not None:
+        problems.append(f"quantization={config.quantization.mode!r}: the quantized matmuls are not row-invariant "
+                        "(use quantization=None)")
+    if config.speculative.method is not None:
+        problems.append("speculative decoding: a verifying row spends its random key differently from a plain "
+                        "decode row, so a seeded request's tokens depend on its drafts (unset speculative_method)")
+    if config.lora.enable_lora:
+        problems.append("enable_lora: the LoRA delta is XLA matmuls, not row-invariant (enable_lora=False)")
+    if config.parallel.num_devices > 1:
+        problems.append("tensor_parallel_size / data_parallel_size > 1: a row-parallel projection's psum splits "
+                        "the K sum by device, so results would depend on the TP size (untested here; use one device)")
+    if config.attn_impl not in ("auto", "cpu"):
+        problems.append(f"attn_impl={config.attn_impl!r}: only the C++ CPU kernel is checked invariant "
+                        "(use 'auto' or 'cpu')")
+    if problems:
+        raise ValueError("batch_invariant=True cannot be combined with: " + "; ".join(problems))
+
+
 _PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
           "quantization": QuantizationConfig, "parallel": ParallelConfig, "lora": LoRAConfig}
-_TOP_FIELDS = ("model", "dtype", "attn_impl", "seed", "compilation_cache_dir")
+_TOP_FIELDS = ("model", "dtype", "attn_impl", "seed", "compilation_cache_dir", "batch_invariant")
 #: LLM keyword -> (part, field), where the names differ from or do not say the part.
 _KWARG_FIELDS = {
     **{name: ("cache", name) for name in ("page_size", "kv_cache_dtype", "kv_cache_memory_bytes", "memory_fraction",
@@ -251,5 +284,5 @@ _KWARG_FIELDS = {
 }
 
 __all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "LoRAConfig", "ParallelConfig",
-           "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_positive_int",
+           "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_batch_invariant", "check_positive_int",
            "check_speculative_budget"]

@@ -38,6 +38,7 @@ from inference.spec_decode.proposer import Proposer
 from inference.entrypoints.prompts import ParsedPrompt, PromptType, parse_prompts
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
+from models.batch_invariant import make_batch_invariant
 from models.decoder import build_decoder
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class LLM:
                  seed: int = 0, compilation_cache_dir: str | None = "default",
                  quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  quantization_group_size: int | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16):
+                 max_lora_rank: int = 16, batch_invariant: bool = False):
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
 
@@ -121,7 +122,12 @@ class LLM:
 
         LoRA (vLLM's keywords): `enable_lora=True` serves PEFT adapters per request (`generate(...,
         lora_request=LoRARequest(name, id, path))`); `max_loras` adapters fit on the device at once (one batch can
-        mix that many, plus the base model), each of rank up to `max_lora_rank`. See inference/lora/."""
+        mix that many, plus the base model), each of rank up to `max_lora_rank`. See inference/lora/.
+
+        `batch_invariant=True`: a request's logits (so its greedy and seeded tokens and logprobs) are the same bits
+        whatever else is batched with it, however its prompt is chunked, prefix-cached or recomputed, and
+        `inference.rl.log_probs` over `runner.graphdef` returns the engine's logprobs bit for bit (CPU, float32,
+        one device; models/batch_invariant.py, docs/rl.md)."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
@@ -151,6 +157,8 @@ class LLM:
         for mesh in _replica_meshes(parallel):
             decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=config.attn_impl,
                                              seed=config.seed, quantization=quant)
+            if config.batch_invariant:  # models/batch_invariant.py (refuses MLA, MoE, no C++ kernels)
+                make_batch_invariant(decoder)
             lora = _lora_manager(config.lora, decoder.config, loaded.config, dtype=DTYPES[dtype], mesh=mesh)
             runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                  config=loaded.config, lora=lora.slots if lora is not None else None)

@@ -61,11 +61,12 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
         logits = logits_of(hidden[inp.logits_indices])
         # Top logprobs are computed at the largest k any request may ask for, so k never adds a compiled variant.
         sampled = sample_with_logprobs(logits, sampling, use_filters=use_filters,
-                                       num_top=MAX_LOGPROBS if logprobs else 0)
+                                       num_top=MAX_LOGPROBS if logprobs else 0, invariant=model.batch_invariant)
     prompt = None
     if prompt_logprobs:
         prompt_logits, targets = logits_of(hidden), jnp.maximum(inp.target_ids, 0)
-        prompt = (*compute_logprobs(prompt_logits, targets, MAX_LOGPROBS), token_rank(prompt_logits, targets))
+        prompt = (*compute_logprobs(prompt_logits, targets, MAX_LOGPROBS, invariant=model.batch_invariant),
+                  token_rank(prompt_logits, targets))
     return sampled, prompt, kv_caches
 
 

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels_pallas.matmul.invariant_cpu import invariant_row_sum
 from inference.sampling.logit_bias import LogitBiasTensors, apply_logit_bias
 from inference.sampling.params import SAMPLING_EPS, SamplingParams
 from inference.sampling.penalties import PenaltyTensors, apply_penalties
@@ -378,20 +379,22 @@ def sample(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.A
 
 
 def compute_logprobs(
-    logits: jax.Array, tokens: jax.Array, num_top: int
+    logits: jax.Array, tokens: jax.Array, num_top: int, *, invariant: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logprobs under softmax(logits): (token_logprob f32[S], top_ids i32[S, num_top], top_logprobs f32[S, num_top]).
 
     `num_top` is static (0 gives empty [S, 0] arrays). Top entries are in descending logprob order. Used for raw
     sample logprobs and for prompt logprobs (pass prompt logits [T, V] and the next prompt tokens [T]). If fewer than
     num_top tokens have finite logits (processed mode), the tail of top_* holds -inf with arbitrary ids.
+    `invariant` (static; batch-invariant mode) sums the exponentials in a fixed order (`invariant_row_sum`).
     """
     # log_softmax(x)_i = (x_i - max) - log(sum(exp(x - max))), evaluated only at the entries we return: top-k runs
     # on the logits themselves (same order), so no [S, V] logprob array is materialised.
     x = logits.astype(jnp.float32)
     s = x.shape[0]
     row_max = lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    log_z = jnp.log(jnp.sum(jnp.exp(x - row_max), axis=-1, keepdims=True))
+    exps = jnp.exp(x - row_max)
+    log_z = jnp.log(invariant_row_sum(exps)[:, None] if invariant else jnp.sum(exps, axis=-1, keepdims=True))
     token_x = jnp.take_along_axis(x, tokens.astype(jnp.int32)[:, None], axis=-1)
     token_lp = ((token_x - row_max) - log_z)[:, 0]
     if num_top == 0:
@@ -420,7 +423,7 @@ def compute_processed_logprobs(
 
 
 def sample_with_logprobs(
-    logits: jax.Array, t: SamplingTensors, *, use_filters: bool, num_top: int
+    logits: jax.Array, t: SamplingTensors, *, use_filters: bool, num_top: int, invariant: bool = False
 ) -> SamplerOutput:
     """`sample` plus logprobs, sharing one processed-logits pass. `use_filters` and `num_top` are static.
 
@@ -434,7 +437,7 @@ def sample_with_logprobs(
     x = _processed(raw, t, use_filters=use_filters)
     tokens = _sample_processed(x, t)
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
-    token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top)
+    token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top, invariant=invariant)
     # The rank costs one more [S, V] pass: only steps that return logprobs (num_top > 0) pay for it.
     return SamplerOutput(tokens=tokens, logprob=token_lp, top_ids=top_ids, top_logprobs=top_lp,
                          rank=token_rank(src, tokens) if num_top else None)

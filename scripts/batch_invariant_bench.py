@@ -1,0 +1,114 @@
+"""The cost of `LLM(batch_invariant=True)`: throughput against the default mode in one run, same workload.
+
+    python scripts/batch_invariant_bench.py --models=smollm2-135m,tiny-llama --batch=1,8,32 --json=bi.json
+
+For each model both engines are built side by side (same weights, seed and budgets); for each batch size they run
+the same random prompts (greedy, EOS ignored, --output_len tokens each) alternately, --repeats times after one
+warm-up run each (compiles), so load from other processes hits both modes alike; the median wall time is reported
+as output tokens per second, and the ratio default / invariant (> 1: the invariant mode is slower by that factor).
+Also the matmul alone at SmolLM2's shapes: the C++ invariant kernel against XLA's dot, per row count. The last line
+printed is one JSON object (also written to --json when given).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from inference import LLM, SamplingParams  # noqa: E402
+from kernels_pallas.matmul.invariant_cpu import invariant_matmul  # noqa: E402
+
+flags.DEFINE_list("models", ["smollm2-135m", "tiny-llama"], "models to measure")
+flags.DEFINE_list("batch", ["1", "8", "32"], "batch sizes")
+flags.DEFINE_integer("input_len", 64, "prompt tokens per request")
+flags.DEFINE_integer("output_len", 32, "generated tokens per request")
+flags.DEFINE_integer("repeats", 3, "measured runs per mode and batch size (median reported)")
+flags.DEFINE_string("json", None, "also write the result here")
+FLAGS = flags.FLAGS
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
+    llm.engine.reset_prefix_cache()
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return time.perf_counter() - start
+
+
+def _engines(model: str) -> dict[str, dict]:
+    batches = [int(b) for b in FLAGS.batch]
+    kwargs = dict(max_num_seqs=max(batches), max_num_batched_tokens=512, kv_cache_memory_bytes=256 << 20,
+                  compilation_cache_dir=None)
+    llms = {"default": LLM(model, **kwargs), "invariant": LLM(model, batch_invariant=True, **kwargs)}
+    rng = np.random.default_rng(0)
+    out: dict[str, dict] = {}
+    for b in batches:
+        prompts = [rng.integers(1, llms["default"].config.vocab_size, FLAGS.input_len).tolist() for _ in range(b)]
+        for llm in llms.values():
+            _run(llm, prompts)  # compiles
+        times: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(FLAGS.repeats):
+            for name, llm in llms.items():
+                times[name].append(_run(llm, prompts))
+        row = {name: {"wall_s": statistics.median(t), "output_tok_s": b * FLAGS.output_len / statistics.median(t)}
+               for name, t in times.items()}
+        row["slowdown"] = row["invariant"]["wall_s"] / row["default"]["wall_s"]
+        out[str(b)] = row
+        print(model, b, json.dumps(row), flush=True)
+    return out
+
+
+def _matmul_rows() -> dict[str, dict]:
+    """The invariant kernel against XLA's dot at SmolLM2's widest projection (576 -> 1536) and tied LM head."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((576, 1536)), jnp.float32)
+    emb = jnp.asarray(rng.standard_normal((49152, 576)), jnp.float32)
+    cases = {"mlp_576x1536": (lambda x: x @ w, lambda x: invariant_matmul(x, w)),
+             "lm_head_576x49152": (lambda x: x @ emb.T, lambda x: invariant_matmul(x, emb, transposed=True))}
+    out = {}
+    for name, (xla, ours) in cases.items():
+        for m in (1, 32, 256):
+            x = jnp.asarray(rng.standard_normal((m, 576)), jnp.float32)
+            row = {}
+            for label, f in (("xla", jax.jit(xla)), ("invariant", jax.jit(ours))):
+                f(x).block_until_ready()
+                reps = 20 if m < 256 else 5
+                start = time.perf_counter()
+                for _ in range(reps):
+                    f(x).block_until_ready()
+                row[f"{label}_ms"] = (time.perf_counter() - start) / reps * 1e3
+            row["slowdown"] = row["invariant_ms"] / row["xla_ms"]
+            out[f"{name}_m{m}"] = row
+            print(name, m, json.dumps(row), flush=True)
+    return out
+
+
+def main(argv) -> None:
+    del argv
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "commit": commit,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "input_len": FLAGS.input_len, "output_len": FLAGS.output_len, "repeats": FLAGS.repeats,
+              "matmul": _matmul_rows(), "engines": {m: _engines(m) for m in FLAGS.models}}
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
