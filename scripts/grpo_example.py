@@ -19,6 +19,9 @@ built with `enable_lora=True` and the adapter is registered from a PEFT folder (
 with its `lora_request`, the loss differentiates `log_probs(..., lora=A/B)` in the adapter only, and
 `LLM.update_lora` writes the new A/B into the adapter's device slot (no recompile, no base-weight copy). The KL is
 against the starting policy, the base model.
+
+`--batch_invariant`: the engine runs `LLM(batch_invariant=True)`, so the trainer's `log_probs` is the engine's float
+program row for row and the first inner step's ratio is exactly 1 (ratio_max_dev 0; docs/rl.md, "Numerically").
 """
 
 from __future__ import annotations
@@ -260,6 +263,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "problem and sampling seed")
     flags.DEFINE_integer("lora_rank", 0, "> 0: LoRA-only training of a rank-R adapter (base weights frozen)")
     flags.DEFINE_float("lora_alpha", None, "the adapter's alpha (scaling alpha / rank); default 2 x rank")
+    flags.DEFINE_bool("batch_invariant", False, "LLM(batch_invariant=True): the first inner step's ratio is exactly 1")
     flags.DEFINE_string("out", None, "append one JSON line per step here (else stdout only)")
 
 
@@ -268,7 +272,8 @@ def main(argv) -> None:
     from inference import LLM
     f = flags.FLAGS
     lora = dict(enable_lora=True, max_loras=1, max_lora_rank=f.lora_rank) if f.lora_rank else {}
-    llm = LLM(f.model, kv_cache_memory_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512, **lora)
+    llm = LLM(f.model, kv_cache_memory_bytes=256 << 20, max_num_seqs=64, max_num_batched_tokens=512,
+              batch_invariant=f.batch_invariant, **lora)
 
     def log(record: dict) -> None:
         line = json.dumps(record)

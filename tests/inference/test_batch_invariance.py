@@ -203,3 +203,19 @@ def test_tied_head_qk_norm_and_sliding_windows_too():
     ids = np.asarray([target + alone[0]], np.int32)
     got = np.asarray(jax.jit(log_probs)((gemma.runner.graphdef, gemma.get_params()), ids))[0, len(target):]
     np.testing.assert_array_equal(got, np.asarray([e[t] for e, t in zip(alone[1], alone[0])], np.float32))
+
+
+def test_grpo_first_inner_ratio_is_exactly_one(llm):
+    """scripts/grpo_example.py on the batch-invariant engine: the trainer's `log_probs` under the weights the rollout
+    used reproduces the engine's logprobs bitwise, so the importance ratio is exactly 1 on each step's first inner
+    step, before and after an update reached the engine."""
+    from scripts.grpo_example import run
+
+    old = llm.get_params()
+    try:
+        records = run(llm, steps=2, problems_per_step=2, group=4, max_tokens=4, inner_steps=1, learning_rate=1e-3,
+                      temperature=1.0, seed=0)
+    finally:
+        llm.update_weights(old)
+    assert [r["ratio_max_dev"] for r in records] == [0.0, 0.0]
+    assert records[0]["kl"] == 0.0 < records[1]["kl"]  # the second rollout ran on updated weights
