@@ -90,7 +90,7 @@ def log_probs(model_or_params, token_ids: jax.Array, *, sampling: SamplingTensor
         if sampling.num_rows != b * length:
             raise ValueError(f"sampling has {sampling.num_rows} rows, token_ids needs batch * length = {b * length}; "
                              "build it with processed_tensors(params, token_ids)")
-        flat = process_logits(flat, sampling, use_filters=use_filters)
+        flat = process_logits(flat, sampling, use_filters=use_filters, invariant=model.batch_invariant)
     lp, _, _ = compute_logprobs(flat, targets.reshape(-1), 0, invariant=model.batch_invariant)
     lp = lp.reshape(b, length)
     return jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp[:, :-1]], axis=1)

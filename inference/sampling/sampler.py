@@ -51,6 +51,7 @@ best logit (probability ratio < ~2e-9) can never be drawn; this is far below any
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Sequence
 
 import flax.struct
@@ -59,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas.matmul.invariant_cpu import invariant_row_sum
+from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from inference.sampling.logit_bias import LogitBiasTensors, apply_logit_bias
 from inference.sampling.params import SAMPLING_EPS, SamplingParams
 from inference.sampling.penalties import PenaltyTensors, apply_penalties
@@ -271,7 +272,8 @@ def _bisect_threshold(x: jax.Array, ok: Callable[[jax.Array], jax.Array]) -> jax
     return _from_ordered_u32(lo)
 
 
-def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, *,
+            invariant: bool = False) -> jax.Array:
     """Apply min-p, top-k, top-p (vLLM order) to tempered logits x f32[S, V]; dropped tokens become -inf.
 
     Top-k and top-p each reduce to a per-row threshold (keep x >= tau). The fast path reads both from the row's
@@ -279,7 +281,10 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
     from a cumulative sum over the candidates. A row whose k exceeds the candidate count, or whose top-p set is not
     contained in the candidates (flat distributions, top_p near 1), is resolved by an exact bisection over the full
     row instead; `lax.cond` runs that only when some row needs it. Both paths give the same set.
+    `invariant` (static; batch-invariant mode): top-p's float sums in a fixed order (`invariant_row_sum`, and the
+    cumulative sum as an fma chain against a triangle of ones), so which tokens a row keeps cannot depend on the batch.
     """
+    row_sum = invariant_row_sum if invariant else functools.partial(jnp.sum, axis=-1)
     s, v = x.shape
     neg_inf = jnp.float32(-jnp.inf)
     row_max = jnp.max(x, axis=-1, keepdims=True)
@@ -307,8 +312,9 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
     # including the first token at which the cumulative mass reaches top_p; tau_p is that token's value.
     p_on = top_p < 1.0
     mass = jnp.where(x > neg_inf, rel, 0.0)
-    need = top_p * jnp.sum(mass, axis=-1)
-    cum = jnp.cumsum(jnp.exp(cand - row_max) * (cand >= tau_k[:, None]), axis=-1)
+    need = top_p * row_sum(mass)
+    kept = jnp.exp(cand - row_max) * (cand >= tau_k[:, None])
+    cum = invariant_matmul(kept, jnp.triu(jnp.ones((c, c), jnp.float32))) if invariant else jnp.cumsum(kept, axis=-1)
     reached = cum >= need[:, None]
     first = jnp.minimum(jnp.sum(~reached, axis=-1), c - 1)
     p_fast = jnp.take_along_axis(cand, first[:, None], axis=-1)[:, 0]
@@ -316,7 +322,7 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
 
     def p_slow() -> jax.Array:
         tau = _bisect_threshold(
-            x, lambda t: jnp.sum(jnp.where(x >= t[:, None], mass, 0.0), axis=-1) >= need
+            x, lambda t: row_sum(jnp.where(x >= t[:, None], mass, 0.0)) >= need
         )
         return jnp.where(p_slow_rows, tau, p_fast)
 
@@ -325,7 +331,7 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) 
     return jnp.where(x >= tau_p[:, None], x, neg_inf)
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
+def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool, invariant: bool = False) -> jax.Array:
     """The logits each row actually samples from, f32[S, V].
 
     First, when `t.token_mask` is set, tokens a row's grammar forbids become -inf (before anything else, so the
@@ -336,12 +342,14 @@ def process_logits(logits: jax.Array, t: SamplingTensors, *, use_filters: bool) 
     Greedy rows: the (penalised) logits unchanged (temperature treated as 1, no filters), so their argmax is vLLM's
     greedy token and, without penalties, their "processed" logprobs equal the raw ones.
     `use_filters` is static; with False the filter pass (and its cost) is skipped entirely and the row filters in `t`
-    are ignored, so pass False only when `needs_filters(...)` is False.
+    are ignored, so pass False only when `needs_filters(...)` is False. `invariant` (static): batch-invariant mode's
+    fixed-order sums in the filters.
     """
-    return _processed(apply_token_mask(logits.astype(jnp.float32), t.token_mask), t, use_filters=use_filters)
+    return _processed(apply_token_mask(logits.astype(jnp.float32), t.token_mask), t, use_filters=use_filters,
+                      invariant=invariant)
 
 
-def _processed(x: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Array:
+def _processed(x: jax.Array, t: SamplingTensors, *, use_filters: bool, invariant: bool = False) -> jax.Array:
     """`process_logits` after the token mask (x is f32 and already masked)."""
     if t.logit_bias is not None:
         x = apply_logit_bias(x, t.logit_bias)
@@ -356,6 +364,7 @@ def _processed(x: jax.Array, t: SamplingTensors, *, use_filters: bool) -> jax.Ar
             jnp.where(greedy, 0, t.top_k).astype(jnp.int32),
             jnp.where(greedy, 1.0, t.top_p).astype(jnp.float32),
             jnp.where(greedy, 0.0, t.min_p).astype(jnp.float32),
+            invariant=invariant,
         )
     return x
 
@@ -434,7 +443,7 @@ def sample_with_logprobs(
     tokens' ranks (`SamplerOutput.rank`) come with num_top > 0 only.
     """
     raw = apply_token_mask(logits.astype(jnp.float32), t.token_mask)
-    x = _processed(raw, t, use_filters=use_filters)
+    x = _processed(raw, t, use_filters=use_filters, invariant=invariant)
     tokens = _sample_processed(x, t)
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top, invariant=invariant)

@@ -56,6 +56,24 @@ def test_log_softmax_over_the_vocab_does_not_depend_on_the_row_count(vocab):
                                np.asarray(compute_logprobs(x, tokens(x), 5)[2]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [300, 4096])
+def test_top_p_keeps_the_same_tokens_whatever_the_row_count(vocab):
+    """Top-p's threshold comes from float sums (the kept mass, its running total over the sorted candidates, and
+    the bisection's mass for flat rows): in the mode they run in a fixed order, so the kept set is a row's own."""
+    from inference.sampling.sampler import _filter
+
+    def f(x):
+        m = x.shape[0]
+        return _filter(x * 3, jnp.zeros((m,), jnp.int32), jnp.full((m,), 0.9, jnp.float32),
+                       jnp.zeros((m,), jnp.float32), invariant=True)
+
+    _rows_invariant(f, vocab)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, vocab)) * 3, jnp.float32)
+    same = _filter(x, jnp.zeros((8,), jnp.int32), jnp.full((8,), 0.9, jnp.float32), jnp.zeros((8,), jnp.float32))
+    got = f(x / 3)
+    assert (np.isfinite(np.asarray(got)) == np.isfinite(np.asarray(same))).mean() > 0.999  # the same filter
+
+
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_paged_attention_rows_do_not_depend_on_the_chunking(head_dim):
     """A query row's result is the same bits whether its sequence's prompt is one block, chunks of 1, 3, 7 or 13
