@@ -321,6 +321,7 @@ class LLM:
         prefix cache is dropped with them), level 2 also releases the weights, kept as host numpy unless
         `keep_weights_on_host=False` (then `update_weights` must refill them). `wake_up` restores; generating while
         asleep raises. No request may be in flight. A draft model's cache (speculative_method="draft") is kept."""
+        self.engine.drain()  # async scheduling: a step still on the device would use the freed buffers
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still in flight; let them finish or abort them first")
         for runner in self.runners:
