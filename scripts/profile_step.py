@@ -362,7 +362,8 @@ def main(argv: list[str]) -> None:
     batches = [int(b) for b in FLAGS.batch]
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype,
               max_num_seqs=max(batches), attn_impl=FLAGS.attn_impl,
-              max_num_batched_tokens=max(512, FLAGS.input_len))
+              max_num_batched_tokens=max(512, FLAGS.input_len),
+              async_scheduling=False)  # each step's execute is its whole device time (scripts/overhead_bench.py: both)
     rows = [profile_batch(llm, b) for b in batches]
     print(format_table(rows), file=sys.stderr)
     for row in rows:

@@ -91,7 +91,7 @@ class LLM:
                  seed: int = 0, compilation_cache_dir: str | None = "default",
                  quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  quantization_group_size: int | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16):
+                 max_lora_rank: int = 16, async_scheduling: bool = True):
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
 
@@ -121,7 +121,11 @@ class LLM:
 
         LoRA (vLLM's keywords): `enable_lora=True` serves PEFT adapters per request (`generate(...,
         lora_request=LoRARequest(name, id, path))`); `max_loras` adapters fit on the device at once (one batch can
-        mix that many, plus the base model), each of rank up to `max_lora_rank`. See inference/lora/."""
+        mix that many, plus the base model), each of rank up to `max_lora_rank`. See inference/lora/.
+
+        `async_scheduling` (vLLM's): dispatch each step before the previous step's tokens reach the host, so the
+        host's bookkeeping overlaps the device; the outputs are the synchronous engine's, and steps that cannot
+        overlap exactly run synchronously (inference/engine/async_scheduling.py). False: one step at a time."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
