@@ -184,6 +184,8 @@ def async_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
         engine.in_flight = None
         outputs = fold(engine, prev) if prev is not None else []
         engine.in_flight = advance(engine, batch, pending)
+        if not engine.in_flight.rows and not engine.scheduler.has_work():
+            outputs = merge_outputs(outputs, engine.drain_locked())  # all wasted, nothing follows: idle now
         return outputs
     for reason in reasons:
         engine.async_stats.sync_steps[reason] = engine.async_stats.sync_steps.get(reason, 0) + 1

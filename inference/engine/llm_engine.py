@@ -228,6 +228,8 @@ class Engine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self._finish(seq, "abort")
+            if not self.has_unfinished_requests():
+                self.drain_locked()  # a step left in flight has only wasted rows now: done on the device too
 
     def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
         """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the

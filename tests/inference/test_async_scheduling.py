@@ -169,13 +169,20 @@ def test_drain_hooks_pause_and_sleep(tiny_llama):
     llm = tiny_llama
     engine = llm.engine
     assert engine.async_scheduling
-    # A finished request's last step leaves one wasted step in flight: sleep drains it instead of refusing.
-    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    # The step dispatched beside a request's last one has only its wasted row: folded at once, so an idle engine
+    # has nothing on the device and sleep may free the cache. An abort that leaves nothing running does the same.
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    engine.add_request("aborted", [5, 6], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    overlapped = engine.async_stats.overlapped_steps
     while not engine.requests["short"].finished:
         engine.step()
-    engine.pop_finished("short")
+    assert engine.async_stats.overlapped_steps > overlapped and engine.in_flight is not None
+    engine.abort("aborted")
+    assert engine.in_flight is None and not engine.has_unfinished_requests()
+    for rid in ("short", "aborted"):
+        engine.pop_finished(rid)
     llm.sleep(1)
-    assert engine.in_flight is None and llm.is_sleeping
+    assert llm.is_sleeping
     llm.wake_up()
 
     want = llm.generate(prompt_token_ids=[[9, 8, 7, 6]], sampling_params=SamplingParams(
