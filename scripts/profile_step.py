@@ -88,7 +88,7 @@ class StepTimer:
 
     def _timed_execute(self, inp, sampling, *, is_decode: bool, **kwargs):
         if is_decode and len(self.execute_s) == self.capture_at:
-            self.captured = (inp, sampling, kwargs)
+            self.captured = (inp, sampling, {k: v for k, v in kwargs.items() if k != "fetch"})  # the step's own
         t0 = time.perf_counter()
         out = self._execute(inp, sampling, is_decode=is_decode, **kwargs)
         if is_decode:

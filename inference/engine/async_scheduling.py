@@ -158,6 +158,16 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
 
 
+def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOutput]:
+    """Fold the engine's in-flight step, if any (its outputs); `only_if_idle`: only when it has only wasted rows and
+    nothing else runs (an idle engine holds no step on the device)."""
+    in_flight = engine.in_flight
+    if in_flight is None or only_if_idle and (in_flight.rows or engine.scheduler.has_work()):
+        return []
+    engine.in_flight = None
+    return fold(engine, in_flight)
+
+
 def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
     """A sequence that finishes before its in-flight token is folded (an abort) keeps only its real tokens."""
     if in_flight is not None and in_flight.rows.pop(seq, None) is not None:
@@ -178,22 +188,19 @@ def async_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
     prev = engine.in_flight
     reasons = sync_reasons(batch, prev)
     if not reasons:
-        pending = engine._execute(batch, prev)
+        pending = engine._execute(batch, prev, fetch=False)
         if prev is not None:
             engine.async_stats.overlapped_steps += 1
         engine.in_flight = None
         outputs = fold(engine, prev) if prev is not None else []
         engine.in_flight = advance(engine, batch, pending)
-        if not engine.in_flight.rows and not engine.scheduler.has_work():
-            outputs = merge_outputs(outputs, engine.drain_locked())  # all wasted, nothing follows: idle now
-        return outputs
+        return merge_outputs(outputs, fold_in_flight(engine, only_if_idle=True))
     for reason in reasons:
         engine.async_stats.sync_steps[reason] = engine.async_stats.sync_steps.get(reason, 0) + 1
-    folded = engine.drain_locked()
+    folded = fold_in_flight(engine)
     live = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_finished]
     if len(live) < len(batch.seqs):  # finished by the folded step's tokens: a synchronous engine never ran them
         if not live:
             return folded
         batch = ScheduledBatch([s for s, _ in live], [n for _, n in live])
-    result = engine.runner.fetch(engine._execute(batch))
-    return merge_outputs(folded, engine._process(batch, result))
+    return merge_outputs(folded, engine._process(batch, engine._execute(batch)))

@@ -24,7 +24,7 @@ from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids,
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.params import SamplingParams
 from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
-                                              feed_pending_tokens, fold, merge_outputs)
+                                              feed_pending_tokens, fold_in_flight, merge_outputs)
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
@@ -228,8 +228,7 @@ class Engine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self._finish(seq, "abort")
-            if not self.has_unfinished_requests():
-                self.drain_locked()  # a step left in flight has only wasted rows now: done on the device too
+            fold_in_flight(self, only_if_idle=True)
 
     def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
         """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the
@@ -250,7 +249,7 @@ class Engine:
         """Release every running sequence's KV and queue it to recompute its tokens (after a weight update, so
         the cache holds the new weights' keys and values); the prefix cache is dropped too. Returns how many."""
         with self._lock:
-            self._undelivered = merge_outputs(self._undelivered, self.drain_locked())
+            self._undelivered = merge_outputs(self._undelivered, fold_in_flight(self))
             running = list(self.scheduler.running)
             for seq in running:
                 self.scheduler.preempt(seq, count=False)
@@ -266,21 +265,16 @@ class Engine:
         return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
 
     def has_unfinished_requests(self) -> bool:
-        # An in-flight step whose sequences all finished (its rows wasted) leaves no work: the next step folds it.
-        return self.scheduler.has_work() or (self.in_flight is not None and bool(self.in_flight.rows))
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def drain(self) -> list[RequestOutput]:
-        """Fold the in-flight step (async scheduling), so no step runs on the device and every sequence holds its
-        real tokens; returns the outputs the next `step` would have reported for it (and any not yet reported)."""
+        """Fold the in-flight step (async scheduling): no step left on the device, every token on the host; the
+        outputs the next `step` would have reported."""
         with self._lock:
-            outputs = merge_outputs(self._undelivered, self.drain_locked())
+            outputs = merge_outputs(self._undelivered, fold_in_flight(self))
             self._undelivered = []
             return outputs
 
-    def drain_locked(self) -> list[RequestOutput]:
-        """`drain` for a caller holding the lock: the folded step's outputs."""
-        in_flight, self.in_flight = self.in_flight, None
-        return fold(self, in_flight) if in_flight is not None else []
 
     def remove_lora(self, lora_id: int) -> None:
         """Forget a LoRA adapter between steps (host copy and slot); ValueError while a request still uses it."""
@@ -320,7 +314,7 @@ class Engine:
             undelivered, self._undelivered = self._undelivered, []
             batch = self.scheduler.schedule()
             if batch is None:
-                return merge_outputs(undelivered, self.drain_locked())
+                return merge_outputs(undelivered, fold_in_flight(self))
             now = time.perf_counter()
             for seq in batch.seqs:
                 metrics = self.requests[seq.request_id].metrics
@@ -328,11 +322,12 @@ class Engine:
                     metrics.first_scheduled_time = now
             if self.async_scheduling:
                 return merge_outputs(undelivered, async_step(self, batch))
-            return self._process(batch, self.runner.fetch(self._execute(batch)))
+            return self._process(batch, self._execute(batch))
 
-    def _execute(self, batch: ScheduledBatch, in_flight: InFlightStep | None = None) -> PendingStep:
-        """Dispatch the batch's step (returns before it computes); `in_flight`: the step whose sampled tokens
-        are this one's placeholder input tokens (async scheduling)."""
+    def _execute(self, batch: ScheduledBatch, in_flight: InFlightStep | None = None,
+                 fetch: bool = True) -> StepOutput | PendingStep:
+        """Run the step (`fetch=False`: dispatch it, returning at once); `in_flight`: whose sampled tokens feed
+        this step's placeholder tokens (async scheduling)."""
         for group, copies in enumerate(self.block_manager.take_copies()):
             if copies:
                 self.runner.copy_pages(copies, group=group)
@@ -357,7 +352,7 @@ class Engine:
                            for s, p in zip(batch.seqs, params))
         return self.runner.execute(feed_pending_tokens(inp, batch, in_flight), sampling, is_decode=batch.is_decode,
                                    use_filters=needs_filters(params), prompt_logprobs=wants_prompt,
-                                   logprobs=any(p.logprobs is not None for p in params), fetch=False)
+                                   logprobs=any(p.logprobs is not None for p in params), fetch=fetch)
 
     def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
         """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""

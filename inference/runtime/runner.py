@@ -193,8 +193,9 @@ class ModelRunner:
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
         # One device: where the steps run; update_weights moves leaves from elsewhere there.
         self._device = next(iter(self.param_leaves[0].devices()))
-        # Where a step's input tokens live: the host's (numpy) and those gathered on the device from the previous
-        # step's samples (async scheduling) must reach the jitted step alike, or each would compile its own variant.
+        # Where a step's input tokens live, committed there: the host's (numpy) and those gathered on the device from
+        # the previous step's samples (async scheduling) must reach the jitted step alike, or each would compile its
+        # own variant (a one-device KV cache is committed there too, for the same reason).
         self._token_sharding = jax.sharding.SingleDeviceSharding(self._device)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
@@ -232,10 +233,9 @@ class ModelRunner:
                                       for c in caches], donate_argnums=(0,))
 
     def _zero_kv_caches(self) -> list:
-        """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device)."""
-        if self._kv_sharding is None:
-            return [_new_cache(self._kv_spec) for _ in range(self._num_kv_layers)]
-        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding)
+        """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
+        committed to its devices: the caches every step returns are, and the first step must see the same kind."""
+        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding or self._token_sharding)
         return [zeros() for _ in range(self._num_kv_layers)]
 
     @property
