@@ -9,7 +9,7 @@ bookkeeping, building the ragged batch, dispatching the jitted step, waiting for
 them into the sequences (stop checks, detokenizing) and building the outputs. Each is timed *exclusively* (a phase's
 time excludes the phases called inside it) by wrapping the engine's own functions, over the decode steps of a run where
 every sequence is decoding. Workload: mixed prompt lengths, half the prompts behind a shared prefix (prefix-cache
-hits), stop strings on every request, seeded sampling at temperature 0.8, detokenizing on.
+hits), stop strings on every request, seeded sampling at temperature 0.8 (`--temperature`), detokenizing on.
 
 Device time is the same decode step replayed alone with its inputs already on the device (median of repeats); the
 device-busy fraction is device time over the engine's wall time per step. On this CPU "the device" is XLA's CPU
@@ -53,6 +53,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
     flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
     flags.DEFINE_string("json", None, "Write the results here as JSON.")
+    flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request (0: greedy, which skips the "
+                       "sampler's full-vocabulary noise, most of this model's device time at large batch).")
     flags.DEFINE_list("modes", ["async"], "Engine scheduling per measurement, in this order for each size: sync "
                       "(one step at a time), async (the default: each step dispatched before the last one's tokens "
                       "are fetched).")
@@ -178,7 +180,6 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(runner, "fetch", "wait_readback")
     profiler.patch(engine, "_process", "process")
     profiler.patch(async_scheduling, "fold", "process")
-    profiler.patch(llm_engine, "fold", "process")
     profiler.patch(async_scheduling, "advance", "process")
     profiler.patch(llm_engine, "check_stop", "stop_checks")
     profiler.patch(stop, "_append_text", "detokenize")
@@ -192,7 +193,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     engine, runner = llm.engine, llm.runner
     prompts = workload(llm.tokenizer, num_seqs, rng)
     # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
+    params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
                              stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
 
     def run(profiler: PhaseProfiler | None) -> dict:
@@ -307,7 +308,8 @@ def main(argv: list[str]) -> None:
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
                       f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
                       flush=True)
-    result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps, "rows": rows}
+    result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
+              "temperature": FLAGS.temperature, "rows": rows}
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
