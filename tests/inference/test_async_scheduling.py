@@ -57,6 +57,13 @@ def drive(engine: Engine, requests: dict, later: dict, abort_at: dict, preempt_a
     return finals
 
 
+def overlaps(events: list[tuple[str, int]]) -> int:
+    """Steps whose dispatch returned before the previous step's tokens were fetched."""
+    order = {key: i for i, key in enumerate(events)}
+    steps = [step for kind, step in events if kind == "dispatch"]
+    return sum(order[("dispatch", b)] < order.get(("fetch", a), -1) for a, b in zip(steps, steps[1:]))
+
+
 def assert_same(a, b) -> None:
     assert a.keys() == b.keys()
     for rid in b:
@@ -130,13 +137,10 @@ def test_async_equals_sync_on_a_mixed_workload_and_really_overlaps(smollm2, monk
     assert async_engine.scheduler.num_preemptions >= 1 and sync_engine.scheduler.num_preemptions >= 1
     assert got["structured"].outputs[0].text in ("yes", "no")
 
-    # Overlap happened: a step was dispatched before the previous step's tokens were fetched.
-    order = {key: i for i, key in enumerate(async_events)}
-    dispatches = [step for kind, step in async_events if kind == "dispatch"]
-    overlapped = sum(order[("dispatch", b)] < order.get(("fetch", a), -1) for a, b in zip(dispatches, dispatches[1:]))
+    # Overlap happened: steps were dispatched before the previous step's tokens were fetched (never when sync).
     stats = async_engine.async_stats
-    assert overlapped > 0 and stats.overlapped_steps == overlapped
-    assert all(kind == "dispatch" for kind, _ in events[::2]) and all(kind == "fetch" for kind, _ in events[1::2])
+    assert overlaps(async_events) > 0 and stats.overlapped_steps == overlaps(async_events)
+    assert overlaps(events) == 0 and sync_engine.async_stats.overlapped_steps == 0
     # The synchronous fallback ran for what cannot overlap, and the engine left nothing behind.
     assert {"structured_outputs", "penalties", "recompute"} <= stats.sync_steps.keys(), stats
     assert stats.wasted_rows > 0
