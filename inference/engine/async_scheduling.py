@@ -61,7 +61,6 @@ PLACEHOLDER = -1  # a token id no vocabulary has: the in-flight step's sampled t
 class InFlightStep:
     """A dispatched step whose tokens the host has not seen yet."""
 
-    batch: ScheduledBatch
     pending: PendingStep
     rows: dict[Sequence, int]  # sequences this step samples a token for -> their row; PLACEHOLDER ends token_ids
     request_ids: list[str]  # requests the step advanced: their outputs are built when it is folded
@@ -140,7 +139,7 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFl
                 rows[seq] = i
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             engine._fail(seq, exc)
-    return InFlightStep(batch, pending, rows, list(request_ids))
+    return InFlightStep(pending, rows, list(request_ids))
 
 
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
