@@ -15,10 +15,11 @@ from inference.engine.llm_engine import Engine
 from inference.structured.params import StructuredOutputsParams
 
 
-def engines(llm) -> tuple[Engine, Engine]:
-    """A fresh async engine and a fresh synchronous one over `llm`'s runner (its compiled steps). Each is run to the
-    end before the other starts, so neither's prefix cache sees pages the other rewrote."""
-    config = llm.engine.scheduler.config
+def engines(llm, **scheduler) -> tuple[Engine, Engine]:
+    """A fresh async engine and a fresh synchronous one over `llm`'s runner (its compiled steps), `scheduler`
+    changed in their SchedulerConfig. Each is run to the end before the other starts, so neither's prefix cache
+    sees pages the other rewrote."""
+    config = dataclasses.replace(llm.engine.scheduler.config, **scheduler)
     llm.engine.reset_prefix_cache()  # the session engine's cached pages are rewritten below
     return tuple(Engine(llm.runner, llm.tokenizer, dataclasses.replace(config, async_scheduling=flag))
                  for flag in (True, False))
@@ -150,18 +151,26 @@ def test_async_equals_sync_on_a_mixed_workload_and_really_overlaps(smollm2, monk
         assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_async_equals_sync_under_page_pressure():
-    """A pool too small for the batch: preemptions come from the scheduler (async ones may come a step earlier or
-    later, from pages a finished sequence frees one step later); every sequence still gets the same tokens."""
+@pytest.fixture(scope="module")
+def starved():
+    """The tiny Llama with a pool too small for its batch (preemptions come from the scheduler)."""
     from tests.llm_configs import SMALL_POOL
 
-    llm = SMALL_POOL.build(kv_cache_memory_bytes=1 << 15, max_num_seqs=6, max_num_batched_tokens=64)
+    return SMALL_POOL.build(kv_cache_memory_bytes=1 << 15, max_num_seqs=6, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "mixed"])
+def test_async_equals_sync_under_page_pressure(starved, policy):
+    """Preemptions from page pressure (async ones may come a step earlier or later, from pages a finished sequence
+    frees one step later), and with the mixed policy decode rows fed from the device beside prompt chunks (and
+    preempted sequences recomputed in the same step): every sequence still gets the same tokens."""
+    llm = starved
     rng = np.random.default_rng(0)
     requests = {f"r{i}": (rng.integers(1, 200, int(rng.integers(4, 20))).tolist(),
                           SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(8, 24)),
                                          logprobs=1 if i % 3 == 0 else None, ignore_eos=True))
                 for i in range(10)}
-    async_engine, sync_engine = engines(llm)
+    async_engine, sync_engine = engines(llm, policy=policy)
     got = drive(async_engine, requests, {}, {}, {})
     want = drive(sync_engine, requests, {}, {}, {})
     assert_same(got, want)
