@@ -17,8 +17,9 @@ is (seed, index of the generated token), its KV only its own tokens), and every 
 and positions a synchronous N+1 would give it. What differs is only when things happen: a sequence that step N's
 token finishes (EOS, a stop string) already has a row in N+1, whose token is discarded (at most one wasted slot per
 finished sequence; its pages are freed when N is folded, and any step that reuses them is ordered after N+1 on the
-device); pages freed by N's finished sequences reach waiting requests one step later, so admission and preemption
-may come a step earlier or later, which moves no token (a preempted sequence recomputes the same tokens).
+device; one that N's token surely ends by length gets no row, `finishes_in_flight`); pages freed by N's finished
+sequences reach waiting requests one step later, so admission and preemption may come a step earlier or later,
+which moves no token (a preempted sequence recomputes the same tokens).
 
 The rule (`sync_reasons`): a step runs synchronously, after the in-flight step is folded, when one of its rows needs
 a token of the in-flight step on the host, or its own outputs are needed before the next step can be built:
@@ -155,6 +156,15 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             engine._fail(seq, exc)
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
+
+
+def finishes_in_flight(engine: Engine, seq: Sequence) -> bool:
+    """Whether `seq`'s in-flight token surely ends it by length (max_tokens, the context): then the next step
+    need not give it a row that would be wasted."""
+    if engine.in_flight is None or seq not in engine.in_flight.rows:
+        return False
+    limit = seq.params.max_tokens
+    return (limit is not None and seq.num_output_tokens >= limit) or seq.num_tokens >= engine.max_model_len
 
 
 def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOutput]:

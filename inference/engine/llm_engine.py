@@ -24,7 +24,8 @@ from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids,
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.params import SamplingParams
 from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
-                                              feed_pending_tokens, fold_in_flight, merge_outputs)
+                                              feed_pending_tokens, finishes_in_flight, fold_in_flight,
+                                              merge_outputs)
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
@@ -100,7 +101,8 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,
-                                   admit=self._lora_fits if lora is not None else None)
+                                   admit=self._lora_fits if lora is not None else None,
+                                   finishing=lambda seq: finishes_in_flight(self, seq))
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
