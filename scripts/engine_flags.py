@@ -21,6 +21,9 @@ QUANTIZATION = flags.DEFINE_string("quantization", None, "Weight quantization: i
 TP = flags.DEFINE_integer("tensor_parallel_size", 1, "Devices each model replica is sharded over.", lower_bound=1)
 DP = flags.DEFINE_integer("data_parallel_size", 1, "Model replicas per process (each on its own devices).",
                           lower_bound=1)
+ASYNC_SCHEDULING = flags.DEFINE_bool("async_scheduling", True, "Dispatch each engine step before the previous "
+                                     "step's tokens reach the host (same outputs; --noasync_scheduling: one step at "
+                                     "a time).")
 CACHE_DIR = flags.DEFINE_string("compilation_cache_dir", "default",
                                 "Persistent XLA cache dir ('default': ~/.cache/pagejax/xla; '': leave JAX's alone).")
 
@@ -60,4 +63,4 @@ def build_llm(enable_lora: bool = False) -> Any:
                max_num_batched_tokens=MAX_BATCHED.value, compilation_cache_dir=CACHE_DIR.value or None,
                quantization=QUANTIZATION.value, tensor_parallel_size=TP.value, data_parallel_size=DP.value,
                enable_lora=enable_lora or bool(LORA.value), max_loras=max(num_loras, 1),
-               max_lora_rank=MAX_LORA_RANK.value)
+               max_lora_rank=MAX_LORA_RANK.value, async_scheduling=ASYNC_SCHEDULING.value)

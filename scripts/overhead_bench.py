@@ -1,6 +1,7 @@
 """The engine's host cost per decode step, by phase, when the device work is small.
 
     python scripts/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
+    python scripts/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
 
 A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
 and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
@@ -8,11 +9,17 @@ bookkeeping, building the ragged batch, dispatching the jitted step, waiting for
 them into the sequences (stop checks, detokenizing) and building the outputs. Each is timed *exclusively* (a phase's
 time excludes the phases called inside it) by wrapping the engine's own functions, over the decode steps of a run where
 every sequence is decoding. Workload: mixed prompt lengths, half the prompts behind a shared prefix (prefix-cache
-hits), stop strings on every request, seeded sampling at temperature 0.8, detokenizing on.
+hits), stop strings on every request, seeded sampling at temperature 0.8 (`--temperature`), detokenizing on.
 
 Device time is the same decode step replayed alone with its inputs already on the device (median of repeats); the
 device-busy fraction is device time over the engine's wall time per step. On this CPU "the device" is XLA's CPU
 runtime on the same cores, so host and device also compete for them: compare rows of one run, as ratios.
+
+`--modes`: the engine's scheduling, each mode on its own `Engine` over the one runner (the same compiled steps), in
+turn for every size: "sync" steps one at a time, "async" dispatches each step before the previous step's tokens are
+fetched (inference/engine/async_scheduling.py), so its phases run while the device computes: there "wait_readback"
+is what is left of the wait once the host's work is done, and steps/s and the device-busy fraction are the
+comparison.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
     flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
     flags.DEFINE_string("json", None, "Write the results here as JSON.")
+    flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request (0: greedy, which skips the "
+                       "sampler's full-vocabulary noise, most of this model's device time at large batch).")
+    flags.DEFINE_list("modes", ["async"], "Engine scheduling per measurement, in this order for each size: sync "
+                      "(one step at a time), async (the default: each step dispatched before the last one's tokens "
+                      "are fetched).")
     flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
                       "out of the collector's generations), to see whether collections cause the dispatch spikes.")
 
@@ -145,6 +157,7 @@ def workload(tokenizer, num_seqs: int, rng: np.random.Generator) -> list[list[in
 
 def instrument(llm, profiler: PhaseProfiler) -> None:
     """Wrap the engine's phases in `profiler` (see PHASES)."""
+    import inference.engine.async_scheduling as async_scheduling
     import inference.engine.llm_engine as llm_engine
     import inference.engine.stop as stop
     from inference.sampling.sampler import SamplingTensors
@@ -162,8 +175,12 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(SamplingTensors, "from_params", "batch_build")
     profiler.patch(runner, "decode_step", "dispatch")
     profiler.patch(runner, "prefill_step", "dispatch")
-    profiler.patch(runner, "execute", "wait_readback")
+    profiler.patch(llm_engine, "feed_pending_tokens", "batch_build")
+    profiler.patch(runner, "execute", "dispatch")  # returns at once (fetch=False): the jitted call, the token upload
+    profiler.patch(runner, "fetch", "wait_readback")
     profiler.patch(engine, "_process", "process")
+    profiler.patch(async_scheduling, "fold", "process")
+    profiler.patch(async_scheduling, "advance", "process")
     profiler.patch(llm_engine, "check_stop", "stop_checks")
     profiler.patch(stop, "_append_text", "detokenize")
     profiler.patch(llm_engine, "flush_text", "detokenize")
@@ -176,7 +193,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     engine, runner = llm.engine, llm.runner
     prompts = workload(llm.tokenizer, num_seqs, rng)
     # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
+    params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
                              stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
 
     def run(profiler: PhaseProfiler | None) -> dict:
@@ -216,7 +233,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
 
     def capturing_execute(inp, sampling, *, is_decode, **kwargs):
         if is_decode and "step" not in capture and len(engine.scheduler.running) == num_seqs:
-            capture["step"] = (inp, sampling, kwargs)
+            capture["step"] = (inp, sampling, {k: v for k, v in kwargs.items() if k != "fetch"})
         return original_execute(inp, sampling, is_decode=is_decode, **kwargs)
 
     runner.execute = capturing_execute
@@ -236,7 +253,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     device_ms = replay_ms(runner, capture["step"], repeats)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
-    return {"seqs": num_seqs, "measured_steps": len(walls), "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
+    return {"seqs": num_seqs, "async_scheduling": engine.async_scheduling, "measured_steps": len(walls),
+            "steps_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
             "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled,
@@ -265,24 +283,33 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from inference import LLM
+    from inference.engine.llm_engine import Engine
 
     sizes = [int(s) for s in FLAGS.seqs]
-    rng = np.random.default_rng(FLAGS.seed)
+    if not FLAGS.modes or set(FLAGS.modes) - {"sync", "async"}:
+        raise app.UsageError(f"--modes={','.join(FLAGS.modes)}: give sync, async or both (comma-separated)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_model_folder(os.path.join(tmp, "tiny"))
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
+        config = llm.engine.scheduler.config
+        engines = {mode: Engine(llm.runner, llm.tokenizer,
+                                dataclasses.replace(config, async_scheduling=mode == "async")) for mode in FLAGS.modes}
         for n in sizes:
-            row = measure(llm, n, rng, FLAGS.decode_steps, FLAGS.repeats)
-            rows.append(row)
-            print(f"seqs={n:4d}  step {row['step_ms']:7.2f} ms  host {row['host_ms']:7.2f} ms "
-                  f"({row['host_ms_per_seq'] * 1e3:6.1f} us/seq)  device {row['device_ms']:6.2f} ms  "
-                  f"busy {row['device_busy']:.2f}  " + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
-                  + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
-                  f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
-                  flush=True)
-    result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps, "rows": rows}
+            for mode in FLAGS.modes:  # the same prompts for every mode of a size
+                llm.engine = engines[mode]
+                row = measure(llm, n, np.random.default_rng([FLAGS.seed, n]), FLAGS.decode_steps, FLAGS.repeats)
+                rows.append(row)
+                print(f"{mode:5s} seqs={n:4d}  {row['steps_per_s']:7.1f} steps/s  step {row['step_ms']:7.2f} ms  "
+                      f"host {row['host_ms']:7.2f} ms ({row['host_ms_per_seq'] * 1e3:6.1f} us/seq)  device "
+                      f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
+                      + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
+                      + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
+                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
+                      flush=True)
+    result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
+              "temperature": FLAGS.temperature, "rows": rows}
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:

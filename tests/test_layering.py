@@ -71,7 +71,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine.scheduler",),
     ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup"),
     ("inference.spec_decode",),
-    ("inference.engine",),
+    ("inference.engine", "inference.engine.async_scheduling"),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
     ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
     ("inference.tools",),

@@ -42,6 +42,9 @@ class EngineClient(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def drain(self) -> list[RequestOutput]:
+        """Fold the step in flight (async scheduling); the outputs it advanced, which no `step` will report."""
+
     def output_of(self, request_id: str) -> RequestOutput: ...
 
     def pop_finished(self, request_id: str) -> None: ...

@@ -80,15 +80,20 @@ class CacheConfig:
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits and the prefill/decode policy (inference/engine/scheduler.py). `max_model_len` None: the
-    model's context (capped by the page pool); the engine is given the resolved value."""
+    model's context (capped by the page pool); the engine is given the resolved value. `async_scheduling`: dispatch
+    each step before the previous step's tokens reach the host (inference/engine/async_scheduling.py; the outputs
+    are the synchronous engine's; steps that cannot overlap exactly run synchronously)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     policy: str = "prefill_first"
     max_prefill_streak: int = 4
     max_model_len: int | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         check_positive_int("max_num_seqs", self.max_num_seqs, "the most sequences running at once")
         check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, "the token budget of one step")
         check_positive_int("max_prefill_streak", self.max_prefill_streak)
@@ -272,7 +277,8 @@ _TOP_FIELDS = ("model", "dtype", "attn_impl", "seed", "compilation_cache_dir", "
 _KWARG_FIELDS = {
     **{name: ("cache", name) for name in ("page_size", "kv_cache_dtype", "kv_cache_memory_bytes", "memory_fraction",
                                           "enable_prefix_caching")},
-    **{name: ("scheduler", name) for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")},
+    **{name: ("scheduler", name) for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                              "async_scheduling")},
     "scheduling_policy": ("scheduler", "policy"),
     "speculative_method": ("speculative", "method"),
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),

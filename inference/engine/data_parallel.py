@@ -104,6 +104,14 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines)
 
+    def drain(self) -> list[RequestOutput]:
+        """Every replica's in-flight step folded (async scheduling); their outputs."""
+        outputs = [out for engine in self.engines for out in engine.drain()]
+        for out in outputs:
+            if out.finished:
+                self._settle(out.request_id)
+        return outputs
+
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work, run concurrently; the outputs of all of them."""
         active = [e for e in self.engines if e.has_unfinished_requests()]

@@ -19,10 +19,13 @@ from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inference.runtime.runner import ModelRunner, StepOutput
+from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.params import SamplingParams
+from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
+                                              feed_pending_tokens, finishes_in_flight, fold_in_flight,
+                                              merge_outputs)
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
@@ -98,7 +101,8 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,
-                                   admit=self._lora_fits if lora is not None else None)
+                                   admit=self._lora_fits if lora is not None else None,
+                                   finishing=lambda seq: finishes_in_flight(self, seq))
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
@@ -119,6 +123,11 @@ class Engine:
         self._next_seq_id = 0
         self._rng = random.Random()
         self._token_texts = TokenTexts(tokenizer)
+        # Async scheduling (inference/engine/async_scheduling.py): never with a proposer (drafts read the tokens).
+        self.async_scheduling = scheduler_config.async_scheduling and not self.num_spec
+        self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
+        self.async_stats = AsyncStats()
+        self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -221,6 +230,7 @@ class Engine:
             for seq in request.seqs:
                 if not seq.is_finished:
                     self._finish(seq, "abort")
+            fold_in_flight(self, only_if_idle=True)
 
     def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
         """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the
@@ -241,6 +251,7 @@ class Engine:
         """Release every running sequence's KV and queue it to recompute its tokens (after a weight update, so
         the cache holds the new weights' keys and values); the prefix cache is dropped too. Returns how many."""
         with self._lock:
+            self._undelivered = merge_outputs(self._undelivered, fold_in_flight(self))
             running = list(self.scheduler.running)
             for seq in running:
                 self.scheduler.preempt(seq, count=False)
@@ -256,7 +267,16 @@ class Engine:
         return {**self.stats.summary(), "preemptions": self.scheduler.num_preemptions}
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
+
+    def drain(self) -> list[RequestOutput]:
+        """Fold the in-flight step (async scheduling): no step left on the device, every token on the host; the
+        outputs the next `step` would have reported."""
+        with self._lock:
+            outputs = merge_outputs(self._undelivered, fold_in_flight(self))
+            self._undelivered = []
+            return outputs
+
 
     def remove_lora(self, lora_id: int) -> None:
         """Forget a LoRA adapter between steps (host copy and slot); ValueError while a request still uses it."""
@@ -293,18 +313,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one model step; return an output for every request that advanced (finished ones included)."""
         with self._lock:
+            undelivered, self._undelivered = self._undelivered, []
             batch = self.scheduler.schedule()
             if batch is None:
-                return []
+                return merge_outputs(undelivered, fold_in_flight(self))
             now = time.perf_counter()
             for seq in batch.seqs:
                 metrics = self.requests[seq.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-            result = self._execute(batch)
-            return self._process(batch, result)
+            if self.async_scheduling:
+                return merge_outputs(undelivered, async_step(self, batch))
+            return self._process(batch, self._execute(batch))
 
-    def _execute(self, batch: ScheduledBatch) -> StepOutput:
+    def _execute(self, batch: ScheduledBatch, in_flight: InFlightStep | None = None,
+                 fetch: bool = True) -> StepOutput | PendingStep:
+        """Run the step (`fetch=False`: dispatch it, returning at once); `in_flight`: whose sampled tokens feed
+        this step's placeholder tokens (async scheduling)."""
         for group, copies in enumerate(self.block_manager.take_copies()):
             if copies:
                 self.runner.copy_pages(copies, group=group)
@@ -327,8 +352,9 @@ class Engine:
             logit_bias=self._logit_bias(batch, inp.logits_indices.shape[0]))
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
-        return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=needs_filters(params),
-                                   logprobs=any(p.logprobs is not None for p in params), prompt_logprobs=wants_prompt)
+        return self.runner.execute(feed_pending_tokens(inp, batch, in_flight), sampling, is_decode=batch.is_decode,
+                                   use_filters=needs_filters(params), prompt_logprobs=wants_prompt,
+                                   logprobs=any(p.logprobs is not None for p in params), fetch=fetch)
 
     def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
         """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""
@@ -372,9 +398,7 @@ class Engine:
                     continue  # a prefill chunk that does not reach the end: nothing sampled
                 self._append_token(seq, request, int(out.tokens[i]), out, i, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-                log.exception("request %s failed", seq.request_id)
-                request.error = f"{type(exc).__name__}: {exc}"
-                self._finish(seq, "error")
+                self._fail(seq, exc)
         if verified:
             self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
         return [self._output(r) for r in touched.values()]
@@ -437,7 +461,14 @@ class Engine:
         """Decoded tokens for logprob entries; none when the request set detokenize=False (vLLM's)."""
         return self._token_texts if params.detokenize else None
 
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """Finish `seq` with "error" after an exception while folding its step: its request fails, no other."""
+        log.exception("request %s failed", seq.request_id, exc_info=exc)
+        self.requests[seq.request_id].error = f"{type(exc).__name__}: {exc}"
+        self._finish(seq, "error")
+
     def _finish(self, seq: Sequence, reason: str) -> None:
+        drop_placeholder(self.in_flight, seq)
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         self.scheduler.remove(seq)
@@ -449,9 +480,11 @@ class Engine:
     # ---- outputs ----------------------------------------------------------------------------------------------
     def _output(self, request: Request) -> RequestOutput:
         completions = []
+        pending = self.in_flight.rows if self.in_flight is not None else {}
         for seq in request.seqs:
+            end = seq.num_tokens - (seq in pending)  # not the placeholder of an in-flight token
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:],  # one copy
+                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],  # one copy
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,

@@ -59,14 +59,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: KVCacheManager,
                  proposer: Callable[[Sequence], list[int]] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None):
+                 admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
+                 finishing: Callable[[Sequence], bool] | None = None):
         """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
         `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too); `admit`
-        says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots)."""
+        says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots);
+        `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt
         self.admit = admit
+        self.finishing = finishing
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
@@ -165,6 +168,8 @@ class Scheduler:
         for seq in sorted(self.running, key=_queue_key):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below while making room for an older sequence, or still prefilling
+            if self.finishing is not None and self.finishing(seq):
+                continue
             seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
             if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
                 seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone

@@ -92,7 +92,7 @@ class LLM:
                  seed: int = 0, compilation_cache_dir: str | None = "default",
                  quantization: str | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  quantization_group_size: int | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, batch_invariant: bool = False):
+                 max_lora_rank: int = 16, batch_invariant: bool = False, async_scheduling: bool = True):
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
 
@@ -127,7 +127,11 @@ class LLM:
         `batch_invariant=True`: a request's logits (so its greedy and seeded tokens and logprobs) are the same bits
         whatever else is batched with it, however its prompt is chunked, prefix-cached or recomputed, and
         `inference.rl.log_probs` over `runner.graphdef` returns the engine's logprobs bit for bit (CPU, float32,
-        one device; models/batch_invariant.py, docs/rl.md)."""
+        one device; models/batch_invariant.py, docs/rl.md).
+
+        `async_scheduling` (vLLM's): dispatch each step before the previous step's tokens reach the host, so the
+        host's bookkeeping overlaps the device; the outputs are the synchronous engine's, and steps that cannot
+        overlap exactly run synchronously (inference/engine/async_scheduling.py). False: one step at a time."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
@@ -336,6 +340,7 @@ class LLM:
         prefix cache is dropped with them), level 2 also releases the weights, kept as host numpy unless
         `keep_weights_on_host=False` (then `update_weights` must refill them). `wake_up` restores; generating while
         asleep raises. No request may be in flight. A draft model's cache (speculative_method="draft") is kept."""
+        self.engine.drain()  # async scheduling: a step still on the device would use the freed buffers
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still in flight; let them finish or abort them first")
         for runner in self.runners:

@@ -150,6 +150,7 @@ class EngineLoop:
             self._paused = True
             while self._stepping:
                 self._wake.wait()
+            self._publish(self.engine.drain())  # async scheduling: the in-flight step's tokens, folded and sent
 
     def resume(self, *, recompute: bool = False) -> None:
         """Continue the in-flight requests. `recompute=True`: first release every running sequence's KV cache

@@ -46,6 +46,21 @@ class StepOutput:
     num_accepted: np.ndarray | None = None  # i32[S]
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step's outputs, still device arrays: `sampled.tokens` i32[S] can be the next step's input tokens
+    before the host has seen them (async scheduling, inference/engine/async_scheduling.py)."""
+
+    sampled: SamplerOutput
+    prompt: tuple | None = None  # prompt logprobs (logprob, top ids, top logprobs, rank)
+    spec: list | None = None  # speculative steps: [emitted, num_accepted]
+    tokens_only: bool = True  # no logprobs asked: only the tokens come back
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.sampled.tokens
+
+
 def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: ModelInput, sampling: SamplingTensors,
           lora=None, *, use_filters: bool, logprobs: bool, prompt_logprobs: bool):
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
@@ -179,6 +194,10 @@ class ModelRunner:
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
         # One device: where the steps run; update_weights moves leaves from elsewhere there.
         self._device = next(iter(self.param_leaves[0].devices()))
+        # Where a step's input tokens live, committed there: the host's (numpy) and those gathered on the device from
+        # the previous step's samples (async scheduling) must reach the jitted step alike, or each would compile its
+        # own variant (a one-device KV cache is committed there too, for the same reason).
+        self._token_sharding = jax.sharding.SingleDeviceSharding(self._device)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
@@ -196,6 +215,7 @@ class ModelRunner:
             if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
                 kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
             self._kv_sharding = kv_sharding
+            self._token_sharding = replicated(mesh)
             self.kv_caches = self._zero_kv_caches()
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
@@ -214,10 +234,9 @@ class ModelRunner:
                                       for c in caches], donate_argnums=(0,))
 
     def _zero_kv_caches(self) -> list:
-        """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device)."""
-        if self._kv_sharding is None:
-            return [_new_cache(self._kv_spec) for _ in range(self._num_kv_layers)]
-        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding)
+        """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
+        committed to its devices: the caches every step returns are, and the first step must see the same kind."""
+        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding or self._token_sharding)
         return [zeros() for _ in range(self._num_kv_layers)]
 
     @property
@@ -230,8 +249,10 @@ class ModelRunner:
         return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size()}
 
     def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
-                logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
-        """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host."""
+                logprobs: bool = False, prompt_logprobs: bool = False, fetch: bool = True) -> StepOutput | PendingStep:
+        """Run one step; only the sampled tokens (and the logprobs asked for) come back to the host. `fetch=False`
+        returns at once with the step's device outputs (`PendingStep`; JAX dispatch is asynchronous): async
+        scheduling feeds its tokens to the next step on device and `fetch`es them while that step computes."""
         if self.sleep_level:
             raise RuntimeError(f"the model runner is asleep (sleep level {self.sleep_level}: its KV cache"
                                f"{' and weights' if self.sleep_level == 2 else ''} are freed); call wake_up() first")
@@ -241,18 +262,29 @@ class ModelRunner:
             lora = self.lora.arrays
             if inp.lora_slots is None:  # warm-up and other callers without adapters: every token on slot 0
                 inp = inp.replace(lora_slots=np.zeros(inp.tokens.shape[0], np.int32))
+        inp = inp.replace(tokens=jax.device_put(inp.tokens, self._token_sharding))  # committed there, always
         sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
                                              use_filters=use_filters, logprobs=logprobs,
                                              prompt_logprobs=prompt_logprobs)
         spec = None
         if inp.spec is not None:
             sampled, *spec = sampled
-        if not (logprobs or prompt_logprobs or spec):
-            return StepOutput(tokens=np.asarray(sampled.tokens))
-        host = jax.device_get((sampled, prompt, spec))
+        pending = PendingStep(sampled, prompt, spec, tokens_only=not (logprobs or prompt_logprobs or spec))
+        if not fetch:
+            for leaf in jax.tree.leaves(pending.tokens if pending.tokens_only else (sampled, prompt, spec)):
+                leaf.copy_to_host_async()  # the readback overlaps the next step instead of following it
+            return pending
+        return self.fetch(pending)
+
+    @staticmethod
+    def fetch(pending: PendingStep) -> StepOutput:
+        """The host copy of a dispatched step's outputs (waits for the step to finish)."""
+        if pending.tokens_only:
+            return StepOutput(tokens=np.asarray(pending.sampled.tokens))
+        host = jax.device_get((pending.sampled, pending.prompt, pending.spec))
         out = StepOutput(tokens=host[0].tokens, logprob=host[0].logprob, top_ids=host[0].top_ids,
                          top_logprobs=host[0].top_logprobs, rank=host[0].rank)
-        if spec:
+        if pending.spec:
             out.emitted, out.num_accepted = host[2]
         if host[1] is not None:
             out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs, out.prompt_rank = host[1]

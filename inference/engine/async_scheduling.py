@@ -1,0 +1,215 @@
+"""Async scheduling: step N+1 is dispatched before step N's sampled tokens reach the host (vLLM V1's async
+scheduling, SGLang's overlap scheduler).
+
+A step's host work (scheduling, pages, the ragged batch, stop checks, detokenizing, outputs) otherwise runs while
+the device waits. With it on (`SchedulerConfig.async_scheduling`, the default), one `Engine.step` does:
+
+1. schedule step N+1: the scheduler sees step N's sequences already advanced (computed tokens, pages), each token N
+   samples standing in `Sequence.token_ids` as a placeholder (`PLACEHOLDER`);
+2. dispatch N+1 (JAX dispatch returns at once): its placeholder input tokens are gathered on the device from N's
+   sampled-token array, by row (`feed_pending_tokens`); every other input token is known on the host;
+3. fold N while N+1 computes: fetch its tokens (the copy started when N was dispatched), put them in place of the
+   placeholders, run the stop checks, detokenize, build the outputs;
+4. advance N+1's bookkeeping without its tokens (`advance`) and leave it in flight.
+
+Why the outputs are the synchronous engine's: a sequence's tokens depend only on its own history (its sampling key
+is (seed, index of the generated token), its KV only its own tokens), and every row of N+1 runs on the same tokens
+and positions a synchronous N+1 would give it. What differs is only when things happen: a sequence that step N's
+token finishes (EOS, a stop string) already has a row in N+1, whose token is discarded (at most one wasted slot per
+finished sequence; its pages are freed when N is folded, and any step that reuses them is ordered after N+1 on the
+device; one that N's token surely ends by length gets no row, `finishes_in_flight`); pages freed by N's finished
+sequences reach waiting requests one step later, so admission and preemption may come a step earlier or later,
+which moves no token (a preempted sequence recomputes the same tokens).
+
+The rule (`sync_reasons`): a step runs synchronously, after the in-flight step is folded, when one of its rows needs
+a token of the in-flight step on the host, or its own outputs are needed before the next step can be built:
+structured outputs (the mask of the next token depends on this one), penalties (the token counts go to the device)
+and bad_words (matched against the last tokens), prompt logprobs (recorded at this step's position), speculative
+decoding (drafts are proposed from the tokens; an engine with a proposer never overlaps), and a sequence whose
+placeholder is not a plain decode row of the step (recomputed after a preemption). The rule is per step, so a mixed
+workload overlaps its other steps and every step is exact. `Engine.drain` folds the in-flight step (sleep, and the
+engine loop's pause, call it); an abort drops the sequence's placeholder at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference.engine.outputs import RequestOutput
+from inference.engine.scheduler import ScheduledBatch
+from inference.engine.sequence import Sequence
+from inference.runtime.batch import ModelInput
+from inference.runtime.runner import PendingStep
+
+# The functions below take the `Engine` (inference/engine/llm_engine.py), which imports this module: typed `Engine`
+# here it would be an import cycle, so the alias only names it.
+Engine = Any
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # a token id no vocabulary has: the in-flight step's sampled token, until it is folded
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose tokens the host has not seen yet."""
+
+    pending: PendingStep
+    rows: dict[Sequence, int]  # sequences this step samples a token for -> their row; PLACEHOLDER ends token_ids
+    request_ids: list[str]  # requests the step advanced: their outputs are built when it is folded
+
+
+@dataclasses.dataclass
+class AsyncStats:
+    """What async scheduling did, for tests and benchmarks."""
+
+    overlapped_steps: int = 0  # dispatched while the previous step's tokens were still on the device
+    sync_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # run synchronously, by reason
+    wasted_rows: int = 0  # rows of sequences that the previous step's token had finished
+
+
+def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[str]:
+    """Why `batch` must run synchronously (the in-flight step folded first); empty: it may overlap."""
+    pending = in_flight.rows if in_flight is not None else {}
+    reasons = set()
+    for seq, count in zip(batch.seqs, batch.num_new_tokens):
+        params = seq.params
+        if params.structured_outputs is not None:
+            reasons.add("structured_outputs")
+        if params.uses_penalties:
+            reasons.add("penalties")
+        if params.bad_words:
+            reasons.add("bad_words")
+        if seq.spec_tokens:
+            reasons.add("speculative")
+        if params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            reasons.add("prompt_logprobs")
+        if seq in pending and not (count == 1 and seq.num_computed_tokens == seq.num_tokens - 1):
+            reasons.add("recompute")
+    return reasons
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _gather_tokens(tokens, prev_tokens, dst, src):
+    """tokens[dst] = prev_tokens[src]; padding entries of dst point past the end and are dropped."""
+    return tokens.at[dst].set(prev_tokens[src], mode="drop")
+
+
+def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None) -> ModelInput:
+    """`inp` with each placeholder input token replaced, on the device, by the in-flight step's sampled token of
+    that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back)."""
+    if in_flight is None:
+        return inp
+    pairs = [(int(inp.logits_indices[i]), in_flight.rows[seq]) for i, seq in enumerate(batch.seqs)
+             if seq in in_flight.rows]
+    if not pairs:
+        return inp
+    size = inp.logits_indices.shape[0]  # one gather shape per sequence bucket
+    dst = np.full(size, inp.tokens.shape[0], np.int32)
+    src = np.zeros(size, np.int32)
+    dst[:len(pairs)], src[:len(pairs)] = zip(*pairs)
+    return inp.replace(tokens=_gather_tokens(jnp.asarray(inp.tokens), in_flight.pending.tokens, dst, src))
+
+
+def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
+    """The host bookkeeping of a dispatched step that needs no token: computed tokens, full pages into the prefix
+    cache, forks of `n` samples, and a placeholder for each token the step samples (what the synchronous
+    `Engine._process` does before it appends a token)."""
+    rows: dict[Sequence, int] = {}
+    request_ids: dict[str, None] = {}
+    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if seq.is_finished:  # the previous step's token (or an abort) ended it: this row's token is discarded
+            engine.async_stats.wasted_rows += 1
+            continue
+        request_ids[seq.request_id] = None
+        try:
+            seq.num_computed_tokens += count
+            engine.block_manager.commit_full_pages(seq)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                engine.scheduler.fork_samples(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:
+                seq.token_ids.append(PLACEHOLDER)
+                rows[seq] = i
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+            engine._fail(seq, exc)
+    return InFlightStep(pending, rows, list(request_ids))
+
+
+def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
+    """Fetch the in-flight step's tokens and fold them in: each replaces its placeholder, then logprobs, stop checks
+    and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced."""
+    out = engine.runner.fetch(in_flight.pending)
+    now = time.perf_counter()
+    rows, in_flight.rows = in_flight.rows, {}
+    for seq, row in rows.items():
+        seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
+        try:
+            engine._append_token(seq, engine.requests[seq.request_id], int(out.tokens[row]), out, row, now)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+            engine._fail(seq, exc)
+    return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
+
+
+def finishes_in_flight(engine: Engine, seq: Sequence) -> bool:
+    """Whether `seq`'s in-flight token surely ends it by length (max_tokens, the context): then the next step
+    need not give it a row that would be wasted."""
+    if engine.in_flight is None or seq not in engine.in_flight.rows:
+        return False
+    limit = seq.params.max_tokens
+    return (limit is not None and seq.num_output_tokens >= limit) or seq.num_tokens >= engine.max_model_len
+
+
+def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOutput]:
+    """Fold the engine's in-flight step, if any (its outputs); `only_if_idle`: only when it has only wasted rows and
+    nothing else runs (an idle engine holds no step on the device)."""
+    in_flight = engine.in_flight
+    if in_flight is None or only_if_idle and (in_flight.rows or engine.scheduler.has_work()):
+        return []
+    engine.in_flight = None
+    return fold(engine, in_flight)
+
+
+def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
+    """A sequence that finishes before its in-flight token is folded (an abort) keeps only its real tokens."""
+    if in_flight is not None and in_flight.rows.pop(seq, None) is not None:
+        seq.token_ids.pop()
+
+
+def merge_outputs(*groups: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request, the latest (outputs are cumulative), in first-seen order."""
+    latest: dict[str, RequestOutput] = {}
+    for group in groups:
+        for out in group:
+            latest[out.request_id] = out
+    return list(latest.values())
+
+
+def async_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
+    """One step of the async engine for a scheduled `batch` (under the engine's lock); see the module docstring."""
+    prev = engine.in_flight
+    reasons = sync_reasons(batch, prev)
+    if not reasons:
+        pending = engine._execute(batch, prev, fetch=False)
+        if prev is not None:
+            engine.async_stats.overlapped_steps += 1
+        engine.in_flight = None
+        outputs = fold(engine, prev) if prev is not None else []
+        engine.in_flight = advance(engine, batch, pending)
+        return merge_outputs(outputs, fold_in_flight(engine, only_if_idle=True))
+    for reason in reasons:
+        engine.async_stats.sync_steps[reason] = engine.async_stats.sync_steps.get(reason, 0) + 1
+    folded = fold_in_flight(engine)
+    live = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_finished]
+    if len(live) < len(batch.seqs):  # finished by the folded step's tokens: a synchronous engine never ran them
+        if not live:
+            return folded
+        batch = ScheduledBatch([s for s, _ in live], [n for _, n in live])
+    return merge_outputs(folded, engine._process(batch, engine._execute(batch)))
