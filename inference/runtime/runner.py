@@ -18,13 +18,11 @@ from flax import nnx
 
 from inference.lora.slots import LoRASlots
 from inference.runtime.reshard import reshard_all
-from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
-from inference.runtime.warmup import StepShape
+from inference.runtime.batch import ModelInput, SpecInput, bucket
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
-from inference.sampling.token_mask import all_allowed
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from models.attention import QuantizedKV
 from models.decoder import Decoder
@@ -169,6 +167,8 @@ class ModelRunner:
             # (`Decoder(mesh=)`, `sharding.shard_decoder`); the runner does not rewrite a built module.
             raise ValueError(f"the model's attention was built for mesh {model.layers[0].attn.mesh}, the runner got "
                              f"mesh={mesh}; build it with sharding.shard_decoder(..., mesh) (or Decoder(mesh=...))")
+        # The attention kernel the steps run (the engine asks which bucket axes it pays for).
+        self.attn_impl = getattr(model.layers[0].attn, "attn_impl", "auto")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
@@ -225,8 +225,10 @@ class ModelRunner:
         return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
 
     def num_compilations(self) -> dict[str, int]:
-        """Compiled variants of each step so far (one per static bucket seen)."""
-        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size()}
+        """Compiled variants of each step so far (one per static bucket seen), and of the copy-on-write page copy
+        (one per power-of-two count of copies)."""
+        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size(),
+                "copy_pages": self._copy_pages._cache_size()}
 
     def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
                 logprobs: bool = False, prompt_logprobs: bool = False) -> StepOutput:
@@ -269,34 +271,6 @@ class ModelRunner:
             return
         for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
             self.kv_caches[c] = cache
-
-    def warmup_decode(self, limits: BucketLimits, token_mask: bool = False) -> int:
-        """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
-        filters (and with `token_mask` also with and without a structured-outputs mask), so serving never compiles
-        a decode step. Returns how many variants were compiled."""
-        shapes = [StepShape(seqs, seqs, pages, 1) for seqs in bucket_ladder(1, limits.max_seqs)
-                  for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages)]
-        return self._warm(shapes, is_decode=True, token_mask=token_mask)
-
-    def warmup_prefill(self, shapes: list[StepShape], token_mask: bool = False) -> int:
-        """Compile the prefill step for each shape (`inference/runtime/warmup.py: prefill_shapes`), with and without
-        filters (and a token mask with `token_mask`). Returns how many variants were compiled."""
-        return self._warm(shapes, is_decode=False, token_mask=token_mask)
-
-    def _warm(self, shapes: list[StepShape], *, is_decode: bool, token_mask: bool) -> int:
-        """Run each shape once on an input that reads and writes nothing (`ModelInput.empty`)."""
-        fn = self.decode_step if is_decode else self.prefill_step
-        before = fn._cache_size()
-        for shape in shapes:
-            inp = ModelInput.empty(num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
-                                   pages_per_seq=shape.pages_per_seq, max_q_len=shape.max_q_len,
-                                   num_groups=len(self.group_caches))
-            masks = [None] + ([all_allowed(shape.num_seqs, self.config.vocab_size)] if token_mask else [])
-            for mask in masks:
-                sampling = SamplingTensors.from_params([], [], [], pad_to=shape.num_seqs, token_mask=mask)
-                for use_filters in (False, True):
-                    self.execute(inp, sampling, is_decode=is_decode, use_filters=use_filters)
-        return fn._cache_size() - before
 
     @property
     def params(self) -> nnx.State:
