@@ -17,6 +17,7 @@ compile on first use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,11 +69,12 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
     no-op penalties where no row has any, penalty ids padded to `penalty_len`), unchanged otherwise."""
     if not flags.extras:
         return sampling
-    rows = sampling.num_rows
-    mask = sampling.token_mask if sampling.token_mask is not None else all_allowed(rows, vocab_size)
+    # Numpy like the parts `SamplingTensors.from_params` builds: jit keys a numpy argument apart from a jax.Array.
+    noop_mask, noop_pen = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
+    mask = sampling.token_mask if sampling.token_mask is not None else noop_mask
     pen = sampling.penalties
     if pen is None:
-        pen = PenaltyTensors.from_params([], [], [], rows)
+        return sampling.replace(token_mask=mask, penalties=noop_pen)
     if max(pen.prompt_ids.shape[1], pen.output_ids.shape[1]) > penalty_len:
         raise ValueError(f"penalty token ids of {pen.prompt_ids.shape[1]} / {pen.output_ids.shape[1]} exceed the "
                          f"folded length {penalty_len}; build it with penalty_length(max_model_len)")
@@ -82,6 +84,18 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
 
     pen = pen.replace(prompt_ids=pad(pen.prompt_ids), output_ids=pad(pen.output_ids))
     return sampling.replace(token_mask=mask, penalties=pen)
+
+
+@functools.lru_cache(maxsize=64)
+def _noop_parts(rows: int, vocab_size: int, penalty_len: int) -> tuple[np.ndarray, PenaltyTensors]:
+    """An all-ones mask and no-op penalties for `rows` rows, built once per size (read-only: the step only reads
+    them), so a logprobs-only step does not allocate [rows, context] id arrays on the host every time."""
+    mask = all_allowed(rows, vocab_size)
+    mask.flags.writeable = False
+    pen = PenaltyTensors.from_params([], [], [], rows)
+    ids = np.full((rows, penalty_len), -1, np.int32)
+    ids.flags.writeable = False
+    return mask, pen.replace(prompt_ids=ids, output_ids=ids)
 
 
 def warm_variants(runner: ModelRunner, variants: list[StepVariant], *, penalty_len: int) -> int:

@@ -20,6 +20,7 @@ from inference.runtime.warmup import StepShape, prefill_shapes, verify_shapes
 from inference.sampling.sampler import SamplingTensors, sample_with_logprobs
 from inference.spec_decode.draft import load_draft, make_draft_proposer
 from inference.structured.params import StructuredOutputsParams
+from scripts.compile_budget import count_before_after
 from tests.llm_configs import engine_swapped
 from tests.tiny_folder import make_tiny_hf_folder
 
@@ -118,6 +119,15 @@ def test_folded_extras_leave_tokens_and_logits_alone():
     np.testing.assert_array_equal(a.logprob, b.logprob)
     np.testing.assert_array_equal(a.top_ids, b.top_ids)
     assert fold_extras(sampling, StepFlags(True, False), vocab_size=vocab, penalty_len=64) is sampling
+    pen = [P(temperature=0.0, repetition_penalty=1.5)] + params[1:]
+    penalized = SamplingTensors.from_params(pen, list(range(rows)), [3] * rows, pad_to=rows,
+                                            prompt_token_ids=[[5, 6]] * rows, output_token_ids=[[7]] * rows)
+    want = plain(logits, penalized)
+    got = plain(logits, fold_extras(penalized, StepFlags(True, True), vocab_size=vocab, penalty_len=64))
+    np.testing.assert_array_equal(want.tokens, got.tokens)
+    np.testing.assert_array_equal(want.logprob, got.logprob)
+    with pytest.raises(ValueError, match="exceed the folded length 8"):
+        fold_extras(penalized, StepFlags(extras=True), vocab_size=vocab, penalty_len=8)
 
 
 def _tiny_folder_without_window(path):
@@ -156,6 +166,8 @@ def test_warmed_up_engines_compile_nothing(tmp_path):
               kv_cache_memory_bytes=1 << 18, seed=0, compilation_cache_dir=None)
     expected = count_variants(llm.engine)
     assert set(expected) == {"decode", "prefill", "copy_pages"}
+    budget = count_before_after(llm.engine)  # what scripts/compile_budget.py reports
+    assert budget["total_after"] == sum(expected.values()) < budget["before_without_penalty_lengths"]
     compiled = llm.warmup()
     counts = llm.runner.num_compilations()
     assert compiled == sum(expected.values()) == sum(counts.values())  # each variant one executable, none twice
