@@ -112,7 +112,7 @@ def cut_costs(llm, reps: int) -> dict:
     vocab = runner.config.vocab_size
     out = {}
 
-    def step(batch, limits, params, *, logprobs=False, mask=False, pen=False, fold=False):
+    def step(batch, limits, params, *, logprobs=False, mask=False, pen=False, fold=False, filters=False):
         """One step's call; `fold`: the extras variant (`fold_extras`), else only the parts named."""
         inp, _ = build_model_input(batch, page, limits)
         rows, seqs = inp.logits_indices.shape[0], batch.seqs
@@ -123,13 +123,20 @@ def cut_costs(llm, reps: int) -> dict:
             token_mask=all_allowed(rows, vocab) if mask else None)
         if fold:
             sampling = fold_extras(sampling, StepFlags(extras=True), vocab_size=vocab, penalty_len=engine.penalty_len)
-        return lambda: runner.execute(inp, sampling, is_decode=batch.is_decode, logprobs=logprobs or fold)
+        return lambda: runner.execute(inp, sampling, is_decode=batch.is_decode, logprobs=logprobs or fold,
+                                      use_filters=filters)
 
     greedy = SamplingParams(temperature=0.0)
     for n in (1, min(32, cut.max_seqs)):
         batch = _batch(n, 100, 1, page)
         out[f"decode_pages_{n}seq"] = {"a": f"{batch.seqs[0].pages.__len__()} pages bucketed", "b": "max width",
                                        **_ab(step(batch, full, [greedy] * n), step(batch, cut, [greedy] * n), reps)}
+    sampled = SamplingParams(temperature=0.8, seed=0)
+    for n, count in ((4, 30), (32, 2)):  # a 128-token and a 64-token prefill (the latter: many rows, few tokens)
+        batch = _batch(n, 40, count, page)
+        out[f"prefill_fold_{n}x{count}"] = {"a": "plain (sampled rows)", "b": "filters + extras (the prefill fold)",
+                                            **_ab(step(batch, cut, [sampled] * n),
+                                                  step(batch, cut, [sampled] * n, fold=True, filters=True), reps)}
     batch = _batch(4, 30, 30, page)  # 120 tokens: a 128-token bucket, longest query 30 (bucket 32)
     out["prefill_query_4x30"] = {"a": "query bucket 32, pages bucketed", "b": "query = token bucket, max width",
                                  **_ab(step(batch, full, [greedy] * 4), step(batch, cut, [greedy] * 4), reps)}
@@ -148,6 +155,15 @@ def cut_costs(llm, reps: int) -> dict:
     return out
 
 
+def _memory_maps() -> int | None:
+    """This process's memory mappings (Linux), or None elsewhere."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -161,9 +177,13 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.mode == "warmup":
         from inference.engine.compile_budget import warmup_serving
 
-        start = time.perf_counter()
+        start, maps = time.perf_counter(), _memory_maps()
         result["warmup"] = warmup_serving(llm.engine)
         result["warmup_seconds"] = round(time.perf_counter() - start, 1)
+        compiled = sum(v["compiled"] for v in result["warmup"].values())
+        if maps is not None and compiled:  # XLA:CPU maps each kernel apart; vm.max_map_count caps a process
+            result["memory_maps_per_executable"] = round((_memory_maps() - maps) / compiled)
+            result["memory_maps_now"] = _memory_maps()
     if FLAGS.mode == "cost":
         result["cut_costs"] = cut_costs(llm, FLAGS.reps)
     text = json.dumps(result, indent=1, default=str)

@@ -5,10 +5,14 @@ Families: `decode` and `prefill` (the target's steps), `verify` (speculative ver
 `draft` (the draft model's catch-up chunks and proposal step, `speculative_method="draft"`), `copy_pages`
 (copy-on-write page copies, one per power-of-two count). A family's variants are its shapes
 (`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
-filters, and the folded extras: logprobs, token mask and penalties; prompt logprobs in prefill; draft
-probabilities in verification). Not counted and not warmed: the sparse logit edits (`logit_bias`,
-`allowed_token_ids`, `bad_words`, `min_tokens`), whose list lengths keep their own buckets, and LoRA slot writes
-(`inference/lora/slots.py`, one executable).
+filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
+in prefill, which always runs filters and extras; draft probabilities in verification). Not counted and not
+warmed: the sparse logit edits (`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`), whose list lengths
+keep their own buckets, and LoRA slot writes (`inference/lora/slots.py`, one executable).
+
+Each executable holds memory mappings (XLA:CPU maps every compiled kernel's code and data separately: about 600
+for a SmolLM2 step), and a process may have only `vm.max_map_count` (65,530 by default on Linux) of them, so on
+CPU the budget is also a hard ceiling near a hundred SmolLM2 steps per process (BENCHMARKS.md, compile budget).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from kernels_pallas.backend import target_backend
 
 FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages")
 
-#: The flag sets a decode (or verification) step can take, and a prefill step (prompt logprobs too).
+#: The flag sets a decode (or verification) step can take; a prefill step (filters and extras always on,
+#: `StepFlags.of_batch`); a verification step that also carries prompt chunks (mixed scheduling).
 _DECODE_FLAGS = [StepFlags(f, e) for f in (False, True) for e in (False, True)]
-_PREFILL_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
+_PREFILL_FLAGS = [StepFlags(True, True), StepFlags(True, True, True)]
+_MIXED_VERIFY_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
 
 
 def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:
@@ -41,10 +47,11 @@ def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:
 
 def serving_variants(engine, *, prefill: bool = True, extras: bool = True) -> dict[str, list[StepVariant]]:
     """The target's step variants serving can compile under `engine`'s limits, by family. `prefill=False`: decode
-    only; `extras=False`: without the extras flag (then logprobs, masks and penalties compile on first use)."""
+    only; `extras=False`: without the extras flag and prompt logprobs (those then compile on first use)."""
     limits, page = engine.limits, engine.page_size
     decode_flags = [f for f in _DECODE_FLAGS if extras or not f.extras]
-    prefill_flags = [f for f in _PREFILL_FLAGS if extras or not f.extras]
+    prefill_flags = [f for f in _PREFILL_FLAGS if extras or not f.prompt_logprobs]
+    mixed_flags = [f for f in _MIXED_VERIFY_FLAGS if extras or not f.extras]
     out = {"decode": [StepVariant(s, True, f) for s in decode_shapes(limits) for f in decode_flags]}
     if not prefill:
         return out
@@ -54,7 +61,7 @@ def serving_variants(engine, *, prefill: bool = True, extras: bool = True) -> di
         with_probs = (False, True) if isinstance(engine.proposer, DraftModelProposer) else (False,)
         out["verify"] = [StepVariant(s, False, f, engine.num_spec, p)
                          for s in verify_shapes(limits, page, engine.num_spec, mixed=mixed)
-                         for f in (prefill_flags if mixed else decode_flags) for p in with_probs]
+                         for f in (mixed_flags if mixed else decode_flags) for p in with_probs]
     return out
 
 

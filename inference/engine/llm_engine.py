@@ -331,7 +331,8 @@ class Engine:
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
         flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
-                                   sampling.token_mask is not None, pen, wants_prompt)
+                                   sampling.token_mask is not None, pen, wants_prompt,
+                                   prefill=not (batch.is_decode or batch.speculative))
         sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode, use_filters=flags.use_filters,
                                    logprobs=flags.extras, prompt_logprobs=flags.prompt_logprobs)

@@ -8,8 +8,10 @@ verification step its drafts (with or without draft probabilities). Taken separa
 by 2 x 2 x 2 x (1 + penalty lengths) x 2. `fold_extras` folds three of them into one `extras` flag: a batch that
 wants any of logprobs, a mask or penalties gets all three, as no-ops on the rows that did not ask (an all-ones mask
 and penalty values 1, 0, 0 leave a row's logits exactly as they were; logprobs are only read for the rows that asked),
-with the penalty ids padded to one length, the context. Filters stay their own flag: they are the costly part of
-the sampler and most sampled traffic has them on or off as a whole (BENCHMARKS.md, compile budget, measures both).
+with the penalty ids padded to one length, the context. Filters stay their own flag in decode and verification
+steps: they are the costly part of the sampler there. A prefill step runs both always (`StepFlags.of_batch`):
+beside its T tokens the sampler's S rows cost little, and every prefill shape is then two variants (prompt
+logprobs off / on). BENCHMARKS.md (compile budget) measures each fold.
 The sparse logit edits (`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`) keep their length buckets and
 compile on first use.
 """
@@ -41,9 +43,13 @@ class StepFlags:
 
     @classmethod
     def of_batch(cls, use_filters: bool, logprobs: bool, token_mask: bool, penalties: bool,
-                 prompt_logprobs: bool) -> "StepFlags":
+                 prompt_logprobs: bool, prefill: bool = False) -> "StepFlags":
         """The variant a batch runs: prompt logprobs come with the extras (their requests mostly ask for sample
-        logprobs too, and it saves a variant per prefill shape)."""
+        logprobs too, and it saves a variant per prefill shape). A prefill step (prompt chunks, no drafts) always
+        runs filters and extras: they cost a few [S, V] passes over one row per sequence, small beside a step
+        over its T tokens, and it leaves two variants per prefill shape (prompt logprobs off / on)."""
+        if prefill:
+            return cls(True, True, prompt_logprobs)
         return cls(use_filters, logprobs or token_mask or penalties or prompt_logprobs, prompt_logprobs)
 
 
