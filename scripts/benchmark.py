@@ -130,7 +130,7 @@ def serving_workload(llm: LLM) -> tuple[list[list[int]], np.ndarray, SamplingPar
 def run_serving(llm: LLM) -> dict:
     """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
     prompts, gaps, params = serving_workload(llm)
-    llm.warmup()  # every decode bucket; prefill buckets compile on first use
+    llm.warmup(prefill=False, extras=False)  # every decode bucket; prefill buckets compile on first use
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
     llm.engine.reset_prefix_cache()
     llm.engine.reset_stats()

@@ -75,7 +75,7 @@ def main() -> None:
     rows = make_rows(args.rows, [int(x) for x in args.lengths.split(",")])
     base = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
     tokens = sum(r["max_tokens"] for r in rows)
-    llm.warmup()
+    llm.warmup(prefill=False, extras=False)
     for run in (lockstep, streaming):  # compiles whatever warmup did not, outside the timed runs
         run(llm, rows[:args.window], base, args.window, os.path.join(tmp, "warm.jsonl"))
     results: dict[str, list[list[float]]] = {"lockstep": [], "streaming": []}

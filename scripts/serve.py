@@ -5,6 +5,7 @@
     python scripts/serve.py --model=model.gguf --port=9000 --served_model_name=my-model --max_waiting=64
     PAGEJAX_API_KEY=... python scripts/serve.py --host=0.0.0.0   # clients send Authorization: Bearer <key>
     python scripts/serve.py --lora=sql=/path/to/sql-adapter        # requests with model="sql" run that adapter
+    python scripts/serve.py --warmup                               # compile every step variant before binding
 
 The engine flags (model, KV cache, dtype, quantization, parallelism) are the batch launcher's
 (scripts/engine_flags.py). SIGTERM or Ctrl-C stops accepting connections, lets every in-flight request finish, then
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -39,6 +41,9 @@ _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 4 << 20, "Largest request bod
 _RUNTIME_LORA = flags.DEFINE_bool("allow_runtime_lora", False, "Enable POST /v1/load_lora_adapter and "
                                   "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients can "
                                   "make the server read adapter folders; turns LoRA on even without --lora.")
+_WARMUP = flags.DEFINE_bool("warmup", False, "Compile every step variant serving can run before binding "
+                            "(LLM.warmup: decode, prefill, logprob, structured-output and speculative steps), so no "
+                            "request waits for a compile.")
 _LOG_LEVEL = flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                                "uvicorn's log level.")
 
@@ -50,6 +55,10 @@ def main(argv: Sequence[str]) -> None:
     loras = list(lora_requests().values())  # --lora NAME=PATH: served as model NAME
     try:
         llm = build_llm(enable_lora=_RUNTIME_LORA.value)
+        if _WARMUP.value:
+            start = time.perf_counter()
+            compiled = llm.warmup()
+            print(f"warm-up: {compiled} step variants compiled in {time.perf_counter() - start:.1f} s", flush=True)
         from inference.entrypoints.openai.server import serve
 
         serve(llm, host=_HOST.value, port=_PORT.value, log_level=_LOG_LEVEL.value, api_key=api_key,

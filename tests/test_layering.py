@@ -69,9 +69,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
     ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages", "inference.engine.logprobs"),
     ("inference.engine.scheduler",),
-    ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup"),
+    ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup",
+     "inference.runtime.step_variants"),
     ("inference.spec_decode",),
-    ("inference.engine", "inference.engine.async_scheduling"),
+    ("inference.engine", "inference.engine.async_scheduling", "inference.engine.compile_budget"),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
     ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
     ("inference.tools",),

@@ -34,20 +34,17 @@ engine loop's pause, call it); an abort drops the sequence's placeholder at once
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from inference.engine.outputs import RequestOutput
 from inference.engine.scheduler import ScheduledBatch
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import ModelInput
-from inference.runtime.runner import PendingStep
+from inference.runtime.runner import ModelRunner, PendingStep
 
 # The functions below take the `Engine` (inference/engine/llm_engine.py), which imports this module: typed `Engine`
 # here it would be an import cycle, so the alias only names it.
@@ -97,15 +94,11 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[s
     return reasons
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _gather_tokens(tokens, prev_tokens, dst, src):
-    """tokens[dst] = prev_tokens[src]; padding entries of dst point past the end and are dropped."""
-    return tokens.at[dst].set(prev_tokens[src], mode="drop")
-
-
-def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None) -> ModelInput:
+def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None, runner: ModelRunner,
+                        width: int) -> ModelInput:
     """`inp` with each placeholder input token replaced, on the device, by the in-flight step's sampled token of
-    that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back)."""
+    that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back).
+    `width`: the largest sequence bucket (`ModelRunner.feed_tokens`)."""
     if in_flight is None:
         return inp
     pairs = [(int(inp.logits_indices[i]), in_flight.rows[seq]) for i, seq in enumerate(batch.seqs)
@@ -116,7 +109,7 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     dst = np.full(size, inp.tokens.shape[0], np.int32)
     src = np.zeros(size, np.int32)
     dst[:len(pairs)], src[:len(pairs)] = zip(*pairs)
-    return inp.replace(tokens=_gather_tokens(jnp.asarray(inp.tokens), in_flight.pending.tokens, dst, src))
+    return inp.replace(tokens=runner.feed_tokens(inp.tokens, in_flight.pending.tokens, dst, src, width))
 
 
 def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:

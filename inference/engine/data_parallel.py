@@ -130,11 +130,10 @@ class DataParallelEngine:
             self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="pagejax-replica")
         return self._pool
 
-    def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
-        """Compile every replica's decode buckets, and prefill shapes with `prefill` (concurrently: each replica's
-        devices need their own executables); returns the number of variants compiled over all replicas."""
-        return sum(self._executor().map(lambda e: e.warmup(structured_outputs=structured_outputs, prefill=prefill),
-                                        self.engines))
+    def warmup(self, prefill: bool = True, extras: bool = True) -> int:
+        """`Engine.warmup` on every replica (concurrently: each replica's devices need their own executables);
+        returns the number of variants compiled over all replicas."""
+        return sum(self._executor().map(lambda e: e.warmup(prefill=prefill, extras=extras), self.engines))
 
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""

@@ -14,7 +14,8 @@ import threading
 import time
 
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
-from inference.runtime.warmup import prefill_shapes
+from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
+from inference.engine.compile_budget import padding_is_free, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
@@ -104,10 +105,13 @@ class Engine:
                                    admit=self._lora_fits if lora is not None else None,
                                    finishing=lambda seq: finishes_in_flight(self, seq))
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
+        free = padding_is_free(runner.config, runner.page_size, runner.attn_impl)  # bucket axes that buy nothing
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(self.max_model_len),
-                                   fine_pages=reads_padded_pages(runner.config, runner.page_size))
+                                   fine_pages=reads_padded_pages(runner.config, runner.page_size),
+                                   query_buckets=not free, page_buckets=not free)
+        self.penalty_len = penalty_length(self.max_model_len)  # fold_extras: one length for the penalty ids
         if self.num_spec:
             check_speculative_budget(scheduler_config.max_num_seqs, self.limits.max_tokens, self.num_spec)
         if proposer is not None:
@@ -232,15 +236,14 @@ class Engine:
                     self._finish(seq, "abort")
             fold_in_flight(self, only_if_idle=True)
 
-    def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
-        """Compile every decode bucket now (see ModelRunner.warmup_decode); with `structured_outputs` also the
-        variants that carry a token mask; with `prefill` also every prefill shape the limits allow
-        (`inference/runtime/warmup.py: prefill_shapes`; off by default: at the default limits that is over a
-        thousand shapes). Returns how many variants were compiled."""
-        n = self.runner.warmup_decode(self.limits, token_mask=structured_outputs)
-        if prefill:
-            n += self.runner.warmup_prefill(prefill_shapes(self.limits, self.page_size), token_mask=structured_outputs)
-        return n
+    def warmup(self, prefill: bool = True, extras: bool = True) -> int:
+        """Compile every step variant serving can run (`inference/engine/compile_budget.py`: decode, prefill and
+        verification buckets with each flag set, the draft model's steps, the page copies), so a warmed-up engine
+        compiles nothing. `prefill=False`: decode buckets only; `extras=False`: without the logprob / mask /
+        penalty variants. Returns how many variants were compiled."""
+        report = warmup_serving(self, prefill=prefill, extras=extras)
+        log.info("warm-up: %s", {k: (v["variants"], round(v["seconds"], 1)) for k, v in report.items()})
+        return sum(v["compiled"] for v in report.values())
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached KV pages (their contents came from other weights)."""
@@ -352,9 +355,14 @@ class Engine:
             logit_bias=self._logit_bias(batch, inp.logits_indices.shape[0]))
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
-        return self.runner.execute(feed_pending_tokens(inp, batch, in_flight), sampling, is_decode=batch.is_decode,
-                                   use_filters=needs_filters(params), prompt_logprobs=wants_prompt,
-                                   logprobs=any(p.logprobs is not None for p in params), fetch=fetch)
+        flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
+                                   sampling.token_mask is not None, pen, wants_prompt,
+                                   prefill=not (batch.is_decode or batch.speculative))
+        sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len)
+        inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
+        return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
+                                   use_filters=flags.use_filters, logprobs=flags.extras,
+                                   prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
 
     def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
         """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""

@@ -301,11 +301,12 @@ class LLM:
                 finished[request_id] = self.engine.output_of(request_id)
         return finished
 
-    def warmup(self, structured_outputs: bool = False, prefill: bool = False) -> int:
-        """Compile every decode bucket up front (with `structured_outputs` also the variants with a token mask, so
-        constrained requests compile nothing either; with `prefill` also every prefill shape the engine's limits
-        allow, so serving without logprobs compiles nothing); returns the number of variants compiled."""
-        return self.engine.warmup(structured_outputs=structured_outputs, prefill=prefill)
+    def warmup(self, prefill: bool = True, extras: bool = True) -> int:
+        """Compile every step variant serving can run (decode, prefill and speculative verification buckets with
+        their sampler and logprob flags, the draft model's steps), so the first requests compile nothing: the one
+        call a server makes before traffic. `prefill=False` warms decode buckets only, `extras=False` skips the
+        logprob / structured-output / penalty variants (both for quick starts). Returns the variants compiled."""
+        return self.engine.warmup(prefill=prefill, extras=extras)
 
     # ---- RL hooks ---------------------------------------------------------------------------------------------
     def get_params(self) -> nnx.State:

@@ -8,6 +8,11 @@ reads 192 positions instead of 256 (a small saving expected from attention's sha
 A/B pairs stayed within noise), for one more compiled shape per doubling; the C++ CPU kernel and the Pallas
 kernels stop at each sequence's length, where finer buckets would only add compiles (`engine.reads_padded_pages`). All
 of this is numpy on the host; one `device_put` per step moves it.
+
+Buckets that buy nothing are cut (`BucketLimits.query_buckets`, `page_buckets`): the C++ CPU kernel ignores the
+longest-query bound and reads no page past a sequence's length, so under it a prefill step's longest query is its
+token bucket and every page table has the longest width; each cut axis stops multiplying the compiled variants
+(`inference/engine/compile_budget.py` counts them; BENCHMARKS.md, compile budget, measures the padding's cost).
 """
 
 from __future__ import annotations
@@ -89,6 +94,13 @@ class BucketLimits:
     min_tokens: int = 8
     min_pages_per_seq: int = 4
     fine_pages: bool = False  # pages per sequence on the 1.5x ladder (see the module docstring)
+    query_buckets: bool = True  # False: a prefill step's longest-query bucket is its token bucket
+    page_buckets: bool = True  # False: every page table is max_pages_per_seq wide
+    min_seqs: int = 1  # the smallest sequence bucket (the draft's proposal step: the target step's rows)
+
+    def __post_init__(self):
+        if not 1 <= self.min_seqs <= self.max_seqs:
+            raise ValueError(f"BucketLimits: min_seqs={self.min_seqs} must be in [1, max_seqs={self.max_seqs}]")
 
 
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
@@ -100,7 +112,7 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     num_groups = len(batch.seqs[0].block_tables)
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
-    padded_seqs = bucket(num_seqs, maximum=limits.max_seqs)
+    padded_seqs = bucket(num_seqs, limits.min_seqs, maximum=limits.max_seqs)
     if batch.is_decode:
         padded_tokens, max_q = padded_seqs, 1
     else:
@@ -109,10 +121,10 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         if batch.speculative:  # one shape for every verification step, however many drafts each sequence got
             longest = max(longest, num_spec + 1)
         padded_tokens = max(padded_tokens, bucket(longest))
-        max_q = bucket(longest, maximum=padded_tokens)
+        max_q = bucket(longest, maximum=padded_tokens) if limits.query_buckets else padded_tokens
     max_pages = max(len(seq.pages) for seq in batch.seqs)
-    padded_pages = bucket(max_pages, limits.min_pages_per_seq, limits.max_pages_per_seq,
-                          fine=limits.fine_pages)
+    padded_pages = bucket(max_pages, limits.min_pages_per_seq if limits.page_buckets else limits.max_pages_per_seq,
+                          limits.max_pages_per_seq, fine=limits.fine_pages)
 
     tokens = np.zeros(padded_tokens, np.int32)
     positions = np.zeros(padded_tokens, np.int32)

@@ -18,13 +18,11 @@ from flax import nnx
 
 from inference.lora.slots import LoRASlots
 from inference.runtime.reshard import reshard_all
-from inference.runtime.batch import BucketLimits, ModelInput, SpecInput, bucket, bucket_ladder
-from inference.runtime.warmup import StepShape
+from inference.runtime.batch import ModelInput, SpecInput, bucket
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
-from inference.sampling.token_mask import all_allowed
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from models.attention import QuantizedKV
 from models.decoder import Decoder
@@ -185,6 +183,8 @@ class ModelRunner:
             # (`Decoder(mesh=)`, `sharding.shard_decoder`); the runner does not rewrite a built module.
             raise ValueError(f"the model's attention was built for mesh {model.layers[0].attn.mesh}, the runner got "
                              f"mesh={mesh}; build it with sharding.shard_decoder(..., mesh) (or Decoder(mesh=...))")
+        # The attention kernel the steps run (the engine asks which bucket axes it pays for).
+        self.attn_impl = getattr(model.layers[0].attn, "attn_impl", "auto")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
@@ -232,6 +232,12 @@ class ModelRunner:
             lambda caches, src, dst: [_copy_cache_pages(c, src, dst) if kv_sharding is None else
                                       jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
                                       for c in caches], donate_argnums=(0,))
+        # Async scheduling's token feed (inference/engine/async_scheduling.py): the in-flight step's sampled tokens
+        # widened to one size, then gathered into the next step's input ids; per runner, so it is counted and warmed.
+        self._widen_tokens = jax.jit(lambda prev, width: jnp.zeros((width,), prev.dtype).at[:prev.shape[0]].set(prev),
+                                     static_argnums=(1,))
+        self._gather_tokens = jax.jit(lambda tokens, prev, dst, src: tokens.at[dst].set(prev[src], mode="drop"),
+                                      donate_argnums=(0,))
 
     def _zero_kv_caches(self) -> list:
         """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
@@ -245,8 +251,33 @@ class ModelRunner:
         return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
 
     def num_compilations(self) -> dict[str, int]:
-        """Compiled variants of each step so far (one per static bucket seen)."""
-        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size()}
+        """Compiled variants of each step so far (one per static bucket seen), and of the copy-on-write page copy
+        (one per power-of-two count of copies)."""
+        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size(),
+                "copy_pages": self._copy_pages._cache_size(),
+                "token_feed": self._widen_tokens._cache_size() + self._gather_tokens._cache_size()}
+
+    def feed_tokens(self, tokens: np.ndarray, prev: jax.Array, dst: np.ndarray, src: np.ndarray,
+                    width: int) -> jax.Array:
+        """`tokens` (a step's input ids, host) with tokens[dst] = prev[src] done on the device: async scheduling
+        fills its placeholders from the in-flight step's sampled tokens `prev` without waiting for them. `prev` is
+        first widened to `width` (the largest sequence bucket), so the gather has one shape per (tokens, sequences)
+        bucket of the step it feeds whatever the previous step's bucket was; both inputs are committed to the
+        runner's devices, as the step outputs are, so warm-up's calls key the same executables."""
+        wide = self._widen_tokens(jax.device_put(prev, self._token_sharding), width)
+        return self._gather_tokens(jax.device_put(tokens, self._token_sharding), wide,
+                                   jax.device_put(dst, self._token_sharding), jax.device_put(src, self._token_sharding))
+
+    def warm_token_feeds(self, widths: list[int], shapes: list[tuple[int, int]], width: int) -> int:
+        """Compile `feed_tokens` for previous steps of each sequence bucket in `widths` and next steps of each
+        (tokens, sequences) bucket in `shapes`; returns how many executables that added."""
+        before = self.num_compilations()["token_feed"]
+        for n in widths:
+            self._widen_tokens(jax.device_put(np.zeros(n, np.int32), self._token_sharding), width)
+        for t, s in shapes:
+            self.feed_tokens(np.zeros(t, np.int32), np.zeros(width, np.int32), np.full(s, t, np.int32),
+                             np.zeros(s, np.int32), width)
+        return self.num_compilations()["token_feed"] - before
 
     def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
                 logprobs: bool = False, prompt_logprobs: bool = False, fetch: bool = True) -> StepOutput | PendingStep:
@@ -302,34 +333,6 @@ class ModelRunner:
             return
         for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
             self.kv_caches[c] = cache
-
-    def warmup_decode(self, limits: BucketLimits, token_mask: bool = False) -> int:
-        """Compile the decode step for every (sequences, pages per sequence) bucket, with and without sampling
-        filters (and with `token_mask` also with and without a structured-outputs mask), so serving never compiles
-        a decode step. Returns how many variants were compiled."""
-        shapes = [StepShape(seqs, seqs, pages, 1) for seqs in bucket_ladder(1, limits.max_seqs)
-                  for pages in bucket_ladder(limits.min_pages_per_seq, limits.max_pages_per_seq, limits.fine_pages)]
-        return self._warm(shapes, is_decode=True, token_mask=token_mask)
-
-    def warmup_prefill(self, shapes: list[StepShape], token_mask: bool = False) -> int:
-        """Compile the prefill step for each shape (`inference/runtime/warmup.py: prefill_shapes`), with and without
-        filters (and a token mask with `token_mask`). Returns how many variants were compiled."""
-        return self._warm(shapes, is_decode=False, token_mask=token_mask)
-
-    def _warm(self, shapes: list[StepShape], *, is_decode: bool, token_mask: bool) -> int:
-        """Run each shape once on an input that reads and writes nothing (`ModelInput.empty`)."""
-        fn = self.decode_step if is_decode else self.prefill_step
-        before = fn._cache_size()
-        for shape in shapes:
-            inp = ModelInput.empty(num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
-                                   pages_per_seq=shape.pages_per_seq, max_q_len=shape.max_q_len,
-                                   num_groups=len(self.group_caches))
-            masks = [None] + ([all_allowed(shape.num_seqs, self.config.vocab_size)] if token_mask else [])
-            for mask in masks:
-                sampling = SamplingTensors.from_params([], [], [], pad_to=shape.num_seqs, token_mask=mask)
-                for use_filters in (False, True):
-                    self.execute(inp, sampling, is_decode=is_decode, use_filters=use_filters)
-        return fn._cache_size() - before
 
     @property
     def params(self) -> nnx.State:

@@ -5,6 +5,7 @@ edits (logit_bias.py) and the structured-outputs mask (token_mask.py)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.struct
@@ -84,8 +85,16 @@ def _token_counts(ids: jax.Array, v: int) -> jax.Array:
 
 
 def apply_penalties(logits: jax.Array, pen: PenaltyTensors) -> jax.Array:
-    """vLLM's `apply_penalties` on f32[S, V] logits (see the module docstring); rows with values 1, 0, 0 unchanged."""
+    """vLLM's `apply_penalties` on f32[S, V] logits (see the module docstring); rows with values 1, 0, 0 unchanged.
+    A step whose every row is such a row (the extras variant, inference/runtime/step_variants.py) skips the token
+    counts and the [S, V] passes altogether."""
     x = logits.astype(jnp.float32)
+    active = ((jnp.asarray(pen.repetition) != 1.0) | (jnp.asarray(pen.presence) != 0.0)
+              | (jnp.asarray(pen.frequency) != 0.0))
+    return lax.cond(jnp.any(active), functools.partial(_penalize, pen=pen), lambda y: y, x)
+
+
+def _penalize(x: jax.Array, pen: PenaltyTensors) -> jax.Array:
     v = x.shape[-1]
     seen_in_prompt = _token_counts(jnp.asarray(pen.prompt_ids), v) > 0
     out_counts = _token_counts(jnp.asarray(pen.output_ids), v)

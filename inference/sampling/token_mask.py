@@ -51,4 +51,11 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
     """
     if mask is None:
         return logits
-    return jnp.where(allowed_tokens(mask, logits.shape[-1]), logits, jnp.float32(-jnp.inf))
+    logits = jnp.asarray(logits, jnp.float32)
+
+    def masked(x):
+        return jnp.where(allowed_tokens(mask, x.shape[-1]), x, jnp.float32(-jnp.inf))
+
+    # A step with a mask but no constrained row (the extras variant, inference/runtime/step_variants.py) skips the
+    # [S, V] unpack and select: reading the [S, V / 32] words is far cheaper.
+    return jax.lax.cond(jnp.all(jnp.asarray(mask) == ALL_ALLOWED), lambda x: x, masked, logits)

@@ -36,8 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.runtime.batch import BucketLimits, ModelInput, build_model_input
+from inference.runtime.batch import BucketLimits, ModelInput, bucket, build_model_input
 from inference.runtime.runner import ModelRunner
+from inference.runtime.step_variants import StepVariant, warm_variants
+from inference.runtime.warmup import decode_shapes, prefill_shapes, propose_limits, propose_shapes
 from inference.sampling.sampler import PRNG_IMPL, SamplingTensors, needs_filters, sample
 from inference.engine.scheduler import ScheduledBatch
 from inference.sampling.rejection import probs_from_logits
@@ -352,6 +354,37 @@ class PagedDraftProposer(DraftModelProposer):
         self.limits = limits
         self.vary_steps = vary_steps
 
+    def _warm_plan(self) -> tuple[list[StepVariant], list[tuple]]:
+        """What `warmup` compiles: the catch-up chunks (plain sampling, the engine's prefill and decode shapes) and
+        the proposal step per (shape, use_filters, want_probs, draft steps): greedy, sampled and filtered, at each
+        draft length `_num_steps` can give."""
+        if self.limits is None:
+            raise ValueError("PagedDraftProposer is not bound; the engine calls bind(limits, ...) when it takes it")
+        catch_up = [StepVariant(s, True) for s in decode_shapes(self.limits)]
+        catch_up += [StepVariant(s, False) for s in prefill_shapes(self.limits, self.page_size)]
+        steps = sorted({self._num_steps(n) for n in range(1, self.k + 1)})
+        flags = ((False, False), (False, True), (True, True))  # (use_filters, want_probs): filters imply sampling
+        proposals = [(shape, use_filters, want_probs, num_steps) for shape in propose_shapes(self.limits)
+                     for use_filters, want_probs in flags for num_steps in steps]
+        return catch_up, proposals
+
+    def num_variants(self) -> int:
+        catch_up, proposals = self._warm_plan()
+        return len(catch_up) + len(proposals)
+
+    def warmup(self) -> int:
+        catch_up, proposals = self._warm_plan()
+        before = sum(self.num_compilations().values())
+        warm_variants(self.runner, catch_up, penalty_len=0)
+        for shape, use_filters, want_probs, num_steps in proposals:
+            inp = ModelInput.empty(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, shape.max_q_len)
+            sampling = SamplingTensors.from_params([], [], [], pad_to=shape.num_seqs)
+            _, _, self.runner.kv_caches = self._step(
+                self.runner.param_leaves, self.runner.kv_caches, inp, sampling, np.zeros(shape.num_seqs, np.int32),
+                np.full(shape.num_seqs, shape.num_seqs, np.int32), num_steps=num_steps, k_max=self.k,
+                out_size=shape.num_seqs, use_filters=use_filters, want_probs=want_probs)
+        return sum(self.num_compilations().values()) - before
+
     def forget(self, seq) -> None:
         self._state.pop(seq, None)
 
@@ -373,8 +406,9 @@ class PagedDraftProposer(DraftModelProposer):
         for view in views:
             view.num_computed_tokens = len(view.token_ids) - 2
         counts = [2] * len(views)
-        # Two tokens per sequence may exceed a small prefill budget; the proposal step is not bound by it.
-        limits = dataclasses.replace(self.limits, max_tokens=max(self.limits.max_tokens, 2 * self.limits.max_seqs))
+        # Padded to the target step's rows (two tokens each, beyond a small prefill budget if need be), so the
+        # proposal step compiles once per target bucket, however many of its rows speculate.
+        limits = propose_limits(self.limits, bucket(pad_to, maximum=self.limits.max_seqs))
         inp, _ = build_model_input(ScheduledBatch(views, counts), self.page_size, limits)
         s_pad = inp.logits_indices.shape[0]
         params = [s.params for s in spec]

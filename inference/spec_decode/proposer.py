@@ -61,6 +61,14 @@ class Proposer(abc.ABC):
         """Called once by the engine that takes this proposer: its batch buckets (`limits`), and whether the draft
         count varies per sequence (adaptive k). Default: nothing to configure."""
 
+    def num_variants(self) -> int:
+        """How many executables the proposer's own steps can compile under the bound limits (0: no device work)."""
+        return 0
+
+    def warmup(self) -> int:
+        """Compile those executables now (after `bind`); returns how many compiled. Default: nothing to compile."""
+        return 0
+
     def forget(self, seq: object) -> None:  # noqa: B027
         """Hook when `seq` is preempted (its pages released): drop what the draft's cache holds for it."""
 

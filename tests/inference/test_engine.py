@@ -139,12 +139,14 @@ def test_bucket_ladders():
 
 def test_decode_never_compiles_after_warmup():
     llm = tiny_llm(max_num_seqs=4, max_model_len=64)
-    compiled = llm.warmup()
+    compiled = llm.warmup(prefill=False, extras=False)
     # seq buckets 1, 2, 4 x pages per seq 4, 8, 16 (64 tokens; 4, 6, 8, 12, 16 where the reference attention runs and
-    # reads padded pages) x filters on/off
-    on_reference = resolve_impl("auto", llm.engine.page_size, llm.runner.config.head_dim) == "reference"
-    assert llm.engine.limits.fine_pages == (jax.default_backend() == "cpu" and on_reference)
-    assert compiled == 3 * (5 if llm.engine.limits.fine_pages else 3) * 2
+    # reads padded pages; one width, 16, under the C++ kernel, which reads no padded page) x filters on/off
+    impl = resolve_impl("auto", llm.engine.page_size, llm.runner.config.head_dim)
+    assert llm.engine.limits.fine_pages == (jax.default_backend() == "cpu" and impl == "reference")
+    assert llm.engine.limits.page_buckets == (impl != "cpu")
+    widths = 1 if impl == "cpu" else 5 if llm.engine.limits.fine_pages else 3
+    assert compiled == 3 * widths * 2
     before = llm.runner.num_compilations()["decode"]
     for i, count in enumerate((1, 3, 4, 2)):
         llm.generate(prompt_token_ids=prompts(10 + i, count, 2, 40),

@@ -127,3 +127,34 @@ def test_lora_flags_reach_the_server(monkeypatch, tmp_path):
             serve.main(["serve.py"])
     finally:
         FLAGS.unparse_flags()
+
+
+def test_warmup_flag_warms_the_engine_before_serving(monkeypatch, capsys):
+    """--warmup calls LLM.warmup() once, before the server starts; without it the launcher compiles nothing."""
+    from absl import flags
+
+    from inference.entrypoints.openai import server
+    from scripts import serve
+
+    calls: list[str] = []
+
+    class FakeLLM:
+        def warmup(self):
+            calls.append("warmup")
+            return 7
+
+    FLAGS = flags.FLAGS
+    monkeypatch.setattr(serve, "build_llm", lambda **kw: FakeLLM())
+    monkeypatch.setattr(server, "serve", lambda llm, **kw: calls.append("serve"))
+    FLAGS.unparse_flags()
+    try:
+        FLAGS(["serve.py", "--warmup"])
+        serve.main(["serve.py"])
+        assert calls == ["warmup", "serve"]
+        assert "warm-up: 7 step variants compiled" in capsys.readouterr().out
+        FLAGS.unparse_flags()
+        FLAGS(["serve.py"])
+        serve.main(["serve.py"])
+        assert calls == ["warmup", "serve", "serve"]
+    finally:
+        FLAGS.unparse_flags()

@@ -188,7 +188,7 @@ def warmup_run() -> dict:
     (the caches' sharding after a step must equal the one they were created with)."""
     llm = LLM("tiny-llama", tensor_parallel_size=2, kv_cache_memory_bytes=1 << 18, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=32, compilation_cache_dir=None)
-    warmed = llm.warmup()
+    warmed = llm.warmup(prefill=False, extras=False)
     before = llm.runner.num_compilations()["decode"]
     llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SamplingParams(temperature=0.0, max_tokens=6,
                                                                                ignore_eos=True))

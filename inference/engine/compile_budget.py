@@ -1,0 +1,127 @@
+"""The compile budget of an engine: every step variant a serving workload can compile, by family, and the warm-up
+that compiles them all before traffic, so a warmed-up server compiles nothing.
+
+Families: `decode` and `prefill` (the target's steps), `verify` (speculative verification: drafts in the batch),
+`draft` (the draft model's catch-up chunks and proposal step, `speculative_method="draft"`), `copy_pages`
+(copy-on-write page copies, one per power-of-two count). A family's variants are its shapes
+(`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
+filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
+in prefill, which always runs filters and extras; draft probabilities in verification). Not counted and not
+warmed: the sparse logit edits (`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`), whose list lengths
+keep their own buckets, and LoRA slot writes (`inference/lora/slots.py`, one executable).
+
+Each executable holds memory mappings (XLA:CPU maps every compiled kernel's code and data separately: about 600
+for a SmolLM2 step), and a process may have only `vm.max_map_count` (65,530 by default on Linux) of them, so on
+CPU the budget is also a hard ceiling near a hundred SmolLM2 steps per process (BENCHMARKS.md, compile budget).
+"""
+
+from __future__ import annotations
+
+import time
+
+from inference.runtime.step_variants import StepFlags, StepVariant, penalty_length, warm_variants
+from inference.runtime.warmup import decode_shapes, prefill_shapes, verify_shapes
+from inference.spec_decode.proposer import DraftModelProposer
+from inference.runtime.batch import bucket, bucket_ladder
+from kernels_pallas.attention.dispatch import resolve_impl
+from kernels_pallas.backend import target_backend
+
+FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages", "token_feed")
+
+#: The flag sets a decode (or verification) step can take; a prefill step (filters and extras always on,
+#: `StepFlags.of_batch`); a verification step that also carries prompt chunks (mixed scheduling).
+_DECODE_FLAGS = [StepFlags(f, e) for f in (False, True) for e in (False, True)]
+_PREFILL_FLAGS = [StepFlags(True, True), StepFlags(True, True, True)]
+_MIXED_VERIFY_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
+
+
+def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:
+    """Whether the attention kernel the steps run ignores the longest-query bound and reads no page past a
+    sequence's length, so those two bucket axes buy nothing (`BucketLimits.query_buckets` / `page_buckets` off):
+    the C++ CPU kernel. The reference reads every padded query and page; the TPU and Triton kernels size their
+    grids by both, so they keep the buckets."""
+    if target_backend() != "cpu" or config.is_mla:
+        return False
+    return resolve_impl(attn_impl, page_size, config.head_dim) == "cpu"
+
+
+def serving_variants(engine, *, prefill: bool = True, extras: bool = True) -> dict[str, list[StepVariant]]:
+    """The target's step variants serving can compile under `engine`'s limits, by family. `prefill=False`: decode
+    only; `extras=False`: without the extras flag and prompt logprobs (those then compile on first use)."""
+    limits, page = engine.limits, engine.page_size
+    decode_flags = [f for f in _DECODE_FLAGS if extras or not f.extras]
+    prefill_flags = [f for f in _PREFILL_FLAGS if extras or not f.prompt_logprobs]
+    mixed_flags = [f for f in _MIXED_VERIFY_FLAGS if extras or not f.extras]
+    out = {"decode": [StepVariant(s, True, f) for s in decode_shapes(limits) for f in decode_flags]}
+    if not prefill:
+        return out
+    out["prefill"] = [StepVariant(s, False, f) for s in prefill_shapes(limits, page) for f in prefill_flags]
+    if engine.num_spec:
+        mixed = engine.scheduler.config.policy == "mixed"
+        with_probs = (False, True) if isinstance(engine.proposer, DraftModelProposer) else (False,)
+        out["verify"] = [StepVariant(s, False, f, engine.num_spec, p)
+                         for s in verify_shapes(limits, page, engine.num_spec, mixed=mixed)
+                         for f in (mixed_flags if mixed else decode_flags) for p in with_probs]
+    return out
+
+
+def count_variants(engine) -> dict[str, int]:
+    """How many executables serving can compile, by family (`FAMILIES`), at `engine`'s limits."""
+    counts = {k: len(v) for k, v in serving_variants(engine).items()}
+    if engine.proposer is not None and engine.proposer.num_variants():
+        counts["draft"] = engine.proposer.num_variants()
+    counts["copy_pages"] = len(_copy_counts(engine))
+    widths, shapes = _token_feeds(engine, serving_variants(engine))
+    if widths:
+        counts["token_feed"] = len(widths) + len(shapes)
+    return counts
+
+
+def _token_feeds(engine, variants: dict[str, list[StepVariant]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Async scheduling's token feed (`ModelRunner.feed_tokens`): one widening per sequence bucket a step can
+    have, one gather per (tokens, sequences) bucket of a step it can feed; none without async scheduling."""
+    if not engine.async_scheduling:
+        return [], []
+    limits = engine.limits
+    shapes = sorted({(v.shape.num_tokens, v.shape.num_seqs) for family in ("decode", "prefill")
+                     for v in variants.get(family, [])})
+    return bucket_ladder(limits.min_seqs, limits.max_seqs), shapes
+
+
+def _copy_counts(engine) -> list[int]:
+    """The padded numbers of page copies a step can ask for: at most one partial page per sequence per group."""
+    return bucket_ladder(1, bucket(engine.limits.max_seqs))
+
+
+def warmup_serving(engine, *, prefill: bool = True, extras: bool = True) -> dict[str, dict]:
+    """Compile every variant of `serving_variants` (and the draft model's steps, and the page copies, with
+    `prefill`); returns per family {"variants", "compiled", "seconds"} (compiled < variants where an earlier call
+    or warm-up already held some)."""
+    report = {}
+    penalty_len = penalty_length(engine.max_model_len)
+    families = serving_variants(engine, prefill=prefill, extras=extras)
+    for family, variants in families.items():
+        start = time.perf_counter()
+        compiled = warm_variants(engine.runner, variants, penalty_len=penalty_len)
+        report[family] = {"variants": len(variants), "compiled": compiled, "seconds": time.perf_counter() - start}
+    widths, shapes = _token_feeds(engine, families)
+    if widths:
+        start = time.perf_counter()
+        compiled = engine.runner.warm_token_feeds(widths, shapes, engine.limits.max_seqs)
+        report["token_feed"] = {"variants": len(widths) + len(shapes), "compiled": compiled,
+                                "seconds": time.perf_counter() - start}
+    if not prefill:
+        return report
+    if engine.proposer is not None and engine.proposer.num_variants():
+        start = time.perf_counter()
+        compiled = engine.proposer.warmup()
+        report["draft"] = {"variants": engine.proposer.num_variants(), "compiled": compiled,
+                           "seconds": time.perf_counter() - start}
+    start, before = time.perf_counter(), engine.runner.num_compilations()["copy_pages"]
+    counts = _copy_counts(engine)
+    for group in range(len(engine.runner.group_caches)):
+        for n in counts:
+            engine.runner.copy_pages([(0, 0)] * n, group=group)  # page 0 onto itself: rewrites the same values
+    compiled = engine.runner.num_compilations()["copy_pages"] - before
+    report["copy_pages"] = {"variants": len(counts), "compiled": compiled, "seconds": time.perf_counter() - start}
+    return report
