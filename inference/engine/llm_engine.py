@@ -357,7 +357,8 @@ class Engine:
                            for s, p in zip(batch.seqs, params))
         flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
                                    sampling.token_mask is not None, pen, wants_prompt,
-                                   prefill=not (batch.is_decode or batch.speculative))
+                                   prefill=not (batch.is_decode or batch.speculative),
+                                   logit_edits=sampling.logit_bias is not None)
         sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len)
         inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode,

@@ -12,8 +12,9 @@ with the penalty ids padded to one length, the context. Filters stay their own f
 steps: they are the costly part of the sampler there. A prefill step runs both always (`StepFlags.of_batch`):
 beside its T tokens the sampler's S rows cost little, and every prefill shape is then two variants (prompt
 logprobs off / on). BENCHMARKS.md (compile budget) measures each fold.
-The sparse logit edits (`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`) keep their length buckets and
-compile on first use.
+The sparse logit edits (`logit_bias`, `bad_words`, `min_tokens`' stop-id bans) fold into the extras too, padded
+to `FOLDED_EDITS` per row (padding ids are dropped by the scatter: a row's logits stay exactly as they were); a
+row with more edits, and `allowed_token_ids` lists, keep their length buckets and compile on first use.
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ import numpy as np
 from inference.runtime.batch import ModelInput, SpecInput
 from inference.runtime.runner import ModelRunner
 from inference.runtime.warmup import StepShape
-from inference.sampling.logit_bias import pow2_bucket
+from inference.sampling.logit_bias import LogitBiasTensors, pow2_bucket
 from inference.sampling.penalties import MIN_PENALTY_TOKENS, PenaltyTensors
 from inference.sampling.sampler import SamplingTensors
 from inference.sampling.token_mask import all_allowed
+
+
+#: Sparse logit edits per row an extras step always carries (`fold_extras`): a request's logit_bias entries, its
+#: bad-words bans and its min_tokens stop-id bans up to this many compile nothing new after warm-up.
+FOLDED_EDITS = 64
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -44,14 +50,14 @@ class StepFlags:
 
     @classmethod
     def of_batch(cls, use_filters: bool, logprobs: bool, token_mask: bool, penalties: bool,
-                 prompt_logprobs: bool, prefill: bool = False) -> "StepFlags":
+                 prompt_logprobs: bool, prefill: bool = False, logit_edits: bool = False) -> "StepFlags":
         """The variant a batch runs: prompt logprobs come with the extras (their requests mostly ask for sample
         logprobs too, and it saves a variant per prefill shape). A prefill step (prompt chunks, no drafts) always
         runs filters and extras: they cost a few [S, V] passes over one row per sequence, small beside a step
         over its T tokens, and it leaves two variants per prefill shape (prompt logprobs off / on)."""
         if prefill:
             return cls(True, True, prompt_logprobs)
-        return cls(use_filters, logprobs or token_mask or penalties or prompt_logprobs, prompt_logprobs)
+        return cls(use_filters, logprobs or token_mask or penalties or logit_edits or prompt_logprobs, prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -73,12 +79,14 @@ def penalty_length(max_model_len: int) -> int:
 
 def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int, penalty_len: int) -> SamplingTensors:
     """`sampling` with the extras' parts present when `flags.extras` (an all-ones mask where no row is constrained,
-    no-op penalties where no row has any, penalty ids padded to `penalty_len`), unchanged otherwise."""
+    no-op penalties where no row has any, penalty ids padded to `penalty_len`, the sparse logit edits padded to
+    `FOLDED_EDITS` or no-op ones), unchanged otherwise."""
     if not flags.extras:
         return sampling
     # Numpy like the parts `SamplingTensors.from_params` builds: jit keys a numpy argument apart from a jax.Array.
-    noop_mask, noop_pen = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
+    noop_mask, noop_pen, noop_edits = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
     mask = sampling.token_mask if sampling.token_mask is not None else noop_mask
+    sampling = sampling.replace(logit_bias=_fold_edits(sampling.logit_bias, noop_edits))
     pen = sampling.penalties
     if pen is None:
         return sampling.replace(token_mask=mask, penalties=noop_pen)
@@ -93,8 +101,21 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
     return sampling.replace(token_mask=mask, penalties=pen)
 
 
+def _fold_edits(edits: LogitBiasTensors | None, noop: LogitBiasTensors) -> LogitBiasTensors:
+    """The rows' sparse edits at `FOLDED_EDITS` per row (wider ones as they are), or the no-op edits."""
+    if edits is None:
+        return noop
+    width = edits.ids.shape[1]
+    if width >= FOLDED_EDITS:
+        return edits
+    pad = ((0, 0), (0, FOLDED_EDITS - width))
+    return edits.replace(ids=np.pad(np.asarray(edits.ids), pad, constant_values=-1),
+                         values=np.pad(np.asarray(edits.values), pad))
+
+
 @functools.lru_cache(maxsize=64)
-def _noop_parts(rows: int, vocab_size: int, penalty_len: int) -> tuple[np.ndarray, PenaltyTensors]:
+def _noop_parts(rows: int, vocab_size: int, penalty_len: int
+                ) -> tuple[np.ndarray, PenaltyTensors, LogitBiasTensors]:
     """An all-ones mask and no-op penalties for `rows` rows, built once per size (read-only: the step only reads
     them), so a logprobs-only step does not allocate [rows, context] id arrays on the host every time."""
     mask = all_allowed(rows, vocab_size)
@@ -102,7 +123,10 @@ def _noop_parts(rows: int, vocab_size: int, penalty_len: int) -> tuple[np.ndarra
     pen = PenaltyTensors.from_params([], [], [], rows)
     ids = np.full((rows, penalty_len), -1, np.int32)
     ids.flags.writeable = False
-    return mask, pen.replace(prompt_ids=ids, output_ids=ids)
+    edit_ids = np.full((rows, FOLDED_EDITS), -1, np.int32)
+    edit_values = np.zeros((rows, FOLDED_EDITS), np.float32)
+    edit_ids.flags.writeable = edit_values.flags.writeable = False
+    return mask, pen.replace(prompt_ids=ids, output_ids=ids), LogitBiasTensors(ids=edit_ids, values=edit_values)
 
 
 def warm_variants(runner: ModelRunner, variants: list[StepVariant], *, penalty_len: int) -> int:

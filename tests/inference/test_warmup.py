@@ -149,11 +149,12 @@ def _workload(rng, structured: bool):
               SamplingParams(temperature=1.0, min_p=0.1, seed=3, max_tokens=3, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5),
               SamplingParams(temperature=0.7, seed=4, max_tokens=4, n=2, frequency_penalty=0.4, top_p=0.8),
-              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0})]
     if not structured:  # the speculating engine: no penalties (refused with speculation)
         params[4] = params[4].replace(repetition_penalty=1.0, presence_penalty=0.0)
         params[5] = params[5].replace(frequency_penalty=0.0)
-    else:
+    else:  # sparse logit edits of another kind, folded into the extras as logit_bias is (refused with speculation)
+        params[1] = params[1].replace(min_tokens=3, bad_words=["zz"])
         prompts.append(rng.integers(3, 256, 11).tolist())
         params.append(SamplingParams(temperature=0.0, max_tokens=8,
                                      structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])))
