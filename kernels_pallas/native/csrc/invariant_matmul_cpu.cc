@@ -90,7 +90,9 @@ inline void pagejax_transpose16(__m512 (&r)[16]) {
 // columns past cols zero). With AVX-512, 16x16 blocks transposed in registers (the scalar copy of 2.3 KB rows into
 // 256-byte-strided columns was the LM head's whole cost); a copy, so it changes no bits. Each chunk reads 64 bytes
 // from each of 64 rows of E: more streams than the hardware prefetcher follows, so at one row block (batch-1 decode's
-// LM head, E read once from memory) the loads waited on memory; each row is prefetched kPrefetch floats ahead.
+// LM head, E read once from memory, the pack inside the k loop) the loads waited on memory: there, kPrefetchRows,
+// each row is prefetched kPrefetch floats ahead (measured slower when the whole strip is packed in one go).
+template <bool kPrefetchRows>
 inline void pack_chunk(const float* e, int64_t k_dim, int64_t n0, int64_t cols, int64_t kb, float* t) {
   static_assert(kChunk == 16, "one 16x16 transpose per 16 columns");
   const int64_t depth = std::min<int64_t>(kChunk, k_dim - kb);
@@ -100,7 +102,7 @@ inline void pack_chunk(const float* e, int64_t k_dim, int64_t n0, int64_t cols, 
     __m512 r[16];
     for (int64_t i = 0; i < 16; ++i) {
       const float* row = e + (n0 + jb + i) * k_dim + kb;
-      if (jb + i < cols) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+      if (kPrefetchRows && jb + i < cols) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
       r[i] = jb + i < cols ? _mm512_maskz_loadu_ps(lanes, row) : _mm512_setzero_ps();
     }
     pagejax_transpose16(r);
@@ -114,7 +116,7 @@ inline void pack_chunk(const float* e, int64_t k_dim, int64_t n0, int64_t cols, 
 
 // The strip's whole [K, kStrip] slice of E^T into t, chunk by chunk (a row block count big enough to share it).
 void pack_transposed(const float* e, int64_t k_dim, int64_t n0, int64_t cols, float* t) {
-  for (int64_t kb = 0; kb < k_dim; kb += kChunk) pack_chunk(e, k_dim, n0, cols, kb, t + kb * kStrip);
+  for (int64_t kb = 0; kb < k_dim; kb += kChunk) pack_chunk<false>(e, k_dim, n0, cols, kb, t + kb * kStrip);
 }
 
 #ifdef PAGEJAX_INVARIANT_AVX512
@@ -162,7 +164,7 @@ void block(const float* x, int64_t k_dim, int64_t r0, const Strip& s, float* out
   if constexpr (kPacked) {
     alignas(64) float buf[kChunk * kStrip];
     for (int64_t kb = 0; kb < k_dim; kb += kChunk) {
-      pack_chunk(s.w, k_dim, n0, s.cols, kb, buf);
+      pack_chunk<true>(s.w, k_dim, n0, s.cols, kb, buf);
       const float* w = buf;
       for (int64_t k = kb; k < std::min(k_dim, kb + kChunk); ++k, w += kStrip) PAGEJAX_STEP(w, k)
     }
@@ -188,7 +190,7 @@ void block(const float* x, int64_t k_dim, int64_t r0, const Strip& s, float* out
     const float* w = s.w + kb * s.ld;
     int64_t ld = s.ld;
     if constexpr (kPacked) {
-      pack_chunk(s.w, k_dim, n0, s.cols, kb, buf);
+      pack_chunk<true>(s.w, k_dim, n0, s.cols, kb, buf);
       w = buf;
       ld = kStrip;
     }
@@ -220,7 +222,9 @@ void invariant_matmul(const float* xp, const float* wp, int64_t m, int64_t k, in
   pagejax::parallel_for(strips, [&](int64_t i) {
     const int64_t n0 = i * kStrip, cols = std::min(kStrip, n - n0);
     if (transposed && m <= kRows) {  // one row block: E's strip packed as the k loop reaches it (block's kPacked)
-      with_rows<kRows>(m, [&](auto r) { block<decltype(r)::value, true>(xp, k, 0, Strip{wp, k, cols}, op + n0, n, n0); });
+      with_rows<kRows>(m, [&](auto r) {
+        block<decltype(r)::value, true>(xp, k, 0, Strip{wp, k, cols}, op + n0, n, n0);
+      });
       return;
     }
     Strip s{wp + n0, n, cols};
