@@ -1,7 +1,7 @@
 """The batch-invariant matmul (C++, XLA FFI): a row's bits do not depend on the row count M, on the row's position
 (permutations), on the thread count or on the build (AVX-512 vs portable std::fma), for the plain and the transposed
-(tied LM head) layout, column counts around its 64-column strips and row counts around its 6-row blocks (up to one
-block the LM head is packed inside the k loop, past it once per strip: both paths meet in these tests); its values
+(tied LM head) layout, column counts around its 64-column strips and row counts around its 6-row blocks (one row of
+the LM head is packed inside the k loop, more rows once per strip: both paths meet in these tests); its values
 are XLA's x @ w to rounding and its gradient is XLA's."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@
 // contiguous into per-thread scratch (walked in place, every k was a jump of N floats: a TLB miss per k per row
 // block), where it stays in L2 while every block of up to kRows = 6 rows walks it (6 x 4 accumulators in registers).
 // `transposed` (a tied LM head x @ E^T with E [N, K]): a strip's 64 rows of E are transposed into the scratch
-// instead (16x16 register blocks), then the same micro-kernel; at M <= kRows (one row block, nothing to share the
-// packed strip with) 16 k-rows at a time into an L1 buffer inside the micro-kernel's k loop. Strips are spread over
+// instead (16x16 register blocks), then the same micro-kernel; at M = 1 (nothing to share the packed strip with)
+// 16 k-rows at a time into an L1 buffer inside the micro-kernel's k loop. Strips are spread over
 // the library's worker threads (parallel_for.h), each output element computed by one thread. Blocking, packing and
 // prefetching only change when and where an element's chain runs, never its order.
 
@@ -150,7 +150,7 @@ void pack_transposed(const float* e, int64_t k_dim, int64_t n0, int64_t cols, fl
   }
 #define PAGEJAX_ACC(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
 
-// kPacked (the tied head, a row count of one block): the strip is E's rows n0 .. n0 + cols, transposed kChunk k-rows
+// kPacked (the tied head at one row): the strip is E's rows n0 .. n0 + cols, transposed kChunk k-rows
 // at a time into an L1 buffer inside the k loop while the accumulators stay in registers, rather than the whole
 // [K, kStrip] strip into scratch first (written to L2 and read back, for one row block).
 template <int R, bool kPacked>
@@ -221,10 +221,10 @@ void invariant_matmul(const float* xp, const float* wp, int64_t m, int64_t k, in
   const int64_t strips = (n + kStrip - 1) / kStrip;
   pagejax::parallel_for(strips, [&](int64_t i) {
     const int64_t n0 = i * kStrip, cols = std::min(kStrip, n - n0);
-    if (transposed && m <= kRows) {  // one row block: E's strip packed as the k loop reaches it (block's kPacked)
-      with_rows<kRows>(m, [&](auto r) {
-        block<decltype(r)::value, true>(xp, k, 0, Strip{wp, k, cols}, op + n0, n, n0);
-      });
+    // One row (batch-1 decode's LM head): E's strip packed as the k loop reaches it (block's kPacked). Measured
+    // slower than packing the whole strip at 4 rows (16 accumulators live across the transposes).
+    if (transposed && m == 1) {
+      block<1, true>(xp, k, 0, Strip{wp, k, cols}, op + n0, n, n0);
       return;
     }
     Strip s{wp + n0, n, cols};
