@@ -1,6 +1,7 @@
 """The batch-invariant matmul (C++, XLA FFI): a row's bits do not depend on the row count M, on the row's position
 (permutations), on the thread count or on the build (AVX-512 vs portable std::fma), for the plain and the transposed
-(tied LM head) layout, column counts around its 64-column strips and row counts around its 4-row blocks; its values
+(tied LM head) layout, column counts around its 64-column strips and row counts around its 6-row blocks (one row of
+the LM head is packed inside the k loop, more rows once per strip: both paths meet in these tests); its values
 are XLA's x @ w to rounding and its gradient is XLA's."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_matm
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
                                 reason="no C++ compiler: the invariant matmul is a C++ kernel")
 
-ROWS = (1, 3, 16, 64, 257)
+ROWS = (1, 3, 5, 6, 7, 8, 13, 16, 64, 257)
 
 
 def _inputs(k: int, n: int, m: int = 257, seed: int = 0):
