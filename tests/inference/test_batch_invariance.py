@@ -237,3 +237,26 @@ def test_grpo_first_inner_ratio_is_exactly_one(llm):
         llm.update_weights(old)
     assert [r["ratio_max_dev"] for r in records] == [0.0, 0.0]
     assert records[0]["kl"] == 0.0 < records[1]["kl"]  # the second rollout ran on updated weights
+
+
+def test_async_scheduling_gives_the_synchronous_engines_bits(llm):
+    """The default async scheduling changes which rows a step holds (a sequence its in-flight token ends by length
+    gets none; one it ends by a stop string wastes one): in this mode that changes no bit, so async and synchronous
+    outputs are identical, logprobs included."""
+    import dataclasses
+
+    from inference.engine.llm_engine import Engine
+    from tests.llm_configs import engine_swapped
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, llm.config.vocab_size, int(n)).tolist() for n in (5, 13, 22, 3, 9)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=5,
+                             logprobs_mode="raw") for i in range(len(prompts))]
+    assert llm.engine.async_scheduling
+    overlapped = llm.engine.async_stats.overlapped_steps
+    want = [_top(o) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert llm.engine.async_stats.overlapped_steps > overlapped  # it really overlapped
+    sync = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, async_scheduling=False))
+    with engine_swapped(llm, sync):
+        got = [_top(o) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
