@@ -146,7 +146,10 @@ def test_decode_never_compiles_after_warmup():
     assert llm.engine.limits.fine_pages == (jax.default_backend() == "cpu" and impl == "reference")
     assert llm.engine.limits.page_buckets == (impl != "cpu")
     widths = 1 if impl == "cpu" else 5 if llm.engine.limits.fine_pages else 3
-    assert compiled == 3 * widths * 2
+    counts = llm.runner.num_compilations()
+    assert counts["decode"] == 3 * widths * 2
+    # async scheduling's token feed: a widening per sequence bucket, a gather per decode shape
+    assert compiled == counts["decode"] + counts["token_feed"] and counts["token_feed"] == 3 + 3
     before = llm.runner.num_compilations()["decode"]
     for i, count in enumerate((1, 3, 4, 2)):
         llm.generate(prompt_token_ids=prompts(10 + i, count, 2, 40),

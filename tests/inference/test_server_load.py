@@ -145,13 +145,34 @@ def test_beyond_max_waiting_is_a_503_with_retry_after_and_the_rest_carry_on(serv
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-def test_a_non_streaming_client_that_gives_up_aborts_its_request(server):
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(server, llm):
     """The client times out long before a 300-token completion would finish; the server notices the closed
-    connection while waiting and aborts the request (its pages free, its finish reason "abort")."""
+    connection while waiting and aborts the request (its pages free, its finish reason "abort"). The engine is held
+    (its lock) from the moment the request runs until the client has gone, so the tiny model cannot finish the
+    completion first, however fast it steps."""
+    import threading
+
+    from inference.entrypoints.openai.serving import DISCONNECT_POLL_S
+
     before = metric(server, "request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": [9, 8, 7], "max_tokens": 300, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    timed_out = threading.Event()
+
+    def client() -> None:
+        try:
+            httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+        except httpx.ReadTimeout:
+            timed_out.set()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with llm.engine._lock:  # no step runs until the client has timed out and the server has had time to see it
+        thread.join(30)
+        time.sleep(2 * DISCONNECT_POLL_S)
+    assert timed_out.is_set()
     deadline = time.monotonic() + 30
     while metric(server, "request_success_total", finished_reason="abort") == before and time.monotonic() < deadline:
         time.sleep(0.05)

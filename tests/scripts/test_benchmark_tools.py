@@ -74,7 +74,7 @@ def test_profile_step_smoke():
     assert [r["batch"] for r in result["rows"]] == [2]
     for row in result["rows"]:
         assert row["decode_steps"] == 4  # the first token comes from the prefill step
-        assert row["recompiles"] == {"prefill": 0, "decode": 0}
+        assert {"prefill", "decode"} <= set(row["recompiles"]) and not any(row["recompiles"].values())
         assert row["host_to_device_transfers_per_step"] > 0
         assert all(v > 0 for v in row["isolated_ms"].values())
         split, iso = row["split_ms"], row["isolated_ms"]

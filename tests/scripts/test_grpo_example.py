@@ -66,6 +66,7 @@ def test_lora_only_grpo_moves_the_adapter_and_leaves_the_base_alone(tiny_llama_l
 
     base = jax.tree.map(np.asarray, llm.get_params())
     before = probe_logprobs()
+    slot_writes = llm.runner.lora.num_compilations()  # the session fixture may have written other adapters
     records = run(llm, steps=3, problems_per_step=2, group=4, max_tokens=4, inner_steps=2, learning_rate=1e-2,
                   temperature=1.0, seed=0, lora_rank=4, lora_alpha=8.0)
     after = probe_logprobs(LoRARequest("grpo", 1, ""))  # registered by run(): the path is not read again
@@ -75,7 +76,7 @@ def test_lora_only_grpo_moves_the_adapter_and_leaves_the_base_alone(tiny_llama_l
         assert np.isfinite(r["loss"]) and r["sync_s"] > 0
     assert records[0]["kl"] == 0 < records[1]["kl"]  # a fresh adapter (B = 0) is exactly the base model
     assert len({r["compilations"] for r in records}) == 1  # all compiled in step 0: no recompile across steps
-    assert llm.runner.lora.num_compilations() == 1
+    assert llm.runner.lora.num_compilations() - slot_writes <= 1  # at most this adapter's one slot-write variant
     assert np.abs(np.subtract(after, before)).max() > 1e-4  # update_lora changed the adapter's policy
     for old, new in zip(jax.tree.leaves(base), jax.tree.leaves(llm.get_params())):
         np.testing.assert_array_equal(old, np.asarray(new))  # the base weights were never written
