@@ -140,7 +140,8 @@ def test_beyond_max_waiting_is_a_503_with_retry_after_and_the_rest_carry_on(serv
     error = refused.json()["error"]
     assert "max_waiting=16" in error["message"] and error["code"] == "overloaded"
     assert wait_for_kv_usage_zero(server) == 0.0
-    ok = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
+    ok = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2,
+                                                                "ignore_eos": True},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 

@@ -59,7 +59,7 @@ def test_stop_string_truncates_text(smollm2):
 
 def test_prompt_longer_than_context_fails_alone(smollm2):
     too_long = "word " * (smollm2.engine.max_model_len + 10)
-    outs = smollm2.generate([too_long, "Hello"], SamplingParams(max_tokens=2))
+    outs = smollm2.generate([too_long, "Hello"], SamplingParams(max_tokens=2, ignore_eos=True))
     assert outs[0].error is not None and "context" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
 
