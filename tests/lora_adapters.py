@@ -3,10 +3,9 @@ reference script fed to transformers + peft, and nothing large is committed)."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
+
+from inference.lora.peft import write_peft_files
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -50,19 +49,14 @@ def peft_tensors(weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str,
 
 def write_adapter(folder: str, tensors: dict[str, np.ndarray], *, rank: int, alpha: float, modules=ALL_MODULES,
                   use_rslora: bool = False, base_model: str | None = None, **config_fields) -> str:
-    """Write adapter_config.json + adapter_model.safetensors as PEFT's save_pretrained does; returns `folder`."""
-    from safetensors.numpy import save_file
-
-    os.makedirs(folder, exist_ok=True)
+    """Write adapter_config.json + adapter_model.safetensors as PEFT's save_pretrained does (every field PEFT
+    writes, `config_fields` over them); returns `folder`."""
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
               "target_modules": list(modules), "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none",
               "base_model_name_or_path": base_model, "fan_in_fan_out": False, "init_lora_weights": True,
               "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
               **config_fields}
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    return folder
+    return write_peft_files(folder, config, tensors)
 
 
 def make_adapter(folder: str, config, *, rank: int, alpha: float, seed: int, modules=ALL_MODULES,

@@ -25,6 +25,7 @@ from inference.spec_decode.proposer import DraftModelProposer
 from inference.runtime.batch import bucket, bucket_ladder
 from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
+from kernels_pallas.mla.dispatch import resolve_mla_impl
 
 FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages", "token_feed")
 
@@ -33,6 +34,20 @@ FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages", "token_feed")
 _DECODE_FLAGS = [StepFlags(f, e) for f in (False, True) for e in (False, True)]
 _PREFILL_FLAGS = [StepFlags(True, True), StepFlags(True, True, True)]
 _MIXED_VERIFY_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
+
+
+def reads_padded_pages(config, page_size: int) -> bool:
+    """Whether decode attention costs every padded page (so finer page buckets pay) on CPU: the pure-JAX references
+    do, the C++ kernel stops at each sequence's length. Which one `attn_impl="auto"` runs is the dispatchers' answer
+    (`resolve_impl`, `resolve_mla_impl`), asked rather than re-derived so the two cannot disagree. Off CPU it stays
+    False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
+    finer ladder pays for its extra compiles there is unmeasured. An explicit `attn_impl="reference"` on CPU is not
+    detected (it only costs some padding)."""
+    if target_backend() != "cpu":
+        return False
+    if config.is_mla:
+        return resolve_mla_impl("auto", page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
+    return resolve_impl("auto", page_size, config.head_dim) == "reference"
 
 
 def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:

@@ -15,7 +15,7 @@ import time
 
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
-from inference.engine.compile_budget import padding_is_free, warmup_serving
+from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
@@ -36,9 +36,6 @@ from inference.engine.stop import check_stop, flush_text
 from inference.structured.manager import StructuredOutputManager
 from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
-from kernels_pallas.attention.dispatch import resolve_impl
-from kernels_pallas.backend import target_backend
-from kernels_pallas.mla.dispatch import resolve_mla_impl
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +54,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-
-def reads_padded_pages(config, page_size: int) -> bool:
-    """Whether decode attention costs every padded page (so finer page buckets pay) on CPU: the pure-JAX references
-    do, the C++ kernel stops at each sequence's length. Which one `attn_impl="auto"` runs is the dispatchers' answer
-    (`resolve_impl`, `resolve_mla_impl`), asked rather than re-derived so the two cannot disagree. Off CPU it stays
-    False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
-    finer ladder pays for its extra compiles there is unmeasured. An explicit `attn_impl="reference"` on CPU is not
-    detected (it only costs some padding)."""
-    if target_backend() != "cpu":
-        return False
-    if config.is_mla:
-        return resolve_mla_impl("auto", page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
-    return resolve_impl("auto", page_size, config.head_dim) == "reference"
 
 
 class Engine:
@@ -279,7 +262,6 @@ class Engine:
             outputs = merge_outputs(self._undelivered, fold_in_flight(self))
             self._undelivered = []
             return outputs
-
 
     def remove_lora(self, lora_id: int) -> None:
         """Forget a LoRA adapter between steps (host copy and slot); ValueError while a request still uses it."""

@@ -156,8 +156,6 @@ def save_peft_adapter(folder: str, weights: dict[str, tuple[np.ndarray, np.ndarr
     """Write (a [in, r], b [r, out]) pairs by canonical name as a PEFT folder (`load_peft_adapter`'s inverse, the
     files PEFT's `save_pretrained` writes), e.g. an RL trainer's freshly initialised adapter for a `LoRARequest`.
     Returns `folder`."""
-    from safetensors.numpy import save_file
-
     if not weights:
         raise ValueError("save_peft_adapter: the adapter has no projections")
     ranks = {np.shape(a)[1] for a, _ in weights.values()}
@@ -177,6 +175,14 @@ def save_peft_adapter(folder: str, weights: dict[str, tuple[np.ndarray, np.ndarr
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ranks.pop(), "lora_alpha": alpha,
               "use_rslora": use_rslora, "target_modules": sorted(modules), "base_model_name_or_path": base_model_name,
               "lora_dropout": 0.0, "bias": "none"}
+    return write_peft_files(folder, config, tensors)
+
+
+def write_peft_files(folder: str, config: dict, tensors: dict[str, np.ndarray]) -> str:
+    """The two files of a PEFT adapter folder (the config as JSON, the PEFT-named tensors as safetensors), as
+    PEFT's `save_pretrained` lays them out; returns `folder`."""
+    from safetensors.numpy import save_file
+
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, CONFIG_NAME), "w") as f:
         json.dump(config, f, indent=2)

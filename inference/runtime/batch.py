@@ -6,8 +6,8 @@ distinct compiled step functions stays small and decode stops compiling once its
 16, 24, ...): the pure-JAX reference attention reads every padded page, so a context of 129-192 tokens then
 reads 192 positions instead of 256 (a small saving expected from attention's share of a step; BENCHMARKS.md's
 A/B pairs stayed within noise), for one more compiled shape per doubling; the C++ CPU kernel and the Pallas
-kernels stop at each sequence's length, where finer buckets would only add compiles (`engine.reads_padded_pages`). All
-of this is numpy on the host; one `device_put` per step moves it.
+kernels stop at each sequence's length, where finer buckets would only add compiles
+(`compile_budget.reads_padded_pages`). All of this is numpy on the host; one `device_put` per step moves it.
 
 Buckets that buy nothing are cut (`BucketLimits.query_buckets`, `page_buckets`): the C++ CPU kernel ignores the
 longest-query bound and reads no page past a sequence's length, so under it a prefill step's longest query is its

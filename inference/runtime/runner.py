@@ -194,10 +194,11 @@ class ModelRunner:
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
         # One device: where the steps run; update_weights moves leaves from elsewhere there.
         self._device = next(iter(self.param_leaves[0].devices()))
-        # Where a step's input tokens live, committed there: the host's (numpy) and those gathered on the device from
-        # the previous step's samples (async scheduling) must reach the jitted step alike, or each would compile its
-        # own variant (a one-device KV cache is committed there too, for the same reason).
-        self._token_sharding = jax.sharding.SingleDeviceSharding(self._device)
+        # Where a step's input tokens (and any other per-step array made on the device) live, committed there: the
+        # host's (numpy) and those gathered on the device from the previous step's samples (async scheduling) must
+        # reach the jitted step alike, or each would compile its own variant (a one-device KV cache is committed
+        # there too, for the same reason).
+        self.token_sharding = jax.sharding.SingleDeviceSharding(self._device)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
@@ -215,7 +216,7 @@ class ModelRunner:
             if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
                 kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
             self._kv_sharding = kv_sharding
-            self._token_sharding = replicated(mesh)
+            self.token_sharding = replicated(mesh)
             self.kv_caches = self._zero_kv_caches()
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
@@ -242,7 +243,7 @@ class ModelRunner:
     def _zero_kv_caches(self) -> list:
         """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
         committed to its devices: the caches every step returns are, and the first step must see the same kind."""
-        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding or self._token_sharding)
+        zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding or self.token_sharding)
         return [zeros() for _ in range(self._num_kv_layers)]
 
     @property
@@ -264,16 +265,16 @@ class ModelRunner:
         first widened to `width` (the largest sequence bucket), so the gather has one shape per (tokens, sequences)
         bucket of the step it feeds whatever the previous step's bucket was; both inputs are committed to the
         runner's devices, as the step outputs are, so warm-up's calls key the same executables."""
-        wide = self._widen_tokens(jax.device_put(prev, self._token_sharding), width)
-        return self._gather_tokens(jax.device_put(tokens, self._token_sharding), wide,
-                                   jax.device_put(dst, self._token_sharding), jax.device_put(src, self._token_sharding))
+        wide = self._widen_tokens(jax.device_put(prev, self.token_sharding), width)
+        return self._gather_tokens(jax.device_put(tokens, self.token_sharding), wide,
+                                   jax.device_put(dst, self.token_sharding), jax.device_put(src, self.token_sharding))
 
     def warm_token_feeds(self, widths: list[int], shapes: list[tuple[int, int]], width: int) -> int:
         """Compile `feed_tokens` for previous steps of each sequence bucket in `widths` and next steps of each
         (tokens, sequences) bucket in `shapes`; returns how many executables that added."""
         before = self.num_compilations()["token_feed"]
         for n in widths:
-            self._widen_tokens(jax.device_put(np.zeros(n, np.int32), self._token_sharding), width)
+            self._widen_tokens(jax.device_put(np.zeros(n, np.int32), self.token_sharding), width)
         for t, s in shapes:
             self.feed_tokens(np.zeros(t, np.int32), np.zeros(width, np.int32), np.full(s, t, np.int32),
                              np.zeros(s, np.int32), width)
@@ -293,7 +294,7 @@ class ModelRunner:
             lora = self.lora.arrays
             if inp.lora_slots is None:  # warm-up and other callers without adapters: every token on slot 0
                 inp = inp.replace(lora_slots=np.zeros(inp.tokens.shape[0], np.int32))
-        inp = inp.replace(tokens=jax.device_put(inp.tokens, self._token_sharding))  # committed there, always
+        inp = inp.replace(tokens=jax.device_put(inp.tokens, self.token_sharding))  # committed there, always
         sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
                                              use_filters=use_filters, logprobs=logprobs,
                                              prompt_logprobs=prompt_logprobs)

@@ -142,7 +142,7 @@ def warm_variants(runner: ModelRunner, variants: list[StepVariant], *, penalty_l
             k = v.num_spec
             # A device array, as the draft's step returns it: jit keys a numpy argument apart from a jax.Array.
             # Committed to the runner's devices, as the draft runner's outputs are (jit keys committed apart too).
-            probs = (jax.device_put(jnp.zeros((s.num_seqs, k, vocab), jnp.float32), runner._token_sharding)
+            probs = (jax.device_put(jnp.zeros((s.num_seqs, k, vocab), jnp.float32), runner.token_sharding)
                      if v.draft_probs else None)
             inp = inp.replace(spec=SpecInput(logits_indices=np.zeros((s.num_seqs, k + 1), np.int32),
                                              draft_tokens=np.zeros((s.num_seqs, k), np.int32),

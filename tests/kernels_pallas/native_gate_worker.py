@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.presets import get_model_config
-from inference.engine.llm_engine import reads_padded_pages
+from inference.engine.compile_budget import reads_padded_pages
 from kernels_pallas import ragged_paged_attention, rope_cpu, write_kv
 from kernels_pallas.attention import cpu
 from kernels_pallas.attention.dispatch import resolve_impl
