@@ -6,9 +6,10 @@ Families: `decode` and `prefill` (the target's steps), `verify` (speculative ver
 (copy-on-write page copies, one per power-of-two count). A family's variants are its shapes
 (`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
 filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
-in prefill, which always runs filters and extras; draft probabilities in verification). Not counted and not
-warmed: the sparse logit edits (`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`), whose list lengths
-keep their own buckets, and LoRA slot writes (`inference/lora/slots.py`, one executable).
+in prefill, which always runs filters and extras; draft probabilities in verification). The token mask carries
+`allowed_token_ids` too, and the extras the sparse logit edits (`logit_bias`, `bad_words`, `min_tokens`) up to
+`FOLDED_EDITS` per row. Not counted and not warmed: a row with more edits than that (its list length keeps its own
+bucket), and LoRA slot writes (`inference/lora/slots.py`, one executable).
 
 Each executable holds memory mappings (XLA:CPU maps every compiled kernel's code and data separately: about 600
 for a SmolLM2 step), and a process may have only `vm.max_map_count` (65,530 by default on Linux) of them, so on

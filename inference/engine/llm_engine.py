@@ -13,6 +13,8 @@ import random
 import threading
 import time
 
+import numpy as np
+
 from inference.runtime.batch import BucketLimits, build_model_input, bucket
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
 from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
@@ -23,6 +25,7 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
+from inference.sampling.token_mask import allowed_row, restrict_rows
 from inference.sampling.params import SamplingParams
 from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
                                               feed_pending_tokens, finishes_in_flight, fold_in_flight,
@@ -50,6 +53,7 @@ class Request:
     metrics: RequestMetrics
     error: str | None = None
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # params.bad_words, tokenized
+    allowed_mask: np.ndarray | None = None  # params.allowed_token_ids as one token-bitmask row (token_mask.py)
 
     @property
     def finished(self) -> bool:
@@ -146,8 +150,10 @@ class Engine:
                 self._next_seq_id += 1
             if grammar is not None:
                 self.structured.add([s.seq_id for s in seqs], grammar)
+            allowed = None if params.allowed_token_ids is None else \
+                allowed_row(params.allowed_token_ids, self.runner.config.vocab_size)
             self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics,
-                                                bad_words_ids=bad_words_ids)
+                                                bad_words_ids=bad_words_ids, allowed_mask=allowed)
             for seq in seqs:
                 self.scheduler.add(seq)
             self.stats.prompt_tokens += len(prompt_token_ids)
@@ -326,15 +332,13 @@ class Engine:
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
         params = [s.params for s in batch.seqs]
         pen = needs_penalties(params)  # only then the rows' token ids go to the device
+        pad_to = inp.logits_indices.shape[0]
+        token_mask, mask_in_raw = self._token_mask(batch, pad_to)
         sampling = SamplingTensors.from_params(
-            params, [s.seed for s in batch.seqs], [s.num_output_tokens for s in batch.seqs],
-            pad_to=inp.logits_indices.shape[0],
+            params, [s.seed for s in batch.seqs], [s.num_output_tokens for s in batch.seqs], pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in batch.seqs] if pen else None,
             output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None,
-            token_mask=self.structured.fill(
-                [(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                 if s.num_computed_tokens + n >= s.num_tokens], pad_to=inp.logits_indices.shape[0]),
-            logit_bias=self._logit_bias(batch, inp.logits_indices.shape[0]))
+            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, pad_to))
         wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                            for s, p in zip(batch.seqs, params))
         flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
@@ -347,14 +351,23 @@ class Engine:
                                    use_filters=flags.use_filters, logprobs=flags.extras,
                                    prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
 
+    def _token_mask(self, batch: ScheduledBatch, pad_to: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The step's token bitmask (the grammars of the constrained rows that sample now, and the allowed lists;
+        None when the batch has neither) and the rows whose raw logprobs see it (`token_mask.restrict_rows`)."""
+        mask = self.structured.fill([(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                                     if s.num_computed_tokens + n >= s.num_tokens], pad_to=pad_to)
+        allowed = [(i, self.requests[s.request_id].allowed_mask, s.params.structured_outputs is not None)
+                   for i, s in enumerate(batch.seqs) if s.params.allowed_token_ids is not None]
+        return restrict_rows(mask, allowed, pad_to, self.runner.config.vocab_size)
+
     def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
-        """The batch's sparse logit edits (logit_bias, allowed_token_ids, bad words, min_tokens), or None."""
+        """The batch's sparse logit edits (logit_bias, bad words, min_tokens), or None."""
         if not any(s.params.uses_logit_rules for s in batch.seqs):
             return None
         # A row's stop ids for min_tokens: vLLM's all_stop_token_ids (stop_token_ids and EOS).
         edits = [row_edits(s.params, s.output_token_ids, self.requests[s.request_id].bad_words_ids,
                            set(s.params.stop_token_ids) | self.eos_token_ids) for s in batch.seqs]
-        return LogitBiasTensors.from_rows(edits, [s.params.allowed_token_ids for s in batch.seqs], pad_to)
+        return LogitBiasTensors.from_rows(edits, pad_to)
 
     def _run_draft(self, batch: ScheduledBatch):
         """Fill the reserved draft slots with the proposer's tokens, batched over the speculating sequences;

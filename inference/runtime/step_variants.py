@@ -14,7 +14,7 @@ beside its T tokens the sampler's S rows cost little, and every prefill shape is
 logprobs off / on). BENCHMARKS.md (compile budget) measures each fold.
 The sparse logit edits (`logit_bias`, `bad_words`, `min_tokens`' stop-id bans) fold into the extras too, padded
 to `FOLDED_EDITS` per row (padding ids are dropped by the scatter: a row's logits stay exactly as they were); a
-row with more edits, and `allowed_token_ids` lists, keep their length buckets and compile on first use.
+row with more edits keeps its length bucket and compiles on first use. `allowed_token_ids` rides the token mask.
 """
 
 from __future__ import annotations
@@ -84,12 +84,13 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
     if not flags.extras:
         return sampling
     # Numpy like the parts `SamplingTensors.from_params` builds: jit keys a numpy argument apart from a jax.Array.
-    noop_mask, noop_pen, noop_edits = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
-    mask = sampling.token_mask if sampling.token_mask is not None else noop_mask
+    noop_mask, noop_in_raw, noop_pen, noop_edits = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
+    if sampling.token_mask is None:
+        sampling = sampling.replace(token_mask=noop_mask, mask_in_raw=noop_in_raw)
     sampling = sampling.replace(logit_bias=_fold_edits(sampling.logit_bias, noop_edits))
     pen = sampling.penalties
     if pen is None:
-        return sampling.replace(token_mask=mask, penalties=noop_pen)
+        return sampling.replace(penalties=noop_pen)
     if max(pen.prompt_ids.shape[1], pen.output_ids.shape[1]) > penalty_len:
         raise ValueError(f"penalty token ids of {pen.prompt_ids.shape[1]} / {pen.output_ids.shape[1]} exceed the "
                          f"folded length {penalty_len}; build it with penalty_length(max_model_len)")
@@ -98,7 +99,7 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
         return np.pad(np.asarray(ids), ((0, 0), (0, penalty_len - ids.shape[1])), constant_values=-1)
 
     pen = pen.replace(prompt_ids=pad(pen.prompt_ids), output_ids=pad(pen.output_ids))
-    return sampling.replace(token_mask=mask, penalties=pen)
+    return sampling.replace(penalties=pen)
 
 
 def _fold_edits(edits: LogitBiasTensors | None, noop: LogitBiasTensors) -> LogitBiasTensors:
@@ -115,18 +116,21 @@ def _fold_edits(edits: LogitBiasTensors | None, noop: LogitBiasTensors) -> Logit
 
 @functools.lru_cache(maxsize=64)
 def _noop_parts(rows: int, vocab_size: int, penalty_len: int
-                ) -> tuple[np.ndarray, PenaltyTensors, LogitBiasTensors]:
-    """An all-ones mask and no-op penalties for `rows` rows, built once per size (read-only: the step only reads
-    them), so a logprobs-only step does not allocate [rows, context] id arrays on the host every time."""
+                ) -> tuple[np.ndarray, np.ndarray, PenaltyTensors, LogitBiasTensors]:
+    """An all-ones mask (seen by raw logprobs too), no-op penalties and edits for `rows` rows, built once per size
+    (read-only: the step only reads them), so a logprobs-only step does not allocate [rows, context] id arrays on
+    the host every time."""
     mask = all_allowed(rows, vocab_size)
-    mask.flags.writeable = False
+    in_raw = np.ones(rows, np.bool_)
+    mask.flags.writeable = in_raw.flags.writeable = False
     pen = PenaltyTensors.from_params([], [], [], rows)
     ids = np.full((rows, penalty_len), -1, np.int32)
     ids.flags.writeable = False
     edit_ids = np.full((rows, FOLDED_EDITS), -1, np.int32)
     edit_values = np.zeros((rows, FOLDED_EDITS), np.float32)
     edit_ids.flags.writeable = edit_values.flags.writeable = False
-    return mask, pen.replace(prompt_ids=ids, output_ids=ids), LogitBiasTensors(ids=edit_ids, values=edit_values)
+    return mask, in_raw, pen.replace(prompt_ids=ids, output_ids=ids), LogitBiasTensors(ids=edit_ids,
+                                                                                        values=edit_values)
 
 
 def warm_variants(runner: ModelRunner, variants: list[StepVariant], *, penalty_len: int) -> int:

@@ -1,17 +1,17 @@
-"""Sparse per-row logit edits: vLLM's `logit_bias`, `allowed_token_ids`, `bad_words` and `min_tokens`, batched.
+"""Sparse per-row logit edits: vLLM's `logit_bias`, `bad_words` and `min_tokens`, batched.
 
-All four only touch a few token ids of a row, so a row carries *lists* of (token id, value) pairs rather than a
+All three only touch a few token ids of a row, so a row carries *lists* of (token id, value) pairs rather than a
 [vocab] mask: a bias adds its value, a ban adds -inf (bad words whose prefix the output just completed, and the stop
-ids while a row is below its `min_tokens`). An allowed-token list is a gather of the row's allowed logits and a
-scatter into a row of -inf. The lists are padded (-1) to a power of two at least `MIN_RULE_TOKENS` long, so the
-jitted step compiles once per doubling, not per request; `LogitBiasTensors.from_rows` returns None when no row has
-anything to apply, and `SamplingTensors.logit_bias=None` traces the sampler exactly as without these parameters
-(the same static-flag trick as `PenaltyTensors`). The structured-outputs bitmask ([B, vocab/32]) is a different
-mechanism and lives elsewhere.
+ids while a row is below its `min_tokens`). `allowed_token_ids` is the opposite case (every token but a few is
+banned) and goes through the token bitmask instead (inference/sampling/token_mask.py: `allowed_row`). The lists are
+padded (-1) to a power of two at least `MIN_RULE_TOKENS` long, so the jitted step compiles once per doubling, not
+per request; `LogitBiasTensors.from_rows` returns None when no row has anything to apply, and
+`SamplingTensors.logit_bias=None` traces the sampler exactly as without these parameters (the same static-flag trick
+as `PenaltyTensors`).
 
-Order (vLLM V1's `Sampler.forward`): allowed list, bad words, min_tokens, logit_bias, then the penalties, then
-temperature and the filters. All of it happens before sampling, so "processed" logprobs include these edits and
-"raw" ones do not (as in vLLM).
+Order (vLLM V1's `Sampler.forward`): the allowed list (the bitmask, applied first), bad words, min_tokens,
+logit_bias, then the penalties, then temperature and the filters. All of it happens before sampling, so "processed"
+logprobs include these edits and "raw" ones do not (as in vLLM).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax import lax
 
 from inference.sampling.params import SamplingParams
 
-#: The shortest padded length of a row's rule list (and of an allowed-token list).
+#: The shortest padded length of a row's rule list.
 MIN_RULE_TOKENS = 16
 
 
@@ -86,23 +86,15 @@ class LogitBiasTensors:
     Attributes:
       ids: i32[S, L]; token ids to edit, padded with -1 (ignored).
       values: f32[S, L]; added to the logit of `ids` (a bias, or -inf for a ban).
-      allowed: i32[S, La] allowed token ids padded with -1, or None when no row has an allowed list (static: no
-        gather/scatter is traced then).
-      has_allowed: bool[S] rows whose `allowed` list applies (None with `allowed`).
     """
 
     ids: jax.Array
     values: jax.Array
-    allowed: jax.Array | None = None
-    has_allowed: jax.Array | None = None
 
     @classmethod
-    def from_rows(cls, edits: Sequence[Sequence[tuple[int, float]]], allowed: Sequence[Sequence[int] | None],
-                  pad_to: int) -> LogitBiasTensors | None:
-        """Numpy arrays for the rows' `row_edits` and allowed lists (None: no list); None if nothing applies."""
-        if len(edits) != len(allowed):
-            raise ValueError(f"edits and allowed must have equal lengths, got {len(edits)} and {len(allowed)}")
-        if not any(edits) and all(a is None for a in allowed):
+    def from_rows(cls, edits: Sequence[Sequence[tuple[int, float]]], pad_to: int) -> LogitBiasTensors | None:
+        """Numpy arrays for the rows' `row_edits`; None if no row has one."""
+        if not any(edits):
             return None
         width = pow2_bucket(max((len(e) for e in edits), default=0), MIN_RULE_TOKENS)
         ids = np.full((pad_to, width), -1, np.int32)
@@ -111,30 +103,14 @@ class LogitBiasTensors:
             if row:
                 ids[i, :len(row)] = [t for t, _ in row]
                 values[i, :len(row)] = [v for _, v in row]
-        allowed_ids = has_allowed = None
-        if any(a is not None for a in allowed):
-            width = pow2_bucket(max(len(a) for a in allowed if a is not None), MIN_RULE_TOKENS)
-            allowed_ids = np.full((pad_to, width), -1, np.int32)
-            has_allowed = np.zeros(pad_to, np.bool_)
-            for i, row in enumerate(allowed):
-                if row is not None:
-                    allowed_ids[i, :len(row)] = row
-                    has_allowed[i] = True
-        return cls(ids=ids, values=values, allowed=allowed_ids, has_allowed=has_allowed)
+        return cls(ids=ids, values=values)
 
 
 def apply_logit_bias(logits: jax.Array, t: LogitBiasTensors) -> jax.Array:
-    """The edits on f32[S, V] logits: allowed lists first (every other token -inf), then the bans and biases."""
+    """The bans and biases on f32[S, V] logits (padding ids are out of range and dropped by the scatter)."""
     x = logits.astype(jnp.float32)
-    s, v = x.shape
-    if t.allowed is not None:
-        allowed = jnp.asarray(t.allowed, jnp.int32)
-        rows = lax.broadcasted_iota(jnp.int32, allowed.shape, 0)
-        valid = (allowed >= 0) & (allowed < v)
-        kept = jnp.take_along_axis(x, jnp.where(valid, allowed, 0), axis=-1)
-        only = jnp.full((s, v), -jnp.inf, jnp.float32).at[rows, jnp.where(valid, allowed, v)].set(kept, mode="drop")
-        x = jnp.where(jnp.asarray(t.has_allowed)[:, None], only, x)
+    v = x.shape[-1]
     ids = jnp.asarray(t.ids, jnp.int32)
     rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-    ids = jnp.where((ids >= 0) & (ids < v), ids, v)  # padding: out of range, dropped by the scatter
+    ids = jnp.where((ids >= 0) & (ids < v), ids, v)
     return x.at[rows, ids].add(jnp.asarray(t.values, jnp.float32), mode="drop")

@@ -244,10 +244,10 @@ class SamplingParams:
 
     @property
     def uses_logit_rules(self) -> bool:
-        """True when this request edits logits sparsely (logit_bias, allowed_token_ids, bad_words, min_tokens);
-        the engine builds `LogitBiasTensors` only for batches with such a row (and only when an edit applies)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words) \
-            or self.min_tokens > 0
+        """True when this request edits logits sparsely (logit_bias, bad_words, min_tokens); the engine builds
+        `LogitBiasTensors` only for batches with such a row (and only when an edit applies). `allowed_token_ids`
+        goes through the token bitmask instead."""
+        return bool(self.logit_bias) or bool(self.bad_words) or self.min_tokens > 0
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""

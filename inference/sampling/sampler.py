@@ -6,9 +6,10 @@ per-request `SamplingParams` into small per-row arrays once per step.
 
 Semantics (vLLM v1, `vllm/v1/sample/sampler.py` + `ops/topk_topp_sampler.py`):
 
--1. Structured outputs: where the batch carries `SamplingTensors.token_mask`, tokens a row's grammar forbids are set
-   to -inf first (inference/sampling/token_mask.py), so everything below, logprobs included, sees only allowed ones.
-0. Sparse logit edits (inference/sampling/logit_bias.py: allowed_token_ids, bad words, min_tokens, logit_bias) when
+-1. Structured outputs and allowed_token_ids: where the batch carries `SamplingTensors.token_mask`, tokens a row's
+   grammar or allowed list forbids are set to -inf first (inference/sampling/token_mask.py), so everything below,
+   logprobs included, sees only allowed ones.
+0. Sparse logit edits (inference/sampling/logit_bias.py: bad words, min_tokens, logit_bias) when
    the batch carries `SamplingTensors.logit_bias`, then
    penalties (vLLM's `apply_penalties`), on the raw logits of every row, greedy ones included, when the batch carries
    `SamplingTensors.penalties`: a token present in the prompt or the output has its logit divided by the row's
@@ -91,9 +92,11 @@ class SamplingTensors:
       processed_logprobs: bool[S]; True where the request asked for logprobs_mode="processed".
       penalties: PenaltyTensors, or None when no row uses a penalty. None is part of the pytree structure, so it acts
         as a static flag: batches without penalties trace and compile exactly the step they did before penalties.
-      token_mask: i32[S, ceil(V / 32)] structured-outputs bitmask (inference/sampling/token_mask.py; rows without a
-        constraint all ones), or None when no row is constrained: a static flag like `penalties`.
-      logit_bias: LogitBiasTensors (logit_bias, allowed_token_ids, bad_words, min_tokens), or None when no row has
+      token_mask: i32[S, ceil(V / 32)] bitmask of structured outputs and allowed lists (inference/sampling/
+        token_mask.py; rows without either all ones), or None when no row has one: a static flag like `penalties`.
+      mask_in_raw: bool[S], with `token_mask` (None without it): rows whose raw logprobs see the mask (grammar
+        rows); False for a row whose mask is only its allowed list, which vLLM applies after the raw logprobs.
+      logit_bias: LogitBiasTensors (logit_bias, bad_words, min_tokens), or None when no row has
         an edit this step; the same static flag.
     """
 
@@ -106,6 +109,7 @@ class SamplingTensors:
     processed_logprobs: jax.Array
     penalties: PenaltyTensors | None = None
     token_mask: jax.Array | None = None
+    mask_in_raw: jax.Array | None = None
     logit_bias: LogitBiasTensors | None = None
 
     @classmethod
@@ -119,6 +123,7 @@ class SamplingTensors:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         token_mask: np.ndarray | None = None,
         logit_bias: LogitBiasTensors | None = None,
+        mask_in_raw: np.ndarray | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -131,8 +136,10 @@ class SamplingTensors:
           pad_to: total number of rows (>= len(params_list)); the jitted step's static batch size.
           prompt_token_ids, output_token_ids: each row's prompt and generated tokens; required only when some row
             uses a penalty (`needs_penalties`), and only then read: otherwise `penalties` is None.
-          token_mask: the step's structured-outputs bitmask [pad_to, ceil(V / 32)], or None (no constrained row).
+          token_mask: the step's bitmask [pad_to, ceil(V / 32)] (grammars, allowed lists), or None (neither).
           logit_bias: the rows' sparse edits (`LogitBiasTensors.from_rows`, padded to `pad_to`), or None.
+          mask_in_raw: with `token_mask`, the rows whose raw logprobs see it (`token_mask.restrict_rows`); None:
+            all of them.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -170,6 +177,10 @@ class SamplingTensors:
             penalties = PenaltyTensors.from_params(params_list, prompt_token_ids, output_token_ids, pad_to)
         if token_mask is not None and token_mask.shape[0] != pad_to:
             raise ValueError(f"token_mask has {token_mask.shape[0]} rows, the batch {pad_to}")
+        if token_mask is None:
+            mask_in_raw = None
+        elif mask_in_raw is None:
+            mask_in_raw = np.ones(pad_to, np.bool_)
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -180,6 +191,7 @@ class SamplingTensors:
             processed_logprobs=processed,
             penalties=penalties,
             token_mask=token_mask,
+            mask_in_raw=mask_in_raw,
             logit_bias=logit_bias,
         )
 
@@ -439,11 +451,17 @@ def sample_with_logprobs(
     Each row's logprobs come from the raw logits or, where `t.processed_logprobs` is set, from the processed ones;
     the choice is a per-row select, so a mixed batch still does one log-softmax and one top-k. A structured-outputs
     mask applies to both: "raw" is then the log-softmax of the masked logits (the constrained distribution before
-    temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler. The sampled
-    tokens' ranks (`SamplerOutput.rank`) come with num_top > 0 only.
+    temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler; a row whose mask
+    is only its `allowed_token_ids` (`t.mask_in_raw` False) keeps the unmasked raw logprobs, as vLLM's allowed list
+    comes after them. The sampled tokens' ranks (`SamplerOutput.rank`) come with num_top > 0 only.
     """
-    raw = apply_token_mask(logits.astype(jnp.float32), t.token_mask)
-    x = _processed(raw, t, use_filters=use_filters, invariant=invariant)
+    logits = logits.astype(jnp.float32)
+    masked = apply_token_mask(logits, t.token_mask)
+    x = _processed(masked, t, use_filters=use_filters, invariant=invariant)
+    raw = masked
+    if t.token_mask is not None:
+        in_raw = jnp.asarray(t.mask_in_raw)
+        raw = jax.lax.cond(jnp.all(in_raw), lambda: masked, lambda: jnp.where(in_raw[:, None], masked, logits))
     tokens = _sample_processed(x, t)
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top, invariant=invariant)

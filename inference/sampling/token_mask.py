@@ -1,4 +1,5 @@
-"""The per-step token bitmask of structured outputs, applied to the logits inside the jitted sampler.
+"""The per-step token bitmask of structured outputs and `allowed_token_ids`, applied to the logits inside the
+jitted sampler.
 
 The host (inference/structured/manager.py) fills an int32 bitmask `[S, ceil(V / 32)]` per step: bit `t % 32` of
 word `t // 32` of a row is 1 where token t is allowed (llguidance's layout, which its matchers write into directly).
@@ -29,6 +30,32 @@ def mask_words(vocab_size: int) -> int:
 def all_allowed(num_rows: int, vocab_size: int) -> np.ndarray:
     """An int32 bitmask `[num_rows, ceil(V / 32)]` that allows every token."""
     return np.full((num_rows, mask_words(vocab_size)), ALL_ALLOWED, np.int32)
+
+
+def allowed_row(token_ids, vocab_size: int) -> np.ndarray:
+    """One bitmask row [ceil(V / 32)] allowing exactly `token_ids` (vLLM's `allowed_token_ids`, which V1 applies as
+    a dense mask too): built once per request, it rides the same mask input as a grammar's, so an allowed list
+    compiles no step of its own."""
+    bits = np.zeros(mask_words(vocab_size) * 32, np.bool_)
+    bits[np.asarray(token_ids, np.int64)] = True
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)  # bit t % 32 of word t // 32
+
+
+def restrict_rows(mask: np.ndarray | None, rows: list[tuple[int, np.ndarray, bool]], pad_to: int,
+                  vocab_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(`mask` with each `rows` entry's `allowed_row` ANDed into its batch row, the rows whose raw logprobs see the
+    mask) for `rows` of (batch row, allowed row, row has a grammar too). vLLM applies a grammar's bitmask before the
+    sampler and an allowed list inside it, after the raw logprobs: so a row with only an allowed list samples under
+    the mask and reports raw logprobs without it (a row with both reports them under both). `(mask, None)` when
+    `rows` is empty: every masked row is a grammar row."""
+    if not rows:
+        return mask, None
+    mask = all_allowed(pad_to, vocab_size) if mask is None else mask
+    in_raw = np.ones(pad_to, np.bool_)
+    for i, row, grammar in rows:
+        mask[i] &= row
+        in_raw[i] = grammar
+    return mask, in_raw
 
 
 def allowed_tokens(mask: jax.Array, vocab_size: int) -> jax.Array:

@@ -11,6 +11,7 @@ import pytest
 from inference import SamplingParams
 from inference.sampling.logit_bias import (LogitBiasTensors, bad_words_token_ids, banned_by_bad_words, row_edits)
 from inference.sampling.sampler import SamplingTensors, process_logits, sample_with_logprobs, token_rank
+from inference.sampling.token_mask import allowed_row, restrict_rows
 
 _process = jax.jit(lambda x, t: process_logits(x, t, use_filters=False))
 
@@ -20,11 +21,16 @@ def tensors(params: list[SamplingParams], outputs: list[list[int]], bad_words=No
     bad_words = bad_words or [[] for _ in params]
     edits = [row_edits(p, o, b, set(p.stop_token_ids) | set(stop_ids)) if p.uses_logit_rules else []
              for p, o, b in zip(params, outputs, bad_words)]
-    bias = LogitBiasTensors.from_rows(edits, [p.allowed_token_ids for p in params], pad_to=len(params))
+    bias = LogitBiasTensors.from_rows(edits, pad_to=len(params))
+    vocab = 16  # the worked examples' logits are narrower; bits past them are ignored
+    mask, in_raw = restrict_rows(None, [(i, allowed_row(p.allowed_token_ids, vocab), False)
+                                        for i, p in enumerate(params) if p.allowed_token_ids is not None],
+                                 len(params), vocab)
     pen = any(p.uses_penalties for p in params)
     return SamplingTensors.from_params(params, [0] * len(params), [len(o) for o in outputs], pad_to=len(params),
                                        prompt_token_ids=prompts if pen else None,
-                                       output_token_ids=outputs if pen else None, logit_bias=bias)
+                                       output_token_ids=outputs if pen else None, logit_bias=bias, token_mask=mask,
+                                       mask_in_raw=in_raw)
 
 
 def test_bias_is_clamped_to_100_and_added_to_the_raw_logits():
@@ -52,6 +58,24 @@ def test_allowed_list_keeps_only_its_tokens_and_a_bias_cannot_revive_a_disallowe
     got = np.asarray(_process(jnp.asarray(logits), tensors(rows, [[], []])))
     np.testing.assert_allclose(got[0], [1.0, -np.inf, 1.5, -np.inf])
     np.testing.assert_array_equal(got[1], logits[1])
+
+
+def test_an_allowed_row_sets_exactly_its_bits():
+    """`allowed_row` packs a list the way the sampler unpacks the mask (bit t % 32 of word t // 32), and ANDs into
+    a grammar's row: both restrictions hold."""
+    from inference.sampling.token_mask import allowed_tokens
+
+    ids = [0, 31, 32, 63, 70]
+    row = allowed_row(ids, vocab_size=71)
+    assert row.dtype == np.int32 and row.shape == (3,)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(allowed_tokens(row[None], 71))[0]), ids)
+    grammar = np.zeros((2, 3), np.int32)
+    grammar[0, 1] = -1  # the grammar allows tokens 32..63
+    got, in_raw = restrict_rows(grammar, [(0, row, True)], 2, 71)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(allowed_tokens(got, 71))[0]), [32, 63])
+    assert in_raw.tolist() == [True, True]  # a grammar row: its raw logprobs see the whole mask
+    assert restrict_rows(None, [(1, row, False)], 2, 71)[1].tolist() == [True, False]
+    assert restrict_rows(None, [], 2, 71) == (None, None)
 
 
 def test_bias_comes_before_the_repetition_penalty():
@@ -98,7 +122,7 @@ def test_rows_without_edits_build_no_tensors():
     the sampler exactly as before these parameters existed."""
     p = SamplingParams(min_tokens=1)
     assert p.uses_logit_rules
-    assert LogitBiasTensors.from_rows([row_edits(p, [3], [], {0})], [None], pad_to=4) is None
+    assert LogitBiasTensors.from_rows([row_edits(p, [3], [], {0})], pad_to=4) is None
 
 
 def test_processed_logprobs_include_the_edits_raw_ones_do_not():

@@ -145,7 +145,8 @@ def _workload(rng, structured: bool):
     prompts += [shared + [5], shared + [6, 7]]  # the second one hits the first one's cached pages
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.9, seed=1, max_tokens=8, ignore_eos=True, stop=["a", "zz"]),
-              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2, max_tokens=5, n=2),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2, max_tokens=5, n=2,
+                             allowed_token_ids=list(range(3, 40))),
               SamplingParams(temperature=1.0, min_p=0.1, seed=3, max_tokens=3, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5),
               SamplingParams(temperature=0.7, seed=4, max_tokens=4, n=2, frequency_penalty=0.4, top_p=0.8),
@@ -179,6 +180,7 @@ def test_warmed_up_engines_compile_nothing(tmp_path):
     assert all(o.error is None and o.finished for o in outs)
     assert outs[-1].prompt_logprobs is not None and outs[0].outputs[0].logprobs is not None
     assert outs[7].outputs[0].text in ("yes", "no", "maybe")
+    assert all(3 <= t < 40 for o in outs[2].outputs for t in o.token_ids)  # allowed_token_ids, through the mask
     assert llm.engine.block_manager.prefix_hits_tokens > 0
     assert llm.runner.num_compilations() == counts
 
