@@ -19,7 +19,10 @@ token finishes (EOS, a stop string) already has a row in N+1, whose token is dis
 finished sequence; its pages are freed when N is folded, and any step that reuses them is ordered after N+1 on the
 device; one that N's token surely ends by length gets no row, `finishes_in_flight`); pages freed by N's finished
 sequences reach waiting requests one step later, so admission and preemption may come a step earlier or later,
-which moves no token (a preempted sequence recomputes the same tokens).
+which moves no token (a preempted sequence recomputes the same tokens). "The same" is bit for bit in batch-invariant
+mode (`LLM(batch_invariant=True)`, tested); otherwise a row's float rounding depends on the batch it runs in, so
+logprobs agree to rounding and a near-tie token can differ, exactly as between two batchings of the synchronous
+engine.
 
 The rule (`sync_reasons`): a step runs synchronously, after the in-flight step is folded, when one of its rows needs
 a token of the in-flight step on the host, or its own outputs are needed before the next step can be built:
@@ -87,7 +90,7 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[s
             reasons.add("bad_words")
         if seq.spec_tokens:
             reasons.add("speculative")
-        if params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+        if params.prompt_logprobs is not None and seq.predicts_prompt:
             reasons.add("prompt_logprobs")
         if seq in pending and not (count == 1 and seq.num_computed_tokens == seq.num_tokens - 1):
             reasons.add("recompute")
@@ -138,10 +141,17 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFl
 
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     """Fetch the in-flight step's tokens and fold them in: each replaces its placeholder, then logprobs, stop checks
-    and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced."""
-    out = engine.runner.fetch(in_flight.pending)
-    now = time.perf_counter()
+    and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced. If the
+    fetch fails (the device step raised), the sequences waiting on it fail with that error, and no other."""
     rows, in_flight.rows = in_flight.rows, {}
+    try:
+        out = engine.runner.fetch(in_flight.pending)
+    except Exception as exc:  # noqa: BLE001 - the step's requests fail; no placeholder is left to feed a step
+        for seq in rows:
+            seq.token_ids.pop()
+            engine._fail(seq, exc)
+        return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
+    now = time.perf_counter()
     for seq, row in rows.items():
         seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
         try:

@@ -45,6 +45,9 @@ class EngineClient(Protocol):
     def drain(self) -> list[RequestOutput]:
         """Fold the step in flight (async scheduling); the outputs it advanced, which no `step` will report."""
 
+    def settle(self) -> None:
+        """Fold the step in flight (async scheduling); the next `step` reports the outputs it advanced."""
+
     def output_of(self, request_id: str) -> RequestOutput: ...
 
     def pop_finished(self, request_id: str) -> None: ...

@@ -3,7 +3,8 @@ that compiles them all before traffic, so a warmed-up server compiles nothing.
 
 Families: `decode` and `prefill` (the target's steps), `verify` (speculative verification: drafts in the batch),
 `draft` (the draft model's catch-up chunks and proposal step, `speculative_method="draft"`), `copy_pages`
-(copy-on-write page copies, one per power-of-two count). A family's variants are its shapes
+(copy-on-write page copies, one per power-of-two count), `token_feed` (async scheduling's gather of the previous
+step's tokens into this step's input, one per token bucket and sequence bucket). A family's variants are its shapes
 (`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
 filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
 in prefill, which always runs filters and extras; draft probabilities in verification). The token mask carries
@@ -37,18 +38,17 @@ _PREFILL_FLAGS = [StepFlags(True, True), StepFlags(True, True, True)]
 _MIXED_VERIFY_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
 
 
-def reads_padded_pages(config, page_size: int) -> bool:
+def reads_padded_pages(config, page_size: int, attn_impl: str = "auto") -> bool:
     """Whether decode attention costs every padded page (so finer page buckets pay) on CPU: the pure-JAX references
-    do, the C++ kernel stops at each sequence's length. Which one `attn_impl="auto"` runs is the dispatchers' answer
+    do, the C++ kernel stops at each sequence's length. Which one `attn_impl` runs is the dispatchers' answer
     (`resolve_impl`, `resolve_mla_impl`), asked rather than re-derived so the two cannot disagree. Off CPU it stays
     False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
-    finer ladder pays for its extra compiles there is unmeasured. An explicit `attn_impl="reference"` on CPU is not
-    detected (it only costs some padding)."""
+    finer ladder pays for its extra compiles there is unmeasured."""
     if target_backend() != "cpu":
         return False
     if config.is_mla:
-        return resolve_mla_impl("auto", page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
-    return resolve_impl("auto", page_size, config.head_dim) == "reference"
+        return resolve_mla_impl(attn_impl, page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
+    return resolve_impl(attn_impl, page_size, config.head_dim) == "reference"
 
 
 def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:

@@ -82,7 +82,8 @@ class SchedulerConfig:
     """Per-step limits and the prefill/decode policy (inference/engine/scheduler.py). `max_model_len` None: the
     model's context (capped by the page pool); the engine is given the resolved value. `async_scheduling`: dispatch
     each step before the previous step's tokens reach the host (inference/engine/async_scheduling.py; the outputs
-    are the synchronous engine's; steps that cannot overlap exactly run synchronously)."""
+    are the synchronous engine's, bit for bit in batch-invariant mode and to rounding otherwise; steps that cannot
+    overlap exactly run synchronously)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

@@ -104,6 +104,11 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines)
 
+    def settle(self) -> None:
+        """Every replica's in-flight step folded (async scheduling); the next `step` reports their outputs."""
+        for engine in self.engines:
+            engine.settle()
+
     def drain(self) -> list[RequestOutput]:
         """Every replica's in-flight step folded (async scheduling); their outputs."""
         outputs = [out for engine in self.engines for out in engine.drain()]

@@ -96,7 +96,7 @@ class Engine:
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(self.max_model_len),
-                                   fine_pages=reads_padded_pages(runner.config, runner.page_size),
+                                   fine_pages=reads_padded_pages(runner.config, runner.page_size, runner.attn_impl),
                                    query_buckets=not free, page_buckets=not free)
         self.penalty_len = penalty_length(self.max_model_len)  # fold_extras: one length for the penalty ids
         if self.num_spec:
@@ -243,7 +243,7 @@ class Engine:
         """Release every running sequence's KV and queue it to recompute its tokens (after a weight update, so
         the cache holds the new weights' keys and values); the prefix cache is dropped too. Returns how many."""
         with self._lock:
-            self._undelivered = merge_outputs(self._undelivered, fold_in_flight(self))
+            self._settle()
             running = list(self.scheduler.running)
             for seq in running:
                 self.scheduler.preempt(seq, count=False)
@@ -260,6 +260,15 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
+
+    def settle(self) -> None:
+        """Fold the in-flight step (async scheduling) and keep its outputs for the next `step` (or `drain`): no step
+        left on the device, nothing lost to a caller that steps on (what `LLM.sleep` needs)."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        self._undelivered = merge_outputs(self._undelivered, fold_in_flight(self))
 
     def drain(self) -> list[RequestOutput]:
         """Fold the in-flight step (async scheduling): no step left on the device, every token on the host; the
@@ -315,7 +324,7 @@ class Engine:
                     metrics.first_scheduled_time = now
             if self.async_scheduling:
                 return merge_outputs(undelivered, async_step(self, batch))
-            return self._process(batch, self._execute(batch))
+            return merge_outputs(undelivered, self._process(batch, self._execute(batch)))
 
     def _execute(self, batch: ScheduledBatch, in_flight: InFlightStep | None = None,
                  fetch: bool = True) -> StepOutput | PendingStep:
@@ -339,8 +348,7 @@ class Engine:
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in batch.seqs] if pen else None,
             output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None,
             token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, pad_to))
-        wants_prompt = any(p.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
-                           for s, p in zip(batch.seqs, params))
+        wants_prompt = any(p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(batch.seqs, params))
         flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
                                    sampling.token_mask is not None, pen, wants_prompt,
                                    prefill=not (batch.is_decode or batch.speculative),
@@ -494,7 +502,8 @@ class Engine:
                 logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None))
         first = request.seqs[0]
-        prompt_lp = list(first.prompt_logprobs) if request.params.prompt_logprobs is not None else None
+        # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
+        prompt_lp = (list(first.prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None else None
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
                              outputs=completions, finished=request.finished, metrics=request.metrics,

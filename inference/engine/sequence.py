@@ -73,5 +73,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def predicts_prompt(self) -> bool:
+        """Whether its next step predicts a prompt position (where prompt logprobs are recorded): the first token
+        it computes is not the prompt's last (`build_model_input`'s target_ids)."""
+        return self.num_computed_tokens + 1 < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

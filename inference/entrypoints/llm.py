@@ -130,8 +130,9 @@ class LLM:
         one device; models/batch_invariant.py, docs/rl.md).
 
         `async_scheduling` (vLLM's): dispatch each step before the previous step's tokens reach the host, so the
-        host's bookkeeping overlaps the device; the outputs are the synchronous engine's, and steps that cannot
-        overlap exactly run synchronously (inference/engine/async_scheduling.py). False: one step at a time."""
+        host's bookkeeping overlaps the device; the outputs are the synchronous engine's (bit for bit with
+        `batch_invariant=True`, to rounding otherwise), and steps that cannot overlap exactly run synchronously
+        (inference/engine/async_scheduling.py). False: one step at a time."""
         # The flat vLLM keywords, validated and grouped (inference/engine/config.py) before anything is loaded.
         config = EngineConfig.from_kwargs(**{k: v for k, v in locals().items() if k != "self"})
         self.engine_config = config
@@ -341,7 +342,7 @@ class LLM:
         prefix cache is dropped with them), level 2 also releases the weights, kept as host numpy unless
         `keep_weights_on_host=False` (then `update_weights` must refill them). `wake_up` restores; generating while
         asleep raises. No request may be in flight. A draft model's cache (speculative_method="draft") is kept."""
-        self.engine.drain()  # async scheduling: a step still on the device would use the freed buffers
+        self.engine.settle()  # async scheduling: a step still on the device would use the freed buffers
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep: requests are still in flight; let them finish or abort them first")
         for runner in self.runners:

@@ -197,6 +197,15 @@ def test_drain_hooks_pause_and_sleep(tiny_llama):
     llm.sleep(1)
     assert llm.is_sleeping
     llm.wake_up()
+    # A request whose last token is still in flight: sleep folds it, and the next step reports the final output.
+    engine.add_request("last", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step(), engine.step()
+    assert engine.in_flight is not None and not engine.requests["last"].finished
+    llm.sleep(1)
+    llm.wake_up()
+    [final] = engine.step()
+    assert final.request_id == "last" and final.finished and len(final.outputs[0].token_ids) == 2
+    engine.pop_finished("last")
 
     want = llm.generate(prompt_token_ids=[[9, 8, 7, 6]], sampling_params=SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
@@ -223,3 +232,33 @@ def test_the_switch():
     assert EngineConfig.from_kwargs(async_scheduling=False).scheduler.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         SchedulerConfig(async_scheduling="yes")
+
+
+def test_a_step_that_fails_on_the_device_fails_its_requests_only(tiny_llama, monkeypatch):
+    """The in-flight step's fetch raises (a device error surfacing late): the sequences waiting on its tokens fail
+    with that error and keep no placeholder; a request added afterwards runs normally."""
+    engine, _ = engines(tiny_llama)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9], params)
+    engine.step()  # the prefill, now in flight
+    assert engine.in_flight is not None and len(engine.in_flight.rows) == 2
+    real_fetch = engine.runner.fetch
+
+    def broken(pending):
+        monkeypatch.setattr(engine.runner, "fetch", real_fetch)  # only this once
+        raise RuntimeError("XLA runtime error: the device went away")
+
+    monkeypatch.setattr(engine.runner, "fetch", broken)
+    outs = {o.request_id: o for o in engine.step()}
+    assert set(outs) == {"a", "b"} and all(o.finished for o in outs.values())
+    assert all("device went away" in o.error and o.outputs[0].finish_reason == "error" for o in outs.values())
+    assert all(-1 not in s.token_ids for r in engine.requests.values() for s in r.seqs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("c", [5, 6, 7], params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    final = final or engine.output_of("c")
+    assert final.error is None and len(final.outputs[0].token_ids) == 6

@@ -63,6 +63,13 @@ def test_prompt_logprobs_equal_cache_free_forward_across_prefill_chunks():
         assert set(top.tolist()) <= set(entry)
         assert_rank(entry[ids[pos]].rank, reference[pos - 1], ids[pos])
         assert {1, 2, 3} <= {e.rank for e in entry.values()}  # the top-3 alternatives, ranked 1..3
+    # A last chunk of one token, and a one-token prompt, predict no prompt position: nothing is lost, position 0
+    # is None, and no step runs the prompt-logprob pass for them.
+    short, single = llm.generate(prompt_token_ids=[ids[:33], ids[:1]],
+                                 sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert len(short.prompt_logprobs) == 33
+    assert abs(short.prompt_logprobs[32][ids[32]].logprob - reference[31, ids[32]]) < 1e-5
+    assert single.prompt_logprobs == [None]
 
 
 def assert_rank(rank: int, logprobs: np.ndarray, token: int, tol: float = 1e-4) -> None:

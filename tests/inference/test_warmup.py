@@ -147,7 +147,7 @@ def _workload(rng, structured: bool):
               SamplingParams(temperature=0.9, seed=1, max_tokens=8, ignore_eos=True, stop=["a", "zz"]),
               SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2, max_tokens=5, n=2,
                              allowed_token_ids=list(range(3, 40))),
-              SamplingParams(temperature=1.0, min_p=0.1, seed=3, max_tokens=3, prompt_logprobs=1),
+              SamplingParams(temperature=1.0, min_p=0.1, seed=3, max_tokens=3, prompt_logprobs=1, n=2),
               SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5),
               SamplingParams(temperature=0.7, seed=4, max_tokens=4, n=2, frequency_penalty=0.4, top_p=0.8),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0})]
