@@ -116,9 +116,8 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
 
 
 def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
-    """The host bookkeeping of a dispatched step that needs no token: computed tokens, full pages into the prefix
-    cache, forks of `n` samples, and a placeholder for each token the step samples (what the synchronous
-    `Engine._process` does before it appends a token)."""
+    """The host bookkeeping of a dispatched step that needs no token (`Engine._advance`, as the synchronous
+    `Engine._process` does before it appends a token), and a placeholder for each token the step samples."""
     rows: dict[Sequence, int] = {}
     request_ids: dict[str, None] = {}
     for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -127,11 +126,7 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFl
             continue
         request_ids[seq.request_id] = None
         try:
-            seq.num_computed_tokens += count
-            engine.block_manager.commit_full_pages(seq)
-            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                engine.scheduler.fork_samples(seq)
-            if seq.num_computed_tokens >= seq.num_tokens:
+            if engine._advance(seq, count):
                 seq.token_ids.append(PLACEHOLDER)
                 rows[seq] = i
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down

@@ -23,13 +23,14 @@ from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
-from inference.sampling.logit_bias import LogitBiasTensors, bad_words_token_ids, row_edits
+from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.token_mask import allowed_row, restrict_rows
 from inference.sampling.params import SamplingParams
 from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
                                               feed_pending_tokens, finishes_in_flight, fold_in_flight,
                                               merge_outputs)
+from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
@@ -128,15 +129,15 @@ class Engine:
         if params.truncate_prompt_tokens is not None:  # vLLM keeps the last k tokens
             k = params.truncate_prompt_tokens
             prompt_token_ids = list(prompt_token_ids)[-(self.max_model_len - 1 if k == -1 else k):]
-        self._validate(request_id, prompt_token_ids, params)
+        validate(self, request_id, prompt_token_ids, params)
         lora_id = 0
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError(f"request {request_id} asks for LoRA adapter {lora_request!r}, but this engine was "
                                  "built without LoRA; pass enable_lora=True (and max_loras, max_lora_rank)")
             lora_id = self.lora.register(lora_request)
-        grammar = self._compile_grammar(request_id, params)
-        bad_words_ids = self._bad_words_ids(request_id, params)
+        grammar = compile_grammar(self, request_id, params)
+        bad_words_ids = bad_words_ids_of(self, request_id, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                  num_prompt_tokens=len(prompt_token_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -157,62 +158,6 @@ class Engine:
             for seq in seqs:
                 self.scheduler.add(seq)
             self.stats.prompt_tokens += len(prompt_token_ids)
-
-    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if len(ids) == 0:
-            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
-        vocab = self.runner.config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if self.num_spec and params.uses_penalties:
-            # Verification would need the counts to grow along each row's draft positions; not built yet.
-            raise ValueError(f"request {request_id}: penalties are not supported with speculative decoding yet "
-                             "(repetition_penalty, presence_penalty, frequency_penalty)")
-        if self.num_spec and (params.min_tokens or params.bad_words):
-            # Both depend on the output length, which grows along a row's draft positions; not built yet.
-            raise ValueError(f"request {request_id}: min_tokens and bad_words are not supported with speculative "
-                             "decoding yet")
-        for name in ("logit_bias", "allowed_token_ids"):
-            out_of_vocab = [t for t in getattr(params, name) or () if t >= vocab]
-            if out_of_vocab:
-                raise ValueError(f"request {request_id}: {name} has token id {out_of_vocab[0]} outside the "
-                                 f"vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id}: the prompt has {len(ids)} tokens but the model context is "
-                             f"{self.max_model_len}; shorten the prompt or raise max_model_len")
-        short = self.block_manager.shortfall(min(len(ids) + 1, self.max_model_len),
-                                             self.scheduler.config.max_num_batched_tokens)
-        if short is not None:
-            raise ValueError(f"request {request_id}: {short}; raise kv_cache_memory_bytes or shorten the prompt")
-
-    def _compile_grammar(self, request_id: str, params: SamplingParams) -> str | None:
-        """The request's structured-outputs grammar compiled against the tokenizer (None: unconstrained); a
-        ValueError fails this request only."""
-        if params.structured_outputs is None:
-            return None
-        if self.num_spec:
-            raise ValueError(f"request {request_id}: structured outputs are not supported with speculative decoding "
-                             "yet; drop structured_outputs or run without speculative_method")
-        try:
-            return self.structured.compile(params.structured_outputs)
-        except ValueError as exc:
-            raise ValueError(f"request {request_id}: {exc}") from None
-
-    def _bad_words_ids(self, request_id: str, params: SamplingParams) -> list[list[int]]:
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError(f"request {request_id}: bad_words need a tokenizer and this model has none; ban token "
-                             "ids with logit_bias={id: -100} instead")
-        ids = bad_words_token_ids(params.bad_words, self.tokenizer)
-        vocab = self.runner.config.vocab_size
-        bad = [t for word in ids for t in word if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id}: bad_words tokenize to id {bad[0]} outside the vocabulary")
-        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
@@ -402,18 +347,22 @@ class Engine:
                     continue
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
                     self._record_prompt_logprobs(seq, out, first_row, count)
-                seq.num_computed_tokens += count
-                self.block_manager.commit_full_pages(seq)
-                if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self.scheduler.fork_samples(seq)
-                if seq.num_computed_tokens < seq.num_tokens:
-                    continue  # a prefill chunk that does not reach the end: nothing sampled
-                self._append_token(seq, request, int(out.tokens[i]), out, i, now)
+                if self._advance(seq, count):  # else a prefill chunk that does not reach the end: nothing sampled
+                    self._append_token(seq, request, int(out.tokens[i]), out, i, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 self._fail(seq, exc)
         if verified:
             self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
         return [self._output(r) for r in touched.values()]
+
+    def _advance(self, seq: Sequence, count: int) -> bool:
+        """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
+        tokens, full pages into the prefix cache, forks of `n` samples); whether the step sampled a token for it."""
+        seq.num_computed_tokens += count
+        self.block_manager.commit_full_pages(seq)
+        if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.scheduler.fork_samples(seq)
+        return seq.num_computed_tokens >= seq.num_tokens
 
     def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
         """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted

@@ -32,19 +32,18 @@ def llm() -> LLM:
     return make_llm()
 
 
-def dense_greedy(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    """Greedy continuations by teacher forcing the cache-free forward (padded to one shape; causal, so padding
-    after a sequence cannot change its logits)."""
+def dense_greedy_next(llm: LLM, sequences: list[list[int]]) -> list[list[int]]:
+    """Each sequence's greedy next token at every position, from one cache-free forward over it (padded to one
+    shape; causal, so padding after a sequence cannot change its logits). An output is the greedy continuation of
+    its prompt exactly when each of its tokens is the argmax after the tokens before it (teacher forcing): one
+    forward per request instead of one per generated token."""
     model = merged_model(llm)
     forward = jax.jit(lambda t: jnp.argmax(model.forward(t), axis=-1))
     results = []
-    for prompt, n in zip(prompts, lengths):
-        ids = list(prompt)
-        for _ in range(n):
-            buf = np.zeros((1, MAX_LEN), np.int32)
-            buf[0, :len(ids)] = ids
-            ids.append(int(forward(jnp.asarray(buf))[0, len(ids) - 1]))
-        results.append(ids[len(prompt):])
+    for ids in sequences:
+        buf = np.zeros((1, MAX_LEN), np.int32)
+        buf[0, :len(ids)] = ids
+        results.append(np.asarray(forward(jnp.asarray(buf)))[0, :len(ids)].tolist())
     return results
 
 
@@ -68,9 +67,11 @@ def test_random_arrivals_match_the_cache_free_model(llm):
                 engine.pop_finished(out.request_id)
         step += 1
     assert len(outputs) == n
-    expected = dense_greedy(llm, prompts, lengths)
-    for i, want in enumerate(expected):
-        assert outputs[f"r{i}"] == want, f"request {i}"
+    got = [outputs[f"r{i}"] for i in range(n)]
+    assert [len(o) for o in got] == lengths
+    nxt = dense_greedy_next(llm, [p + o for p, o in zip(prompts, got)])
+    for i, (prompt, out) in enumerate(zip(prompts, got)):
+        assert out == nxt[i][len(prompt) - 1:len(prompt) - 1 + len(out)], f"request {i}"
     assert engine.block_manager.num_free_pages == llm.runner.num_pages
 
 

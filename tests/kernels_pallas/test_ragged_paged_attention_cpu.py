@@ -248,12 +248,23 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 @needs_cxx
 def test_build_is_cached_by_content(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(tmp_path))
+    """The build logic on a one-function source tree (the real kernels take most of a minute to compile, and every
+    other test here builds them): cached by content, no temporary files left, a changed source rebuilt."""
+    source = tmp_path / "csrc"
+    source.mkdir()
+    (source / "k.cc").write_text('extern "C" int pagejax_probe() { return 1; }\n')
+    out = tmp_path / "out"
+    monkeypatch.setattr(build, "CSRC", str(source))
+    monkeypatch.setenv("PAGEJAX_KERNEL_DIR", str(out))
     first = build.build()
-    mtime = tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns
+    mtime = out.joinpath(first.split("/")[-1]).stat().st_mtime_ns
     assert build.build() == first  # second call: no recompile
-    assert tmp_path.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [first.split("/")[-1]]  # no temporary files left
+    assert out.joinpath(first.split("/")[-1]).stat().st_mtime_ns == mtime
+    assert [p.name for p in out.iterdir()] == [first.split("/")[-1]]  # no temporary files left
+    (source / "k.cc").write_text('extern "C" int pagejax_probe() { return 2; }\n')
+    second = build.build()
+    assert second != first and sorted(p.name for p in out.iterdir()) == sorted(
+        p.split("/")[-1] for p in (first, second))
 
 
 @needs_cxx
