@@ -122,7 +122,8 @@ def cut_costs(llm, reps: int) -> dict:
             output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in seqs] if pen else None,
             token_mask=all_allowed(rows, vocab) if mask else None)
         if fold:
-            sampling = fold_extras(sampling, StepFlags(extras=True), vocab_size=vocab, penalty_len=engine.penalty_len)
+            sampling = fold_extras(sampling, StepFlags(extras=True), vocab_size=vocab, penalty_len=engine.penalty_len,
+                                   sharding=engine.runner.token_sharding)
         return lambda: runner.execute(inp, sampling, is_decode=batch.is_decode, logprobs=logprobs or fold,
                                       use_filters=filters)
 

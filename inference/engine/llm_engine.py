@@ -298,7 +298,8 @@ class Engine:
                                    sampling.token_mask is not None, pen, wants_prompt,
                                    prefill=not (batch.is_decode or batch.speculative),
                                    logit_edits=sampling.logit_bias is not None)
-        sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len)
+        sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len,
+                               sharding=self.runner.token_sharding)
         inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
                                    use_filters=flags.use_filters, logprobs=flags.extras,

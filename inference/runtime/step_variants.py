@@ -77,16 +77,25 @@ def penalty_length(max_model_len: int) -> int:
     return pow2_bucket(max_model_len, MIN_PENALTY_TOKENS)
 
 
-def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int, penalty_len: int) -> SamplingTensors:
+def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int, penalty_len: int,
+                sharding: jax.sharding.Sharding | None = None) -> SamplingTensors:
     """`sampling` with the extras' parts present when `flags.extras` (an all-ones mask where no row is constrained,
     no-op penalties where no row has any, penalty ids padded to `penalty_len`, the sparse logit edits padded to
-    `FOLDED_EDITS` or no-op ones), unchanged otherwise."""
+    `FOLDED_EDITS` or no-op ones), unchanged otherwise.
+
+    `sharding` (the runner's `token_sharding`): the two large parts, the token mask [S, V/32] and the penalty ids
+    [S, penalty_len], become device arrays committed there. The no-op ones are then made once per size and stay on
+    the device, rather than crossing to it from numpy at every extras step (every prefill step); a real mask or real
+    ids are put there too, so each leaf reaches the jitted step as the same kind of array in every step (jit keys a
+    numpy argument apart from a committed one). The small per-row parts stay numpy, as `from_params` builds them.
+    None: all numpy (tests that call the sampler directly)."""
     if not flags.extras:
         return sampling
-    # Numpy like the parts `SamplingTensors.from_params` builds: jit keys a numpy argument apart from a jax.Array.
-    noop_mask, noop_in_raw, noop_pen, noop_edits = _noop_parts(sampling.num_rows, vocab_size, penalty_len)
+    noop_mask, noop_in_raw, noop_pen, noop_edits = _noop_parts(sampling.num_rows, vocab_size, penalty_len, sharding)
     if sampling.token_mask is None:
         sampling = sampling.replace(token_mask=noop_mask, mask_in_raw=noop_in_raw)
+    elif sharding is not None:
+        sampling = sampling.replace(token_mask=jax.device_put(sampling.token_mask, sharding))
     sampling = sampling.replace(logit_bias=_fold_edits(sampling.logit_bias, noop_edits))
     pen = sampling.penalties
     if pen is None:
@@ -98,8 +107,10 @@ def fold_extras(sampling: SamplingTensors, flags: StepFlags, *, vocab_size: int,
     def pad(ids):
         return np.pad(np.asarray(ids), ((0, 0), (0, penalty_len - ids.shape[1])), constant_values=-1)
 
-    pen = pen.replace(prompt_ids=pad(pen.prompt_ids), output_ids=pad(pen.output_ids))
-    return sampling.replace(penalties=pen)
+    ids = (pad(pen.prompt_ids), pad(pen.output_ids))
+    if sharding is not None:
+        ids = jax.device_put(ids, sharding)
+    return sampling.replace(penalties=pen.replace(prompt_ids=ids[0], output_ids=ids[1]))
 
 
 def _fold_edits(edits: LogitBiasTensors | None, noop: LogitBiasTensors) -> LogitBiasTensors:
@@ -115,17 +126,19 @@ def _fold_edits(edits: LogitBiasTensors | None, noop: LogitBiasTensors) -> Logit
 
 
 @functools.lru_cache(maxsize=64)
-def _noop_parts(rows: int, vocab_size: int, penalty_len: int
-                ) -> tuple[np.ndarray, np.ndarray, PenaltyTensors, LogitBiasTensors]:
+def _noop_parts(rows: int, vocab_size: int, penalty_len: int, sharding: jax.sharding.Sharding | None
+                ) -> tuple[np.ndarray | jax.Array, np.ndarray, PenaltyTensors, LogitBiasTensors]:
     """An all-ones mask (seen by raw logprobs too), no-op penalties and edits for `rows` rows, built once per size
-    (read-only: the step only reads them), so a logprobs-only step does not allocate [rows, context] id arrays on
-    the host every time."""
+    (read-only: the step only reads them); the mask and the penalty ids on the device with `sharding`
+    (`fold_extras`)."""
     mask = all_allowed(rows, vocab_size)
     in_raw = np.ones(rows, np.bool_)
     mask.flags.writeable = in_raw.flags.writeable = False
     pen = PenaltyTensors.from_params([], [], [], rows)
     ids = np.full((rows, penalty_len), -1, np.int32)
     ids.flags.writeable = False
+    if sharding is not None:
+        mask, ids = jax.device_put((mask, ids), sharding)
     edit_ids = np.full((rows, FOLDED_EDITS), -1, np.int32)
     edit_values = np.zeros((rows, FOLDED_EDITS), np.float32)
     edit_ids.flags.writeable = edit_values.flags.writeable = False
@@ -152,7 +165,7 @@ def warm_variants(runner: ModelRunner, variants: list[StepVariant], *, penalty_l
                                              draft_tokens=np.zeros((s.num_seqs, k), np.int32),
                                              num_draft=np.zeros(s.num_seqs, np.int32), draft_probs=probs))
         sampling = fold_extras(SamplingTensors.from_params([], [], [], pad_to=s.num_seqs), v.flags,
-                               vocab_size=vocab, penalty_len=penalty_len)
+                               vocab_size=vocab, penalty_len=penalty_len, sharding=runner.token_sharding)
         runner.execute(inp, sampling, is_decode=v.is_decode, use_filters=v.flags.use_filters,
                        logprobs=v.flags.extras, prompt_logprobs=v.flags.prompt_logprobs)
     return sum(runner.num_compilations().values()) - before

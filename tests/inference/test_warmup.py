@@ -128,6 +128,21 @@ def test_folded_extras_leave_tokens_and_logits_alone():
     np.testing.assert_array_equal(want.logprob, got.logprob)
     with pytest.raises(ValueError, match="exceed the folded length 8"):
         fold_extras(penalized, StepFlags(extras=True), vocab_size=vocab, penalty_len=8)
+    # With the runner's sharding the large parts live on the device: the no-op ones made once (the same arrays at
+    # every step, nothing to send), a real mask and real ids put there too; the per-row parts stay numpy.
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    first, again = (fold_extras(sampling, StepFlags(True, True), vocab_size=vocab, penalty_len=64, sharding=where)
+                    for _ in range(2))
+    assert first.token_mask is again.token_mask and first.penalties.prompt_ids is again.penalties.prompt_ids
+    masked = SamplingTensors.from_params(pen, list(range(rows)), [3] * rows, pad_to=rows,
+                                         prompt_token_ids=[[5, 6]] * rows, output_token_ids=[[7]] * rows,
+                                         token_mask=np.full((rows, 10), -1, np.int32))
+    real = fold_extras(masked, StepFlags(True, True), vocab_size=vocab, penalty_len=64, sharding=where)
+    for folded in (first, real):
+        big = (folded.token_mask, folded.penalties.prompt_ids, folded.penalties.output_ids)
+        assert all(isinstance(x, jax.Array) and x.committed and x.sharding == where for x in big)
+        assert isinstance(folded.temperature, np.ndarray) and isinstance(folded.mask_in_raw, np.ndarray)
+    np.testing.assert_array_equal(plain(logits, real).tokens, want.tokens)
 
 
 def _tiny_folder_without_window(path):
