@@ -1,7 +1,7 @@
 """The backend a traced program will run on: what every kernel choice (attention impl, C++ CPU kernels, the MLA
 kernel) asks instead of `jax.default_backend()`.
 
-Normally the two are the same. A deviceless ahead-of-time compile (`scripts/aot_compile.py`) traces on a CPU
+Normally the two are the same. A deviceless ahead-of-time compile (`scripts/tools/aot_compile.py`) traces on a CPU
 host for a TPU or GPU that is not there; inside `compiling_for("tpu")` the program is built as it would be on
 that chip: the Mosaic kernel, never a CPU-only FFI call.
 """

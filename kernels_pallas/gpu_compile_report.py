@@ -1,5 +1,5 @@
 """What the real GPU compiler said about a deviceless compile: ptxas registers / spills per kernel and Triton's
-shared memory, parsed from XLA's log (read by `scripts/aot_compile.py` and the GPU kernel's tests).
+shared memory, parsed from XLA's log (read by `scripts/tools/aot_compile.py` and the GPU kernel's tests).
 
 XLA logs them only when the process starts with `TF_CPP_MIN_LOG_LEVEL=0` and `TF_CPP_VMODULE=` `LOG_VMODULE`
 (read once, at startup); the log goes to the C++ stderr, which `capture_native_stderr` collects around a compile.

@@ -1,6 +1,6 @@
 """Loader for the transformers reference fixtures of SmolLM2-135M-Instruct.
 
-Made by ``scripts/make_reference_fixtures.py`` (needs transformers + torch);
+Made by ``scripts/fixtures/make_reference_fixtures.py`` (needs transformers + torch);
 reading them needs only numpy.
 
 ``load_reference()`` returns ``{"metadata": {...}, "prompts": [...]}`` where

@@ -117,7 +117,7 @@ class LLM:
 
         Speculative decoding: `speculative_method="ngram"` (prompt lookup) or "draft" (a draft model named by
         `speculative_model`: a model, "MODEL:layers=0,3,..." to keep a subset of its layers, or a draft .safetensors
-        file from scripts/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
+        file from scripts/tools/distill_draft.py; see inference/spec_decode/draft.py), `num_speculative_tokens` drafts per
         step; `speculative_adaptive=True` adapts each request's draft count to its acceptance rate.
 
         LoRA (vLLM's keywords): `enable_lora=True` serves PEFT adapters per request (`generate(...,

@@ -96,7 +96,7 @@ class StepLayout:
 
 def jit_step(graphdef, treedef, layout: StepLayout):
     """The jitted step `(param_leaves, kv_caches, inp, sampling, lora=None, *, use_filters, logprobs,
-    prompt_logprobs)`, KV cache donated: what the runner calls, and what `scripts/aot_compile.py` compiles from
+    prompt_logprobs)`, KV cache donated: what the runner calls, and what `scripts/tools/aot_compile.py` compiles from
     abstract inputs."""
     return jax.jit(functools.partial(_step, graphdef, treedef, layout),
                    static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))

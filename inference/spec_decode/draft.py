@@ -19,7 +19,7 @@ Draft keys are the request's (seed, token index) keys under a salted seed, so th
 verification uses.
 
 Drafts made from a checkpoint by structured pruning (`prune_layers`: keep a subset of the layers) are selected as
-`speculative_model="smollm2-135m:layers=0:30:3,29"`; a distilled draft (`scripts/distill_draft.py`) is a safetensors
+`speculative_model="smollm2-135m:layers=0:30:3,29"`; a distilled draft (`scripts/tools/distill_draft.py`) is a safetensors
 file that names its base and layers in its metadata.
 """
 
@@ -86,7 +86,7 @@ def prune_layers(config: ModelConfig, weights: dict[str, np.ndarray], keep: Sequ
 
     Why this is a fair draft: every layer writes into the same residual stream, so dropping layers leaves a model
     whose embeddings, final norm and LM head still speak the target's language; it is a crude approximation of the
-    target that distillation (scripts/distill_draft.py) then repairs. Kept layers are renumbered 0..len(keep)-1 in
+    target that distillation (scripts/tools/distill_draft.py) then repairs. Kept layers are renumbered 0..len(keep)-1 in
     order; per-layer config (layer_types) follows them. Weights are shared with the input dict (no copies).
     """
     keep = list(keep)
@@ -144,7 +144,7 @@ class DraftSpec:
         """'smollm2-135m:layers=0:30:3,29', 'path/draft.safetensors' or a plain model name / path."""
         if not isinstance(spec, str) or not spec:
             raise ValueError("speculative_model must name the draft: 'MODEL', 'MODEL:layers=0,3,...' or a draft "
-                             ".safetensors file written by scripts/distill_draft.py")
+                             ".safetensors file written by scripts/tools/distill_draft.py")
         if spec.endswith(".safetensors"):
             if not os.path.isfile(spec):
                 raise ValueError(f"speculative_model {spec!r}: no such draft file")
@@ -154,7 +154,7 @@ class DraftSpec:
                 meta = f.metadata() or {}
             if meta.get("format") != DRAFT_FORMAT:
                 raise ValueError(f"{spec} is not a pagejax draft file (no '{DRAFT_FORMAT}' metadata); write one with "
-                                 "scripts/distill_draft.py")
+                                 "scripts/tools/distill_draft.py")
             return cls(meta["base"], meta.get("layers") or None, spec)
         base, sep, rest = spec.partition(":layers=")
         if sep and not rest:

@@ -74,7 +74,7 @@ masked by a masked load rather than a `where` because the `where` kept V in regi
 242 registers and 104 KiB with it, 168 and 72 KiB with the masked load).
 
 Status: tested on CPU in interpret mode; compiled deviceless for sm_90a (Triton + ptxas) in the tests where
-jax-cuda13-plugin is installed; not yet run on a GPU (`scripts/kernel_bench.py` is the first check to run on
+jax-cuda13-plugin is installed; not yet run on a GPU (`scripts/bench/kernel_bench.py` is the first check to run on
 one), so the table is tuned on compiler numbers, not timings. Pallas' Triton backend is deprecated since jax
 0.11 (still works in 0.12 with a DeprecationWarning).
 

@@ -106,7 +106,7 @@ def main(argv):
 
 if __name__ == "__main__":
     # XLA logs the Triton kernel's ptxas report only with these set when it loads (the package's import of jax
-    # already did), so the process restarts itself with them, as scripts/aot_compile.py does.
+    # already did), so the process restarts itself with them, as scripts/tools/aot_compile.py does.
     want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2")
     if any(os.environ.get(k) != v for k, v in want.items()):
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], {**os.environ, **want})

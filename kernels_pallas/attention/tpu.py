@@ -23,7 +23,7 @@ address generation never waits on a vector load.
 
 All of q, kv_pages and the output stay in HBM (`memory_space=pl.ANY`) and are moved by hand with
 `pltpu.make_async_copy`. What the real Mosaic compiler allows shaped this (deviceless compiles,
-`scripts/aot_compile.py`): a DMA may start a tiled (last two) axis only at a tile boundary, and bf16/int8 pack 2/4
+`scripts/tools/aot_compile.py`): a DMA may start a tiled (last two) axis only at a tile boundary, and bf16/int8 pack 2/4
 rows into one 32-bit sublane row, so single rows of a packed array cannot be addressed.
   * KV (`kv_cache/layout.py`: `[Hkv, num_pages, page_size, 2 * D]`): one (KV head, page) is one contiguous
     `[page_size, 2D]` block, copied whole by one DMA into slot `j` of a `[2, pages_per_block, page_size, 2D]`
@@ -68,7 +68,7 @@ with `block_kv` instead of `block_kv * D` multiplies. HBM traffic per token and 
 scale each for K and V.
 
 Block sizes come from `BLOCK_SIZES` (per chip generation: KV tokens per block, query rows per block), sized so the
-double-buffered KV block stays far inside the default scoped VMEM; `scripts/aot_compile.py` compiles them for
+double-buffered KV block stays far inside the default scoped VMEM; `scripts/tools/aot_compile.py` compiles them for
 each chip. They are not yet tuned on hardware.
 
 Known costs of this design (deliberate simplicity, not correctness issues): KV for the next grid point is not

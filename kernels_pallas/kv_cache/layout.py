@@ -4,7 +4,7 @@ through the helpers here, so a cache written by one impl is read by all.
 
 One caching layer's cache is `[num_kv_heads, num_pages, page_size, 2 * head_dim]`: head-major pages, each token's
 K in lanes `[0, D)` and its V in lanes `[D, 2D)` of one row. Why this layout (measured with the real Mosaic
-compiler, deviceless, `scripts/aot_compile.py`):
+compiler, deviceless, `scripts/tools/aot_compile.py`):
   * The KV head is the leading axis, never one of the two tiled (last) axes. Mosaic tiles the last two axes of
     every HBM array ((8, 128) words; bf16 and int8 pack 2 and 4 rows per word), and a DMA may only start a tiled
     axis at a tile boundary; the old `[pages, page_size, 2 * Hkv, D]` layout put the head on the second-minor

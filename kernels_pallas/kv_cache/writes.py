@@ -11,7 +11,7 @@ so a padded batch never writes outside its own pages.
     layer, every step (BENCHMARKS.md); a while loop with a traced trip count updates in place, at a small cost per
     token (and the C++ kernel below does it with one memcpy per token and head).
   * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
-    copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/aot_compile.py`).
+    copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/tools/aot_compile.py`).
 Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
 
 int8 KV cache: per-token-per-head symmetric scales. With `kv_scales` the cache is int8 and each token's K and V

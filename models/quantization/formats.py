@@ -34,7 +34,7 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
                No float (or int32) copy of the weight exists (the int8 dot runs in XLA:CPU's YNNPACK fusion);
                4-bit weights are unpacked to two int8 nibble arrays (1 byte per weight) before the dots.
                Approximate: it equals x̃ @ qw.dequantize() where x̃ is the fake-quantized activation
-               (relative error ~1e-2 of the output scale, see scripts/quant_bench.py). At batch 1 the activation is
+               (relative error ~1e-2 of the output scale, see scripts/bench/quant_bench.py). At batch 1 the activation is
                padded to 2 rows, because XLA:CPU lowers a 1-row int8 dot by first converting the weight to int32.
                On CPU, per-channel int8 weights take the C++ kernel `kernels_pallas.matmul.int8_cpu` instead (AVX-512
                VNNI where the CPU has it): the same quantizing, exact int32 dot and rescaling in one call, so the
@@ -42,7 +42,7 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
     "grouped"  float per-group partial dots over [in/g, g, out] then scale and sum; exact to float rounding, but
                the unpacked weight is still converted to float32 in memory.
 
-Measured with scripts/quant_bench.py on the contended 2-core CPU (time relative to the f32 matmul, 1x576x1536 /
+Measured with scripts/bench/quant_bench.py on the contended 2-core CPU (time relative to the f32 matmul, 1x576x1536 /
 32x576x1536 / 1x576x49152): per-channel int8 "int8" 0.9 / 0.7 / 1.1 (the only variant without a weight-sized
 float, int32 or int8 temporary); grouped (g=32/64) "int8" 1.8-2.1 / 2.9-4.1 / 2.2-4.3; "dequant" 1.0-1.4 / 0.9-1.3 /
 ~8 (it writes a 108 MiB float32 LM head every call); "grouped" 1.1-2.7 / 3.2-3.8 / ~8. Per-group int8 dots are

@@ -32,8 +32,8 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
 per-channel int8 weights use "int8"; grouped weights use "dequant" (an exact, weight-only dequantization: on CPU
 up to 32 rows the C++ kernel `kernels_pallas.matmul.grouped_cpu`, which reads the codes in place), except, where
 XLA's dot runs, a large grouped matrix (the Q8_0 LM head, 576 x 49152) with few rows: there "dequant" writes a
-108 MiB float32 copy per call and the "int8" path is faster. Numbers: BENCHMARKS.md (scripts/quant_table.py,
-scripts/quant_bench.py).
+108 MiB float32 copy per call and the "int8" path is faster. Numbers: BENCHMARKS.md (scripts/bench/quant_table.py,
+scripts/bench/quant_bench.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from models.config import ModelConfig
 from models.weights import num_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(REPO, "scripts", "cost_model.py")
+SCRIPT = os.path.join(REPO, "scripts", "tools", "cost_model.py")
 LECTURE_CHIP = ChipSpec(name="lecture-h100", flops_per_s=989e12, bandwidth_bytes_per_s=3.35e12)
 GB = 1e9
 

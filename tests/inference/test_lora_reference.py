@@ -1,4 +1,4 @@
-"""LoRA against transformers + peft (tests/fixtures/lora/reference.json, written by scripts/make_lora_fixtures.py):
+"""LoRA against transformers + peft (tests/fixtures/lora/reference.json, written by scripts/fixtures/make_lora_fixtures.py):
 SmolLM2 with random rank-8 (all projections) and rank-16 rsLoRA (attention only) adapters, rebuilt here from their
 numpy seeds, and the tiny Qwen2 family model with a rank-8 adapter peft itself saved (committed). Teacher-forced
 logprobs within 1e-4 (float32), greedy continuations identical; all adapters and the base model in one batch."""
@@ -70,7 +70,7 @@ def test_tiny_qwen2_adapter_saved_by_peft_matches_transformers():
 def test_fixture_script_reproduces_the_committed_tiny_reference(tmp_path):
     """With transformers + peft installed: the script's tiny record (peft's own adapter) is what is committed."""
     pytest.importorskip("peft")
-    from scripts import make_lora_fixtures
+    from scripts.fixtures import make_lora_fixtures
 
     record = make_lora_fixtures.tiny_records(tmp_path)[0]
     committed = next(r for r in REFERENCE if r["adapter"] == "qwen2_r8")

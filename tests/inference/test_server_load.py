@@ -182,9 +182,9 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(server, llm):
 
 
 def test_the_server_benchmark_clients_count_every_token(server):
-    """scripts/server_bench.py (benchmark.py --mode=server's clients): every request and token is counted, and
+    """scripts/bench/server_bench.py (benchmark.py --mode=server's clients): every request and token is counted, and
     the latencies it reports are real measurements."""
-    from scripts.server_bench import drive
+    from scripts.bench.server_bench import drive
 
     result = asyncio.run(drive(server, MODEL, prompts(4, seed=5), [0.01] * 4, max_tokens=5))
     assert result["requests"] == 4 and result["output_tokens"] == 20

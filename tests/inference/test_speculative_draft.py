@@ -159,7 +159,7 @@ def test_adaptive_k_follows_the_acceptance_rate():
 
 
 def test_distill_script_smoke(tmp_path):
-    """scripts/distill_draft.py end to end on the tiny model (3 optimizer steps): it writes a draft file the draft
+    """scripts/tools/distill_draft.py end to end on the tiny model (3 optimizer steps): it writes a draft file the draft
     option loads, holding trained layers (changed) and no embedding, and reports acceptance before and after."""
     import json
     import os
@@ -169,7 +169,7 @@ def test_distill_script_smoke(tmp_path):
     out = tmp_path / "draft.safetensors"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PAGEJAX_CACHE_DIR": os.path.join(root, ".jax_cache"), "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "distill_draft.py"), "--target=tiny-llama",
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "tools", "distill_draft.py"), "--target=tiny-llama",
                            "--layers=1", "--num_prompts=4", "--gen_len=8", "--seq_len=16", "--steps=3", "--batch=2",
                            "--lr=1e-2", "--eval_prompts=2", "--eval_len=6", "--k=2", f"--out={out}", "--json"],
                           capture_output=True, text=True, env=env, timeout=600)

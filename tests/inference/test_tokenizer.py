@@ -176,7 +176,7 @@ def test_unsupported_gguf_tokenizers(info):
 
 
 def test_matches_transformers_reference_fixture(tok):
-    """Prompt ids and chat rendering recorded from transformers (scripts/make_reference_fixtures.py)."""
+    """Prompt ids and chat rendering recorded from transformers (scripts/fixtures/make_reference_fixtures.py)."""
     path = Path(__file__).parent.parent / "fixtures" / "smollm2_reference.json"
     if not path.is_file():
         pytest.skip(f"{path} missing")

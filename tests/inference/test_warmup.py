@@ -20,7 +20,7 @@ from inference.runtime.warmup import StepShape, prefill_shapes, verify_shapes
 from inference.sampling.sampler import SamplingTensors, sample_with_logprobs
 from inference.spec_decode.draft import load_draft, make_draft_proposer
 from inference.structured.params import StructuredOutputsParams
-from scripts.compile_budget import count_before_after
+from scripts.tools.compile_budget import count_before_after
 from tests.llm_configs import engine_swapped
 from tests.tiny_folder import make_tiny_hf_folder
 
@@ -183,7 +183,7 @@ def test_warmed_up_engines_compile_nothing(tmp_path):
               kv_cache_memory_bytes=1 << 18, seed=0, compilation_cache_dir=None)
     expected = count_variants(llm.engine)
     assert set(expected) == {"decode", "prefill", "copy_pages", "token_feed"}  # token_feed: async scheduling
-    budget = count_before_after(llm.engine)  # what scripts/compile_budget.py reports
+    budget = count_before_after(llm.engine)  # what scripts/tools/compile_budget.py reports
     assert budget["total_after"] == sum(expected.values()) < budget["before_without_penalty_lengths"]
     compiled = llm.warmup()
     counts = llm.runner.num_compilations()

@@ -2,7 +2,7 @@
 transformers, paged == cache-free.
 
 The default tests read tiny committed models (tests/fixtures/families/<family>/: config.json, bf16 safetensors and
-transformers' float32 logits, written by scripts/make_family_fixtures.py) and need no transformers. Tests marked
+transformers' float32 logits, written by scripts/fixtures/make_family_fixtures.py) and need no transformers. Tests marked
 `reference` rebuild the models with transformers and compare live.
 """
 
@@ -188,7 +188,7 @@ def test_tiny_family_presets_build_and_page():
 def fixture_script():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from scripts import make_family_fixtures
+    from scripts.fixtures import make_family_fixtures
 
     return make_family_fixtures
 

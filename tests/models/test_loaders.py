@@ -181,7 +181,7 @@ def test_loaded_weights_reproduce_transformers_logits(smollm):
     """End to end check of un-permutation and transposes against logits recorded from transformers."""
     fixtures = Path(__file__).parent.parent / "fixtures"
     if not (fixtures / "smollm2_reference_logits.npz").is_file():
-        pytest.skip("reference fixtures missing (scripts/make_reference_fixtures.py)")
+        pytest.skip("reference fixtures missing (scripts/fixtures/make_reference_fixtures.py)")
     config, weights, _, _ = smollm
     prompts = json.loads((fixtures / "smollm2_reference.json").read_text())["prompts"]
     index = min(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_ids"]))  # cheapest prompt

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct end to end against transformers' float32 outputs (tests/fixtures, made by
-scripts/make_reference_fixtures.py): same logits, same teacher-forced logprobs, same greedy continuations."""
+scripts/fixtures/make_reference_fixtures.py): same logits, same teacher-forced logprobs, same greedy continuations."""
 
 from __future__ import annotations
 

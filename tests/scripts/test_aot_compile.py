@@ -1,5 +1,5 @@
 """The real TPU (libtpu's Mosaic) and GPU (Triton + ptxas for sm_90a) compilers, run deviceless on this CPU through
-`scripts/aot_compile.py`: every attention kernel at real shapes for v5e, v6e, H100 and H200 in bf16, f32 and
+`scripts/tools/aot_compile.py`: every attention kernel at real shapes for v5e, v6e, H100 and H200 in bf16, f32 and
 int8 KV, with no whole-cache copy and no bf16 spills; whole decode and prefill steps of a real-size preset with
 memory matching the cost model.
 
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from scripts.aot_compile import CHIPS, kernel_cases
+from scripts.tools.aot_compile import CHIPS, kernel_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_MEMORY_PER_BLOCK = 232448  # H100/H200 opt-in maximum (configs/gpu_targets)
@@ -26,7 +26,7 @@ STEP_TOLERANCE = 0.02  # compiled argument bytes vs the cost model's weights + K
 
 def _run(tmp_path_factory, *args: str) -> dict:
     out = tmp_path_factory.mktemp("aot") / "aot.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "aot_compile.py"), *args, f"--out={out}"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tools", "aot_compile.py"), *args, f"--out={out}"],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

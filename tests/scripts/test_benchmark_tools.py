@@ -1,4 +1,4 @@
-"""scripts/plot_benchmarks.py renders benchmark.py's JSON into a PNG; scripts/llamacpp_bench.py fails with an install
+"""scripts/bench/plot_benchmarks.py renders benchmark.py's JSON into a PNG; scripts/bench/llamacpp_bench.py fails with an install
 hint when llama-cpp-python is missing. No model is loaded: these check the tools, not speed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from scripts import plot_benchmarks
-from scripts.llamacpp_bench import INSTALL_HINT, import_llama_cpp
+from scripts.bench import plot_benchmarks
+from scripts.bench.llamacpp_bench import INSTALL_HINT, import_llama_cpp
 
 RESULT = {
     "machine": "test box", "config": {"model": "tiny", "input_len": 8, "output_len": 4, "dtype": "float32"},
@@ -59,14 +59,14 @@ def test_llamacpp_missing_says_how_to_install():
 
 
 def test_profile_step_smoke():
-    """scripts/profile_step.py end to end on a tiny random model: every decode step timed, no recompile after the
+    """scripts/tools/profile_step.py end to end on a tiny random model: every decode step timed, no recompile after the
     warm-up run, the parts of the isolated step add up, and the table is printed."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "profile_step.py"), "--model=tiny-llama",
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "tools", "profile_step.py"), "--model=tiny-llama",
                            "--batch=2", "--input_len=8", "--output_len=5", "--repeats=1", "--json"], cwd=root,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_profile_step_smoke():
     assert "attention (page gather + softmax)" in proc.stderr
 
     # --ops traces the isolated step: XLA op kinds with their time; int8 weights skip the float matmul replay.
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "profile_step.py"), "--model=tiny-llama",
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "tools", "profile_step.py"), "--model=tiny-llama",
                            "--batch=2", "--input_len=8", "--output_len=5", "--repeats=1", "--json", "--ops",
                            "--quantization=int8"], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=300)
@@ -103,7 +103,7 @@ def test_llamacpp_batched_greedy_matches_one_by_one():
     prompt's tokens run alone, and prompts of different lengths do not leak into each other."""
     from configs.presets import PRESET_WEIGHTS
     from inference.loading.model_loader import packaged_file
-    from scripts.llamacpp_bench import LlamaCppGreedy
+    from scripts.bench.llamacpp_bench import LlamaCppGreedy
 
     gguf = packaged_file(*PRESET_WEIGHTS["smollm2-135m"])
     rng = np.random.default_rng(0)
@@ -140,7 +140,7 @@ def test_benchmark_offline_prompt_set_of_varied_lengths(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_ROWS))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "benchmark.py"), f"--prompts_file={path}",
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench", "benchmark.py"), f"--prompts_file={path}",
                            "--batch=2,4", "--output_len=3", "--json"], cwd=root,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,7 +164,7 @@ def test_hf_side_left_pads_varied_lengths():
 
     from configs.presets import PRESET_WEIGHTS
     from inference.loading.model_loader import packaged_file
-    from scripts.hf_bench import load_hf, run_hf
+    from scripts.bench.hf_bench import load_hf, run_hf
 
     gguf = packaged_file(*PRESET_WEIGHTS["smollm2-135m"])
     model = load_hf(gguf)

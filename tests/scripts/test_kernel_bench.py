@@ -1,4 +1,4 @@
-"""scripts/kernel_bench.py --smoke: the GPU benchmark's whole flow (checks against the reference, copy bandwidth,
+"""scripts/bench/kernel_bench.py --smoke: the GPU benchmark's whole flow (checks against the reference, copy bandwidth,
 timing, JSON) on tiny shapes in interpret mode, in a subprocess (absl flags are process-global)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_kernel_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_bench.py"), "--smoke",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "kernel_bench.py"), "--smoke",
                            f"--out={out}"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

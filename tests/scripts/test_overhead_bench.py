@@ -2,7 +2,7 @@
 
 import gc
 
-from scripts.overhead_bench import GcTimer
+from scripts.bench.overhead_bench import GcTimer
 
 
 def test_gc_timer_counts_each_generation():

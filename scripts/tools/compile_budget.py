@@ -1,10 +1,10 @@
 """Compile budget of a serving engine: the step variants it can compile, by family, before and after the cuts, the
 warm-up seconds per family, and what each cut costs a step (side-by-side ratios in one run).
 
-    python scripts/compile_budget.py                       # counts at the server's defaults (scripts/engine_flags.py)
-    python scripts/compile_budget.py --mode=warmup         # + LLM.warmup()'s seconds per family
-    python scripts/compile_budget.py --mode=cost           # + step time of each cut against the variant it replaces
-    python scripts/compile_budget.py --out=budget.json
+    python scripts/tools/compile_budget.py                       # counts at the server's defaults (scripts/engine_flags.py)
+    python scripts/tools/compile_budget.py --mode=warmup         # + LLM.warmup()'s seconds per family
+    python scripts/tools/compile_budget.py --mode=cost           # + step time of each cut against the variant it replaces
+    python scripts/tools/compile_budget.py --out=budget.json
 
 "Before" counts the shapes with every bucket axis (`BucketLimits.query_buckets` / `page_buckets` on) and the
 flags unfolded: filters x sample logprobs x token mask x (no penalties, or one per pair of penalty id-length
@@ -23,7 +23,7 @@ from typing import Sequence
 
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo root, for `scripts`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: the repo root, for `scripts`
 from scripts.engine_flags import build_llm  # noqa: E402
 
 FLAGS = flags.FLAGS

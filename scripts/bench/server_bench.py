@@ -1,11 +1,11 @@
-"""The load generator of `scripts/benchmark.py --mode=server`: Poisson arrivals of streaming completion requests,
+"""The load generator of `scripts/bench/benchmark.py --mode=server`: Poisson arrivals of streaming completion requests,
 each its own concurrent client, against a running server; per-request TTFT and inter-token latency as the client
 sees them, and output throughput.
 
 Run by benchmark.py as a child process (so the clients' Python does not share the server's GIL and cores more
 than a real client would), with a workload file of {"prompts": [[ids]], "gaps_s": [...], "max_tokens": n}:
 
-    python scripts/server_bench.py --server_url=http://127.0.0.1:8000 --served_model=smollm2-135m --workload=w.json
+    python scripts/bench/server_bench.py --server_url=http://127.0.0.1:8000 --served_model=smollm2-135m --workload=w.json
 
 The last line printed is one JSON object, in `inference.engine.metrics.summarize_requests`'s shape.
 """

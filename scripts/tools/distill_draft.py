@@ -1,6 +1,6 @@
 """Distil a layer-pruned draft model toward its target, save it (safetensors), and measure acceptance before/after.
 
-    python scripts/distill_draft.py --out=/tmp/pagejax-draft.safetensors --json
+    python scripts/tools/distill_draft.py --out=/tmp/pagejax-draft.safetensors --json
     python -c 'from inference import LLM; LLM(speculative_method="draft", \
         speculative_model="/tmp/pagejax-draft.safetensors")'
 

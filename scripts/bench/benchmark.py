@@ -1,10 +1,10 @@
 """Offline throughput and latency benchmark, optionally side by side with transformers in the same process.
 
-    python scripts/benchmark.py --model=smollm2-135m --batch=32 --input_len=128 --output_len=128 --json
-    python scripts/benchmark.py --batch=1,32 --compare=hf --json        # needs the `reference` extra
-    python scripts/benchmark.py --batch=1,32 --compare=llamacpp --json  # needs the `llamacpp` extra
-    python scripts/benchmark.py --batch=1,32 --compare=hf --plot=bench.png   # scripts/plot_benchmarks.py
-    python scripts/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
+    python scripts/bench/benchmark.py --model=smollm2-135m --batch=32 --input_len=128 --output_len=128 --json
+    python scripts/bench/benchmark.py --batch=1,32 --compare=hf --json        # needs the `reference` extra
+    python scripts/bench/benchmark.py --batch=1,32 --compare=llamacpp --json  # needs the `llamacpp` extra
+    python scripts/bench/benchmark.py --batch=1,32 --compare=hf --plot=bench.png   # scripts/bench/plot_benchmarks.py
+    python scripts/bench/benchmark.py --mode=serving --request_rate=2 --num_requests=64 --shared_prefix_len=64 --json
 
 Prompts are random token ids of a fixed length (speed does not depend on the text), or, with --prompts_file, a
 prompt set of varied lengths: the launcher's input JSONL (rows with "prompt" or chat "messages"), the first B rows
@@ -15,13 +15,12 @@ every shape the run meets (reported as warm-up), then measured. Serving mode sen
 exercise the prefix cache), and reports TTFT and inter-token latency percentiles. With --json the last line printed is
 one JSON object: {"pagejax": {...}, "hf": {...}, "ratio": {...}}, where each side has ttft_s, output_tok_s and
 decode_tok_s per batch size ("llamacpp" in place of "hf" with --compare=llamacpp: llama.cpp runs the same GGUF, its own
-quantized weights, through scripts/llamacpp_bench.py; transformers runs through scripts/hf_bench.py, each in a child
+quantized weights, through scripts/bench/llamacpp_bench.py; transformers runs through scripts/bench/hf_bench.py, each in a child
 process).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import platform
@@ -33,16 +32,17 @@ import time
 import numpy as np
 from absl import app, flags
 
-from inference import LLM, SamplingParams
-from inference.entrypoints.llm import resolve_dtype
-from inference.engine.metrics import summarize_requests
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file
+from inference import LLM, SamplingParams  # noqa: E402
+from inference.engine.metrics import summarize_requests  # noqa: E402
+from inference.entrypoints.llm import resolve_dtype  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
 flags.DEFINE_enum("mode", "offline", ["offline", "serving", "server", "lora"], "Fixed batches, Poisson arrivals "
                   "(serving), Poisson arrivals over HTTP beside the same arrivals offline (server; "
-                  "scripts/server_bench.py), or LoRA's cost: decode with 4 active adapters vs none "
-                  "(scripts/benchmark_lora.py; the first --batch).")
+                  "scripts/bench/server_bench.py), or LoRA's cost: decode with 4 active adapters vs none "
+                  "(scripts/bench/benchmark_lora.py; the first --batch).")
 flags.DEFINE_integer("lora_rank", 16, "--mode=lora: the rank of the 4 random adapters.")
 flags.DEFINE_list("batch", ["1", "32"], "Batch sizes to measure (offline); the largest caps running sequences.")
 flags.DEFINE_float("request_rate", 2.0, "Serving: mean arrivals per second.")
@@ -62,14 +62,14 @@ flags.DEFINE_enum("compare", None, ["hf", "llamacpp", "plain"], "Also run, on th
                   "generate (hf), llama.cpp on the same GGUF (llamacpp; needs llama-cpp-python), or pagejax without "
                   "speculation (plain, with --speculative).")
 flags.DEFINE_integer("llamacpp_threads", 0, "--compare=llamacpp: llama.cpp's threads (0: every core). Use 1 on a "
-                     "busy machine: its spinning workers collapse when the cores are shared (scripts/llamacpp_bench.py).")
-flags.DEFINE_string("plot", None, "Write a PNG of the results here (scripts/plot_benchmarks.py; needs matplotlib).")
+                     "busy machine: its spinning workers collapse when the cores are shared (scripts/bench/llamacpp_bench.py).")
+flags.DEFINE_string("plot", None, "Write a PNG of the results here (scripts/bench/plot_benchmarks.py; needs matplotlib).")
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
 flags.DEFINE_enum("speculative", None, ["ngram", "draft"], "Speculative decoding method: prompt lookup, or a draft "
                   "model (--speculative_model).")
 flags.DEFINE_string("speculative_model", "smollm2-135m:layers=0:30:3,29", "The draft with --speculative=draft: a "
-                    "model, MODEL:layers=..., or a draft file from scripts/distill_draft.py.")
+                    "model, MODEL:layers=..., or a draft file from scripts/tools/distill_draft.py.")
 flags.DEFINE_boolean("speculative_adaptive", False, "Adapt each request's draft count to its acceptance rate.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Draft tokens verified per step when speculating.")
 flags.DEFINE_boolean("repetitive", False, "Offline: prompts that repeat a 16-token pattern (where prompt lookup "
@@ -156,7 +156,7 @@ def run_serving(llm: LLM) -> dict:
 
 def run_server(llm: LLM) -> dict:
     """The serving workload over HTTP: the OpenAI server on a thread of this process, the clients (one per
-    request, Poisson arrivals) in a child process (scripts/server_bench.py); what the clients measured."""
+    request, Poisson arrivals) in a child process (scripts/bench/server_bench.py); what the clients measured."""
     from inference.entrypoints.openai.server import ServerThread
 
     prompts, gaps, params = serving_workload(llm)
@@ -199,11 +199,6 @@ def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -
         os.unlink(f.name)
 
 
-def _sibling(name: str):
-    """A module next to this file: `scripts` is not an installed package, so run as a script it imports by name."""
-    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
-
-
 def machine() -> str:
     try:
         cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -220,14 +215,18 @@ def main(argv: list[str]) -> None:
     del argv
     batches = [int(b) for b in FLAGS.batch]
     if FLAGS.mode == "lora":
-        result = _sibling("benchmark_lora").run_lora(FLAGS.model, batches[0], FLAGS.input_len, FLAGS.output_len,
-                                                     FLAGS.lora_rank, FLAGS.seed, make_prompts=make_prompts,
-                                                     run_pagejax=run_pagejax)
+        from scripts.bench import benchmark_lora
+
+        result = benchmark_lora.run_lora(FLAGS.model, batches[0], FLAGS.input_len, FLAGS.output_len,
+                                         FLAGS.lora_rank, FLAGS.seed, make_prompts=make_prompts,
+                                         run_pagejax=run_pagejax)
         if FLAGS.json:
             print(json.dumps({"machine": machine(), **result}))
         return
     if FLAGS.compare == "llamacpp":
-        _sibling("llamacpp_bench").import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
+        from scripts.bench import llamacpp_bench
+
+        llamacpp_bench.import_llama_cpp()  # before minutes of pagejax work: fail now if it is missing
     t0 = time.perf_counter()
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=max(batches), speculative_method=FLAGS.speculative,
               num_speculative_tokens=FLAGS.num_speculative_tokens, speculative_adaptive=FLAGS.speculative_adaptive,
@@ -294,7 +293,9 @@ def main(argv: list[str]) -> None:
                   f"{ours['engine']['spec_acceptance_rate']:.2f} of drafts, "
                   f"{ours['engine']['spec_tokens_per_pass']:.2f} tokens per pass", file=sys.stderr)
     if FLAGS.plot:
-        _sibling("plot_benchmarks").plot_results(result, FLAGS.plot)
+        from scripts.bench import plot_benchmarks
+
+        plot_benchmarks.plot_results(result, FLAGS.plot)
     if FLAGS.json:
         print(json.dumps(result))
 

@@ -1,8 +1,8 @@
 """Decode throughput with half of a batch constrained by a JSON schema against none, in one run, and the mask's
 cost per step (host fill, and the in-jit apply on its own).
 
-    PYTHONPATH=. python scripts/structured_bench.py --out=structured_bench.json
-    PYTHONPATH=. python scripts/structured_bench.py --batch=32 --max_tokens=64 --rounds=2
+    PYTHONPATH=. python scripts/bench/structured_bench.py --out=structured_bench.json
+    PYTHONPATH=. python scripts/bench/structured_bench.py --batch=32 --max_tokens=64 --rounds=2
 
 Both modes decode the same prompts on the same engine, alternating, after one untimed warm-up round of each (which
 compiles their step variants). Every row runs exactly --max_tokens tokens: free rows with ignore_eos, constrained

@@ -1,7 +1,7 @@
-"""The llama.cpp side of `scripts/benchmark.py --compare=llamacpp`: greedy generation on a GGUF through
+"""The llama.cpp side of `scripts/bench/benchmark.py --compare=llamacpp`: greedy generation on a GGUF through
 llama-cpp-python's low-level API, every prompt of a batch in one llama.cpp batch (one sequence id each).
 
-    python scripts/llamacpp_bench.py --gguf=path.gguf --prompts=prompts.json --output_len=128
+    python scripts/bench/llamacpp_bench.py --gguf=path.gguf --prompts=prompts.json --output_len=128
 
 Prints one JSON object with the keys the transformers side reports (`ttft_mean_s`, `output_tok_s`, `decode_tok_s`,
 `wall_s`, `output_tokens`). benchmark.py runs it in a child process: llama.cpp's and XLA's thread pools in one

@@ -1,7 +1,7 @@
 """The launcher's old lockstep batches against its streaming window, on one model in one process.
 
-    PYTHONPATH=. python scripts/launcher_bench.py                 # 200 rows, mixed lengths, the tiny test model
-    PYTHONPATH=. python scripts/launcher_bench.py --model=smollm2-135m --rows=200
+    PYTHONPATH=. python scripts/bench/launcher_bench.py                 # 200 rows, mixed lengths, the tiny test model
+    PYTHONPATH=. python scripts/bench/launcher_bench.py --model=smollm2-135m --rows=200
 
 Both modes run the same rows (prompts and per-row max_tokens drawn from a fixed mix, --ignore_eos so the lengths
 are what the mix says) through the same compiled engine, alternating, after a warm-up of each. Lockstep is what

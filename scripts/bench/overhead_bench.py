@@ -1,7 +1,7 @@
 """The engine's host cost per decode step, by phase, when the device work is small.
 
-    python scripts/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
-    python scripts/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
+    python scripts/bench/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
+    python scripts/bench/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
 
 A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
 and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

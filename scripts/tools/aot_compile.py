@@ -14,7 +14,7 @@ compiler is missing are reported as such. GPU register counts need `TF_CPP_MIN_L
 `TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start; this script
 re-executes itself with them.
 
-    JAX_PLATFORMS=cpu python scripts/aot_compile.py --chips=v5e,h100 --what=kernels,steps --out=aot.json
+    JAX_PLATFORMS=cpu python scripts/tools/aot_compile.py --chips=v5e,h100 --what=kernels,steps --out=aot.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from kernels_pallas.backend import compiling_for  # noqa: E402
 from kernels_pallas.kv_cache.layout import kv_cache_spec  # noqa: E402
 
-GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpu_targets")
+GPU_TARGETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "gpu_targets")
 # chip -> (backend, topology of 1 chip, topology of 8 chips)
 CHIPS = {"v5e": ("tpu", "v5e:1x1", "v5e:2x4"), "v6e": ("tpu", "v6e:1x1", "v6e:2x4"),
          "h100": ("gpu", "1x1x1", "1x1x8"), "h200": ("gpu", "1x1x1", "1x1x8")}

@@ -1,7 +1,7 @@
 """Where a generation's time goes: host work around each step vs the jitted step, and inside the step attention,
 the KV-cache write and the rest (matmuls, norms, RoPE, LM head, sampling).
 
-    python scripts/profile_step.py --batch=1,32 --input_len=128 --output_len=128 --json
+    python scripts/tools/profile_step.py --batch=1,32 --input_len=128 --output_len=128 --json
 
 For each batch size: one full generation to compile every shape, then a measured generation driven step by step
 through the engine, with `ModelRunner.execute` and its jitted decode step wrapped in timers. Per decode step:
@@ -363,7 +363,7 @@ def main(argv: list[str]) -> None:
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype,
               max_num_seqs=max(batches), attn_impl=FLAGS.attn_impl,
               max_num_batched_tokens=max(512, FLAGS.input_len),
-              async_scheduling=False)  # each step's execute is its whole device time (scripts/overhead_bench.py: both)
+              async_scheduling=False)  # each step's execute is its whole device time (scripts/bench/overhead_bench.py: both)
     rows = [profile_batch(llm, b) for b in batches]
     print(format_table(rows), file=sys.stderr)
     for row in rows:

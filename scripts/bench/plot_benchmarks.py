@@ -1,10 +1,10 @@
-"""Plot a `scripts/benchmark.py --json` result: decode and end-to-end tokens/s and TTFT per side and batch size,
+"""Plot a `scripts/bench/benchmark.py --json` result: decode and end-to-end tokens/s and TTFT per side and batch size,
 and pagejax's inter-token latency percentiles.
 
-    python scripts/benchmark.py --batch=1,32 --compare=hf --json > bench.log
-    python scripts/plot_benchmarks.py --json=bench.log --out=bench.png     # the last line of the file is read
+    python scripts/bench/benchmark.py --batch=1,32 --compare=hf --json > bench.log
+    python scripts/bench/plot_benchmarks.py --json=bench.log --out=bench.png     # the last line of the file is read
 
-or directly: `python scripts/benchmark.py ... --plot=bench.png`. The figure is one PNG with four panels; a side
+or directly: `python scripts/bench/benchmark.py ... --plot=bench.png`. The figure is one PNG with four panels; a side
 that has no number for a batch size simply has no bar there (serving-mode results show only the latency panel).
 """
 

@@ -1,7 +1,7 @@
 """Measure whether one request's logprobs are bitwise the same across batch compositions, prefill chunk sizes and
 prefix-cache hits, in the default mode or with `--batch_invariant` (`LLM(batch_invariant=True)`).
 
-    python scripts/batch_invariance_probe.py --model=tiny-llama --trials=20 [--batch_invariant]
+    python scripts/tools/batch_invariance_probe.py --model=tiny-llama --trials=20 [--batch_invariant]
 
 The target request (fixed prompt, greedy, logprobs=5 of every generated token) runs alone, then in --trials random
 batches (0-15 random companions of random lengths, the target at a random position), with prefill chunks of 16 and
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402

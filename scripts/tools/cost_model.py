@@ -1,8 +1,8 @@
 """Decode cost model: weights, KV cache, bandwidth-only step time, throughput and roofline for a model and chip.
 
-    python scripts/cost_model.py --model=llama-2-13b --batch=1,64,256 --context=1024 --bandwidth=3.35e12
-    python scripts/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
-    python scripts/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
+    python scripts/tools/cost_model.py --model=llama-2-13b --batch=1,64,256 --context=1024 --bandwidth=3.35e12
+    python scripts/tools/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
+    python scripts/tools/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
 
 The logic lives in `inference.tools.cost_model`; this file only reads flags and prints.
 """

@@ -1,7 +1,7 @@
 """KV cache bytes of one generation four windows long: the bounded sliding-window cache against keeping every page.
 
-    python scripts/sliding_window_cache.py
-    python scripts/sliding_window_cache.py --windows=4 --json=sliding.json
+    python scripts/tools/sliding_window_cache.py
+    python scripts/tools/sliding_window_cache.py --windows=4 --json=sliding.json
 
 Two measurements, both of the pages one sequence holds (the pool itself is preallocated; what the bound buys is
 room for more sequences in it):
@@ -27,7 +27,7 @@ _WINDOWS = flags.DEFINE_integer("windows", 4, "Generation length in windows (of 
 _BYTES = flags.DEFINE_integer("bytes_per_element", 2, "KV bytes per element for the real-shape bookkeeping.")
 _JSON = flags.DEFINE_string("json", None, "Also write the rows as JSON to this path.")
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "families"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "families"
 
 
 def _page_bytes(config, page_size: int, itemsize: int) -> list[int]:

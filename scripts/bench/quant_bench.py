@@ -1,7 +1,7 @@
 """Time f32 vs quantized-weight matmuls side by side on this machine and inspect the compiled HLO.
 
-    python scripts/quant_bench.py                      # SmolLM2 shapes 1x576x1536, 32x576x1536, 1x576x49152
-    python scripts/quant_bench.py --shapes=32x576x1536 --rounds=50
+    python scripts/bench/quant_bench.py                      # SmolLM2 shapes 1x576x1536, 32x576x1536, 1x576x49152
+    python scripts/bench/quant_bench.py --shapes=32x576x1536 --rounds=50
 
 For each shape (M x K x N: activation [M, K] @ weight [K, N]) and each weight format /
 `models.quantization.formats.matmul` method it prints the median time, the ratio to the f32 matmul, the compiled temp

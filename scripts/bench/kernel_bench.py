@@ -1,8 +1,8 @@
 """Ragged paged attention on a GPU: check the Pallas Triton and Mosaic GPU kernels against the XLA reference, then
 time them side by side.
 
-    python scripts/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
-    python scripts/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
+    python scripts/bench/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
+    python scripts/bench/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
 
 Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `interpret=True`):
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

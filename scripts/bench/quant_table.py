@@ -1,8 +1,8 @@
 """The quantization table: memory, speed and quality of SmolLM2 (or any model) per weight / KV-cache format, one
 process, one row after another.
 
-    python scripts/quant_table.py --json                      # f32, int8, int4, int4-awq, gguf, int4/awq g64, kv int8
-    python scripts/quant_table.py --rows=f32,int4,int4-awq --steps=8
+    python scripts/bench/quant_table.py --json                      # f32, int8, int4, int4-awq, gguf, int4/awq g64, kv int8
+    python scripts/bench/quant_table.py --rows=f32,int4,int4-awq --steps=8
 
 Columns (every row against the f32 row, which always runs first):
 
@@ -37,7 +37,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from inference.tools.evaluate import llm_perplexity  # noqa: E402
 from inference.entrypoints.llm import LLM  # noqa: E402
@@ -183,11 +183,11 @@ def main(argv):
         results.append(r)
         print(json.dumps(r), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+                            cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     meta = dict(date=str(datetime.date.today()), commit=commit, machine=platform.processor() or platform.machine(),
                 cpus=os.cpu_count(), backend=jax.devices()[0].platform,
                 jax=jax.__version__, model=FLAGS.model,
-                command="python scripts/quant_table.py " + " ".join(sys.argv[1:]))
+                command="python scripts/bench/quant_table.py " + " ".join(sys.argv[1:]))
     print(f"\n{meta}\n")
     bcols = "".join(f" decode tok/s b={b} |" for b in FLAGS.batch)
     print(f"| row | weight MiB | KV B/token |{bcols} ppl | KL mean / max | greedy exact | greedy agreement |")

@@ -1,6 +1,6 @@
 """The cost of `LLM(batch_invariant=True)`: throughput against the default mode in one run, same workload.
 
-    python scripts/batch_invariant_bench.py --models=smollm2-135m,tiny-llama --batch=1,8,32 --baseline=7bdff85 \
+    python scripts/bench/batch_invariant_bench.py --models=smollm2-135m,tiny-llama --batch=1,8,32 --baseline=7bdff85 \
         --json=bi.json
 
 For each model both engines are built side by side (same weights, seed and budgets); for each batch size they run
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -82,7 +82,7 @@ def _engines(model: str) -> dict[str, dict]:
 def _baseline_kernel(commit: str):
     """The invariant kernel as it was at `commit`: that commit's csrc/ compiled (build.FLAGS) into a second library,
     registered under its own target name; returns f(x, w, transposed) calling it."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     csrc = os.path.relpath(build.CSRC, repo)
     names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{csrc}"], capture_output=True, text=True,
                            cwd=repo, check=True).stdout.split()

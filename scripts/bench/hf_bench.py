@@ -1,7 +1,7 @@
-"""The transformers side of `scripts/benchmark.py --compare=hf`: `generate` (float32, greedy) on the same GGUF
+"""The transformers side of `scripts/bench/benchmark.py --compare=hf`: `generate` (float32, greedy) on the same GGUF
 weights, which transformers dequantizes, on the same token ids.
 
-    python scripts/hf_bench.py --gguf=path.gguf --prompts=prompts.json --output_len=128
+    python scripts/bench/hf_bench.py --gguf=path.gguf --prompts=prompts.json --output_len=128
 
 Prints one JSON object with the keys the pagejax side reports (`ttft_mean_s`, `output_tok_s`, `decode_tok_s`,
 `wall_s`, `output_tokens`, `first_tokens`). benchmark.py runs it in a child process: torch's and XLA's CPU thread

@@ -1,6 +1,6 @@
 """Device bytes around `LLM.sleep` / `wake_up`, as `jax.live_arrays()` counts them, and the seconds each takes.
 
-    python scripts/rl_sleep_benchmark.py --model=smollm2-135m
+    python scripts/bench/rl_sleep_benchmark.py --model=smollm2-135m
 
 Live bytes before, asleep at level 1 (KV cache freed), asleep at level 2 (weights on host too), and after
 wake-up; greedy tokens of a few prompts before and after must be equal (checked, reported). The last line printed
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402

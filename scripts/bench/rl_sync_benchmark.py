@@ -1,7 +1,7 @@
 """Weight sync from a trainer's FSDP layout into the engine's replicas, timed on 8 virtual CPU devices.
 
-    python scripts/rl_sync_benchmark.py --model=smollm2-135m --tp=3 --dp=2
-    python scripts/rl_sync_benchmark.py --model=llama-3-8b --num_layers=1 --dtype=bfloat16 --tp=2 --dp=1
+    python scripts/bench/rl_sync_benchmark.py --model=smollm2-135m --tp=3 --dp=2
+    python scripts/bench/rl_sync_benchmark.py --model=llama-3-8b --num_layers=1 --dtype=bfloat16 --tp=2 --dp=1
 
 The trainer's parameters live FSDP-sharded over all 8 devices (`inference/rl/weight_sync.py: fsdp_shardings`); the
 engine's targets are the runner's own shardings (`sharding.partition.param_shardings` on each replica's `1 x tp`
@@ -20,7 +20,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import json  # noqa: E402
 import platform  # noqa: E402

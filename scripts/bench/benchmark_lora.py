@@ -1,14 +1,14 @@
 """The cost of LoRA serving: decode throughput with 4 active adapters against none, in one run.
 
-    python scripts/benchmark.py --mode=lora --model=smollm2-135m --batch=16 --input_len=64 --output_len=64 --json
+    python scripts/bench/benchmark.py --mode=lora --model=smollm2-135m --batch=16 --input_len=64 --output_len=64 --json
 
 Three runs over the same random prompts (greedy, EOS ignored), each warmed up by itself once
-(`scripts/benchmark.py: run_pagejax`), interleaved for `rounds` rounds, the best of each kept: "none", an LLM
+(`scripts/bench/benchmark.py: run_pagejax`), interleaved for `rounds` rounds, the best of each kept: "none", an LLM
 without LoRA; "lora_base", an `LLM(enable_lora=True, max_loras=4)` whose requests all run the base model (slot 0);
 "lora_4", the same LLM with the requests spread round-robin over 4 random adapters of rank --lora_rank on all
 seven projections. The masked delta (models/lora.py) computes every slot's product for every token, so
 "lora_base" and "lora_4" should cost alike; the ratios to "none" are the price of serving LoRA at all
-(`scripts/benchmark.py --mode=lora` runs it; --lora_rank sets the rank).
+(`scripts/bench/benchmark.py --mode=lora` runs it; --lora_rank sets the rank).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from inference import LLM, LoRARequest  # noqa: E402
 from tests import lora_adapters  # noqa: E402
@@ -29,7 +29,7 @@ NUM_ADAPTERS = 4
 def run_lora(model: str, batch: int, input_len: int, output_len: int, rank: int, seed: int, *, make_prompts,
              run_pagejax, rounds: int = 2) -> dict:
     """The three runs of the module docstring and their ratios to "none"; `make_prompts` and `run_pagejax` are
-    scripts/benchmark.py's (passed in: that file runs as __main__, so importing it here would define its flags
+    scripts/bench/benchmark.py's (passed in: that file runs as __main__, so importing it here would define its flags
     twice)."""
     common = dict(max_num_seqs=batch, max_num_batched_tokens=max(512, input_len))
     plain = LLM(model, **common)
