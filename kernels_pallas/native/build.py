@@ -30,7 +30,7 @@ import jaxlib
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # Reassociation lets g++ vectorize reductions; no -ffinite-math-only: masked attention scores are -inf.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-w")
 
 
@@ -54,10 +54,12 @@ def _compiler() -> str:
     return cxx
 
 
-def build(defines: tuple[str, ...] = ()) -> str:
+def build(defines: tuple[str, ...] = (), march: str = "native") -> str:
     """Compile `csrc/*.cc` into one library (once per content, flags, compiler, jaxlib and CPU); return its path.
-    `defines` (e.g. ("PAGEJAX_PORTABLE",), how tests build the path without ISA extensions) become -D flags."""
-    flags = (*FLAGS, "-pthread", *(f"-D{d}" for d in defines))
+    `defines` (e.g. ("PAGEJAX_PORTABLE",), how tests build the path without ISA extensions) become -D flags;
+    `march` is the -march target ("native": this CPU; "x86-64-v3": the AVX2 build, which tests run on AVX-512
+    machines too)."""
+    flags = (*FLAGS, f"-march={march}", "-pthread", *(f"-D{d}" for d in defines))
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cc")))
@@ -83,15 +85,15 @@ def build(defines: tuple[str, ...] = ()) -> str:
 
 
 @functools.cache
-def _load(defines: tuple[str, ...]) -> ctypes.CDLL:
-    return ctypes.CDLL(build(defines))
+def _load(defines: tuple[str, ...], march: str) -> ctypes.CDLL:
+    return ctypes.CDLL(build(defines, march))
 
 
 @functools.cache
-def register(target: str, symbol: str, defines: tuple[str, ...] = ()) -> None:
+def register(target: str, symbol: str, defines: tuple[str, ...] = (), march: str = "native") -> None:
     """Build the library, load it and register its handler `symbol` as FFI target `target` (once per process)."""
     try:
-        handler = getattr(_load(defines), symbol)
+        handler = getattr(_load(defines, march), symbol)
     except (OSError, AttributeError) as e:
         raise KernelBuildError(f"loading {symbol} from the CPU kernel library failed: {e}") from e
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")

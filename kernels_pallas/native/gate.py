@@ -5,14 +5,18 @@ quantized matmuls; the engine asks the attention dispatcher) asks `runs_here(KER
 wrapper module declares. Asking in one place keeps the sites from disagreeing (one building the library while
 another has decided it is off) and gives each fallback one log line with its reason.
 
-`runs_here` is two facts:
+`runs_here` is three facts:
   * the backend of the program being traced is CPU (`kernels_pallas.backend.target_backend()`). Asked on every
     call and never cached: inside `compiling_for("tpu")` (a deviceless compile on a CPU host) the same process
     traces for another chip, and a cached answer would put a CPU-only FFI call into a TPU program;
   * the kernel is usable in this process (`unavailable_reason(kernel) is None`): PAGEJAX_CPU_KERNELS is not "0",
     and the library builds, loads and registers the kernel's handler (`native/build.py`). Decided once per
     process per kernel (cached): a build is seconds of g++, and a kernel must not switch on or off between two
-    traces of one program.
+    traces of one program;
+  * the kernel was measured faster than its pure-JAX path on this CPU's ISA (`host_isa`), or was not measured there:
+    `MEASURED`, a table from `scripts/bench/cpu_kernel_gate.py` recorded in BENCHMARKS.md ("C++ CPU kernels per
+    ISA"). A kernel that builds is not therefore faster: on AVX2 the int8 matmul's portable loop was slower than
+    XLA's int8 dot, and the gate took it anyway.
 
 PAGEJAX_CPU_KERNELS=0 in the environment switches every automatic choice to the pure-JAX paths (A/B runs,
 debugging a kernel, a machine whose compiler miscompiles). It is read once, on the first question, so set it
@@ -21,9 +25,10 @@ wrapper (`ragged_paged_attention_cpu`, `int8_matmul_cpu`, ...) builds the kernel
 `KernelBuildError` if it cannot, because a caller who names a kernel wants that kernel or an error, not a silent
 substitute.
 
-When the target is CPU and a kernel is unavailable, `runs_here` logs a WARNING with the reason, once per kernel
-and process (logger `kernels_pallas.native.gate`): the pure-JAX paths are correct but slower, and a missing
-compiler should not pass unnoticed.
+When the target is CPU, `runs_here` logs its choice once per kernel and process (logger `kernels_pallas.native.gate`):
+INFO for the path taken by the table (kernel or pure JAX, with the ISA and why), a WARNING when the kernel is
+unavailable: the pure-JAX paths are correct but slower, and a missing compiler should not pass unnoticed. `choices`
+gives the same decisions as data (the benchmarks print them).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import os
+import platform
 
 from kernels_pallas.backend import target_backend
 from kernels_pallas.native import build
@@ -40,20 +46,73 @@ ENV_SWITCH = "PAGEJAX_CPU_KERNELS"
 log = logging.getLogger(__name__)
 
 
+#: The library builds a wrapper can name: "native" (-march=native, what the gate runs), "portable" (the scalar loops:
+#: PAGEJAX_PORTABLE), "avx2" (-march=x86-64-v3: the AVX2 + FMA paths, which tests run on AVX-512 machines too).
+BUILDS = ("native", "portable", "avx2")
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuKernel:
     """One C++ kernel of `csrc/`: the XLA FFI target its wrapper calls, the C symbol of its handler in the library,
-    and the -D defines of the library build it comes from. Declared next to the wrapper; hashable, so the gate
-    caches its decision per kernel."""
+    and the -D defines and -march of the library build it comes from. Declared next to the wrapper; hashable, so the
+    gate caches its decision per kernel."""
 
     target: str
     symbol: str
     defines: tuple[str, ...] = ()
+    march: str = "native"
 
     def portable(self) -> "CpuKernel":
-        """The same kernel from a library built with PAGEJAX_PORTABLE (no ISA extensions beyond the baseline): what a
-        CPU without AVX-512 runs. A separate FFI target, so tests can compare both paths in one process."""
-        return CpuKernel(f"{self.target}_portable", self.symbol, (*self.defines, "PAGEJAX_PORTABLE"))
+        """The same kernel from a library built with PAGEJAX_PORTABLE (no ISA extensions beyond the baseline): its
+        scalar loops. A separate FFI target, so tests can compare both paths in one process."""
+        return CpuKernel(f"{self.target}_portable", self.symbol, (*self.defines, "PAGEJAX_PORTABLE"), self.march)
+
+    def build(self, name: str) -> "CpuKernel":
+        """The kernel from library build `name` (one of BUILDS), each its own FFI target."""
+        if name not in BUILDS:
+            raise ValueError(f"unknown kernel build {name!r}; expected one of {BUILDS}")
+        if name == "portable":
+            return self.portable()
+        return self if name == "native" else CpuKernel(f"{self.target}_{name}", self.symbol, self.defines,
+                                                       "x86-64-v3")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def host_isa() -> str:
+    """The vector ISA the native build targets on this CPU, as `MEASURED` names it: "avx512-vnni", "avx512",
+    "avx2" (with FMA), "neon-dotprod" (ARMv8.2 sdot), "neon", or "baseline"."""
+    flags, machine = _cpu_flags(), platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "neon-dotprod" if "asimddp" in flags or machine == "arm64" else "neon"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512-vnni"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "baseline"
+
+
+#: Whether each kernel (its FFI target) beat its pure-JAX path on an ISA, measured by scripts/bench/
+#: cpu_kernel_gate.py at SmolLM2-135M's shapes, batch 1 and 32 (BENCHMARKS.md, "C++ CPU kernels per ISA", which
+#: names the CPUs). A kernel missing from an ISA's row was not measured there and runs where it builds.
+MEASURED: dict[str, dict[str, bool]] = {
+    # Every kernel on: the AVX-512 VNNI end-to-end runs of BENCHMARKS.md (kernels on vs PAGEJAX_CPU_KERNELS=0).
+    "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
+                    "pagejax_grouped_matmul_cpu": True, "pagejax_write_rows_cpu": True,
+                    "pagejax_rope_tables_cpu": True},
+    # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, and the attention kernel, beat XLA at 1 and 32 rows.
+    "avx2": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True},
+}
 
 
 @functools.cache
@@ -66,7 +125,7 @@ def require(kernel: CpuKernel) -> None:
     """Build the library and register `kernel` (once per process; `build.register` caches), raising
     `build.KernelBuildError` with the compiler's or loader's message. For explicit calls, which must not fall back;
     ignores PAGEJAX_CPU_KERNELS."""
-    build.register(kernel.target, kernel.symbol, kernel.defines)
+    build.register(kernel.target, kernel.symbol, kernel.defines, kernel.march)
 
 
 @functools.cache
@@ -82,18 +141,44 @@ def unavailable_reason(kernel: CpuKernel) -> str | None:
     return None
 
 
+def measured_choice(kernel: CpuKernel, isa: str) -> tuple[bool, str]:
+    """(whether `kernel` should run on `isa` by the `MEASURED` table, why)."""
+    faster = MEASURED.get(isa, {}).get(kernel.target)
+    if faster is None:
+        return True, f"not measured on {isa}: runs where it builds"
+    if faster:
+        return True, f"measured faster than its pure-JAX path on {isa} (BENCHMARKS.md)"
+    return False, f"measured slower than its pure-JAX path on {isa} (BENCHMARKS.md)"
+
+
 @functools.cache
-def _log_fallback(kernel: CpuKernel, reason: str) -> None:
-    log.warning("C++ CPU kernel %s does not run, its pure-JAX path does: %s", kernel.target, reason)
+def choice(kernel: CpuKernel) -> tuple[bool, str]:
+    """(whether a CPU call site takes `kernel` in this process, why), logged once: the build (`unavailable_reason`)
+    and then the measured table for this CPU's ISA."""
+    reason = unavailable_reason(kernel)
+    if reason is not None:
+        log.warning("C++ CPU kernel %s does not run, its pure-JAX path does: %s", kernel.target, reason)
+        runs, why = False, reason
+    else:
+        runs, why = measured_choice(kernel, host_isa())
+        log.info("C++ CPU kernel %s %s: %s", kernel.target, "runs" if runs else "does not run (pure JAX does)", why)
+    _DECISIONS[kernel.target] = {"runs": runs, "why": why}
+    return runs, why
+
+
+def choices() -> dict[str, object]:
+    """This CPU's ISA and the decisions `choice` took so far in this process, by FFI target ({"runs", "why"}): for a
+    benchmark's JSON, which paths a run took."""
+    return {"isa": host_isa(), "kernels": dict(_DECISIONS)}
+
+
+_DECISIONS: dict[str, dict[str, object]] = {}  # what `choice` decided, by target (each written once: it is cached)
 
 
 def runs_here(kernel: CpuKernel) -> bool:
     """Whether a call site takes `kernel`: the program is traced for CPU (asked per call, `compiling_for` may
-    change it) and the kernel is usable in this process (`unavailable_reason`, cached). Off CPU the kernel is not
-    built at all. On CPU without it, logs the reason once per kernel."""
+    change it) and `choice(kernel)` (cached: built, and not measured slower on this ISA). Off CPU the kernel is
+    not built at all."""
     if target_backend() != "cpu":
         return False
-    reason = unavailable_reason(kernel)
-    if reason is not None:
-        _log_fallback(kernel, reason)
-    return reason is None
+    return choice(kernel)[0]

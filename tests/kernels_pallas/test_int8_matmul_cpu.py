@@ -1,5 +1,5 @@
 """The C++ W8A8 matmul (XLA FFI) quantizes x's rows, takes the exact int32 dot and rescales: against a numpy model of
-those steps, bit for bit, for both of its paths (AVX-512 VNNI where the CPU has it, and the portable one), over row
+those steps, bit for bit, for each build this CPU runs (`BUILDS`: VNNI, AVX2, NEON dotprod, the scalar loop), over row
 counts on both sides of its row-streaming path (M <= 4) and around its 6-row chunks, K not a multiple of 4 or 16 and
 column counts around its 64-column pieces; and the W8A8 matmul gives the same bits with the kernel as without."""
 
@@ -21,6 +21,11 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is 
                                 reason="no C++ compiler: the W8A8 path uses XLA's dot (checked below where one is)")
 
 
+# The builds this CPU can run: native (AVX-512 VNNI, AVX2 or NEON dotprod where the CPU has it), the scalar loop, and
+# the AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the AVX2 path too).
+BUILDS = ["native", "portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else [])]
+
+
 def test_kernel_builds_where_a_compiler_is():
     assert gate.unavailable_reason(int8_cpu.KERNEL) is None
 
@@ -34,11 +39,11 @@ def w8a8_numpy(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
     return (dot * sx) * w_scale
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (3, 37, 130), (4, 9, 1),  # row streaming (M <= 4)
                                    (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129),
                                    (60, 600, 70)])  # M * K past the size quantized on the worker threads
-def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
+def test_matches_the_w8a8_model_bit_for_bit(build, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
     x[0, :] = 0  # an all-zero row: scale 1, not 0 / 0
@@ -47,16 +52,16 @@ def test_matches_the_w8a8_model_bit_for_bit(portable, m, k, n):
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
     w[:, 0] = -128  # the extreme product, summed K times
     w_scale = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
-    got = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, portable=portable))(x, w, w_scale)
+    got = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, build=build))(x, w, w_scale)
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), w8a8_numpy(x, w, w_scale))
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_empty_k_and_non_finite_rows(portable):
+@pytest.mark.parametrize("build", BUILDS)
+def test_empty_k_and_non_finite_rows(build):
     """K = 0 gives zeros; a row with a NaN or an inf gives garbage for that row only (as the JAX path does), without
     undefined behaviour in the kernel (NaN is quantized to 0): the other rows stay exact."""
-    fn = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, portable=portable))
+    fn = jax.jit(lambda a, b, c: int8_cpu.int8_matmul_cpu(a, b, c, build=build))
     got = fn(np.zeros((3, 0), np.float32), np.zeros((0, 5), np.int8), np.ones(5, np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.zeros((3, 5), np.float32))
     rng = np.random.default_rng(5)

@@ -8,7 +8,8 @@
 // about 12 GB/s of weights (BENCHMARKS.md), under a third of what the f32 GEMVs reach. Here each weight byte is
 // read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
 // walked four rows at a time, and the blocks are spread over the library's worker threads (parallel_for.h). With
-// AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd.
+// AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd;
+// on AVX2 and on ARMv8.2 dotprod they are `Int8Dot`'s (int8_dot.h), one kernel source for both (`Int8Vector`).
 // Quantizing and rescaling in here rather than in XLA: those were XLA:CPU fusions of their own around each of the
 // 211 dots, 9.5 of a 33 ms chain of SmolLM2's int8 matmuls at 32 rows (BENCHMARKS.md).
 
@@ -22,7 +23,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
+#include "int8_dot.h"
 #include "parallel_for.h"
 #include "register_blocks.h"
 #include "scratch.h"
@@ -240,6 +244,99 @@ struct Matmul {
 #endif
 };
 
+#if defined(PAGEJAX_INT8_DOT) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// The AVX2 / NEON-dotprod path: the VNNI path's two loops (K-split row streaming for M <= 4, packed column strips
+// for more rows) written once against int8_dot.h. Signed x signed bytes: no +128 bias, no correction.
+struct Int8Vector {
+  using D = pagejax::Int8Dot;
+  static constexpr int64_t kCols = D::kCols;
+  // Rows of x per strip chunk, their 4 accumulators each in registers: 3 of AVX2's 16 (2 and 4 measured slower
+  // on an AVX2 EPYC at 32 rows), 6 of NEON's 32 (as the VNNI path).
+  static constexpr int64_t kRowChunk = kCols == 32 ? 3 : 6;
+  const Matmul& mm;
+
+  // Rows 4b..4b+3 of W, columns n0 .. n0 + width (zero past K or past width), packed.
+  void piece(int64_t b, int64_t n0, int64_t width, D::Packed (&v)[4]) const {
+    decltype(D::load(nullptr)) r[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = 4 * b + i;
+      if (row < mm.k && width == kCols) {
+        r[i] = D::load(mm.w + row * mm.n + n0);
+      } else {
+        alignas(64) int8_t tail[kCols] = {};
+        if (row < mm.k) std::memcpy(tail, mm.w + row * mm.n + n0, width);
+        r[i] = D::load(tail);
+      }
+    }
+    D::pack(r, v);
+  }
+
+  // Item `item` of the M <= 4 loop: K blocks [b0, b1) for all columns, partial sums into partial[item][r][N].
+  void rows(int64_t item, int64_t rows_per_item, int32_t* partial) const {
+    const int64_t k4 = (mm.k + 3) / 4, b0 = item * rows_per_item / 4;
+    const int64_t b1 = std::min(k4, (item + 1) * rows_per_item / 4);
+    for (int64_t n0 = 0; n0 < mm.n; n0 += kCols) {
+      const int64_t width = std::min(kCols, mm.n - n0);
+      D::Acc acc[4][4];
+      for (int64_t r = 0; r < mm.m; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = D::zero();
+      for (int64_t b = b0; b < b1; ++b) {
+        D::Packed v[4];
+        piece(b, n0, width, v);
+        for (int64_t r = 0; r < mm.m; ++r) {
+          const auto x4 = D::broadcast(mm.xu()[r * k4 + b]);
+          for (int q = 0; q < 4; ++q) acc[r][q] = D::dot(acc[r][q], v[q], x4);
+        }
+      }
+      for (int64_t r = 0; r < mm.m; ++r) {
+        alignas(64) int32_t sums[kCols];
+        D::columns(acc[r], sums);
+        std::copy(sums, sums + width, partial + (item * mm.m + r) * mm.n + n0);
+      }
+    }
+  }
+
+  // One chunk of up to kRowChunk rows of x against the strip at n0: kFirst packs W (keeping it when `keep`).
+  template <bool kFirst>
+  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, D::Packed* packed) const {
+    const int64_t k4 = (mm.k + 3) / 4, rows = std::min(kRowChunk, mm.m - r0);
+    D::Acc acc[kRowChunk][4];
+    for (int r = 0; r < kRowChunk; ++r)
+      for (int q = 0; q < 4; ++q) acc[r][q] = D::zero();
+    for (int64_t b = 0; b < k4; ++b) {
+      D::Packed own[4];
+      const D::Packed* v = own;
+      if constexpr (kFirst) {
+        piece(b, n0, width, own);
+        if (keep) std::copy(own, own + 4, packed + 4 * b);
+      } else {
+        v = packed + 4 * b;
+      }
+      for (int r = 0; r < kRowChunk; ++r) {
+        if (r >= rows) break;
+        const auto x4 = D::broadcast(mm.xu()[(r0 + r) * k4 + b]);
+        for (int q = 0; q < 4; ++q) acc[r][q] = D::dot(acc[r][q], v[q], x4);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      alignas(64) int32_t sums[kCols];
+      D::columns(acc[r], sums);
+      for (int64_t j = 0; j < width; ++j) mm.out[(r0 + r) * mm.n + n0 + j] = mm.rescale(sums[j], r0 + r, n0 + j);
+    }
+  }
+
+  void strip(int64_t s) const {
+    const int64_t n0 = s * kCols, width = std::min(kCols, mm.n - n0);
+    const bool keep = mm.m > kRowChunk;
+    thread_local std::vector<D::Packed> packed;
+    if (keep) packed.resize(4 * ((mm.k + 3) / 4));
+    strip_chunk<true>(n0, width, 0, keep, packed.data());
+    for (int64_t r0 = kRowChunk; r0 < mm.m; r0 += kRowChunk) strip_chunk<false>(n0, width, r0, keep, packed.data());
+  }
+};
+#define PAGEJAX_INT8_VECTOR 1
+#endif
+
 // Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
 // max and rint), so the AVX-512 build spells them out: 16 lanes, the same operations per element.
 // Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
@@ -279,6 +376,40 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xsca
   }
 }
 
+// out = rescale(sum of the `used` partial sums - bias * xsum[r]): bias 128 undoes the VNNI path's unsigned weights.
+void add_partials(const Matmul& mm, const int32_t* partial, int64_t used, int32_t bias) {
+  const int64_t m = mm.m, n = mm.n;
+  pagejax::parallel_for((n + 1023) / 1024, [&](int64_t c) {
+    const int64_t c0 = c * 1024, c1 = std::min<int64_t>(n, c0 + 1024);
+    int32_t dot[1024];
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = c0; j < c1; ++j) dot[j - c0] = -bias * mm.xsum[r];
+      for (int64_t i = 0; i < used; ++i) {
+        const int32_t* src = partial + (i * m + r) * n;
+        for (int64_t j = c0; j < c1; ++j) dot[j - c0] += src[j];
+      }
+      for (int64_t j = c0; j < c1; ++j) mm.out[r * n + j] = mm.rescale(dot[j - c0], r, j);
+    }
+  });
+}
+
+// The vector paths' two loops. M <= 4: K cut into at most 8 items of whole 4-row blocks, rows(i, rows_per_item,
+// partial) writing item i's sums of every row and column to partial[i][r][N], added up here (`add_partials`, less
+// bias * xsum). More rows: strip(s) for each strip of `strip_cols` columns.
+template <typename Rows, typename Strip>
+void run_vector(const Matmul& mm, int32_t bias, const Rows& rows, int64_t strip_cols, const Strip& strip) {
+  if (mm.m <= 4) {
+    const int64_t k4 = (mm.k + 3) / 4;
+    const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
+    const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
+    int32_t* partial = pagejax::scratch<int32_t, 3>(used * mm.m * mm.n);  // every element is written
+    pagejax::parallel_for(used, [&](int64_t i) { rows(i, rows_per_item, partial); });
+    add_partials(mm, partial, used, bias);
+  } else {
+    pagejax::parallel_for((mm.n + strip_cols - 1) / strip_cols, strip);
+  }
+}
+
 ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
                          ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -298,27 +429,12 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::B
   quantize_rows(x.typed_data(), m, k, xq, xscale, xsum);
   const Matmul mm{xq, xscale, xsum, w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
-  if (m <= 4) {
-    // K cut into 4-row-aligned items; their partial sums are added here, with the correction, and rescaled.
-    const int64_t items = std::min<int64_t>(k4, 8), rows_per_item = 4 * ((k4 + items - 1) / items);
-    const int64_t used = (k4 * 4 + rows_per_item - 1) / rows_per_item;
-    int32_t* partial = pagejax::scratch<int32_t, 3>(used * m * n);  // every element is written
-    pagejax::parallel_for(used, [&](int64_t i) { mm.vnni_rows(i, rows_per_item, partial); });
-    pagejax::parallel_for((n + 1023) / 1024, [&](int64_t c) {
-      const int64_t c0 = c * 1024, c1 = std::min<int64_t>(n, c0 + 1024);
-      int32_t dot[1024];
-      for (int64_t r = 0; r < m; ++r) {
-        for (int64_t j = c0; j < c1; ++j) dot[j - c0] = -128 * xsum[r];
-        for (int64_t i = 0; i < used; ++i) {
-          const int32_t* src = partial + (i * m + r) * n;
-          for (int64_t j = c0; j < c1; ++j) dot[j - c0] += src[j];
-        }
-        for (int64_t j = c0; j < c1; ++j) mm.out[r * n + j] = mm.rescale(dot[j - c0], r, j);
-      }
-    });
-  } else {
-    pagejax::parallel_for((n + 63) / 64, [&](int64_t i) { mm.vnni_strip(i); });
-  }
+  run_vector(mm, 128, [&](int64_t i, int64_t rows_per_item, int32_t* p) { mm.vnni_rows(i, rows_per_item, p); }, 64,
+             [&](int64_t i) { mm.vnni_strip(i); });
+#elif defined(PAGEJAX_INT8_VECTOR)
+  const Int8Vector vec{mm};
+  run_vector(mm, 0, [&](int64_t i, int64_t rows_per_item, int32_t* p) { vec.rows(i, rows_per_item, p); },
+             Int8Vector::kCols, [&](int64_t i) { vec.strip(i); });
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
 #endif

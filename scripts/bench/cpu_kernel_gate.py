@@ -1,0 +1,147 @@
+"""The measurement behind `kernels_pallas.native.gate.MEASURED`: each speed-gated C++ CPU kernel beside the pure-JAX
+path it replaces, at SmolLM2-135M's shapes, on this machine's CPU.
+
+    python scripts/bench/cpu_kernel_gate.py --out=/tmp/gate.json       # a few minutes on 2 cores
+
+Cases (time = median over rounds of `--calls` back-to-back jitted calls; both paths alternate round by round, so
+a machine loaded by other work slows both alike, and the ratio is what counts):
+  * int8_matmul: one decoder layer's seven W8A8 linears (q, k, v, o, gate, up, down: 576 -> 576/192/1536 and
+    1536 -> 576), per-channel int8 weights, at 1 and 32 rows: the kernel ("native" build, and the scalar "portable"
+    build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot);
+  * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32 and int8 caches,
+    1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
+Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
+A kernel is "faster" on an ISA when its ratio is above 1 at both batch sizes; BENCHMARKS.md records the table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from kernels_pallas.attention.cpu import ragged_paged_attention_cpu  # noqa: E402
+from kernels_pallas.attention.reference import ragged_paged_attention_reference  # noqa: E402
+from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows  # noqa: E402
+from kernels_pallas.matmul import int8_cpu  # noqa: E402
+from kernels_pallas.native import gate  # noqa: E402
+from models.quantization import formats  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "cpu_kernel_gate.json", "Where to write the JSON results.")
+flags.DEFINE_integer("rounds", 7, "Timed rounds per path (median reported).")
+flags.DEFINE_integer("calls", 20, "Back-to-back calls per timed round.")
+
+LAYER = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))  # SmolLM2-135M
+
+
+def timed_side_by_side(paths: dict, args, rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each path, the paths alternating round by round."""
+    for fn in paths.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def int8_layer(rows: int) -> dict:
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+    weights = [formats.quantize_int8(rng.standard_normal(shape).astype(np.float32)) for shape in LAYER]
+
+    def layer(path: str):
+        def run(x):
+            outs = []
+            for qw in weights:
+                xi = jnp.tile(x, (1, 3))[:, :qw.shape[0]]  # 576 or 1536 input features
+                if path == "pure_jax":
+                    with mock.patch.object(gate, "runs_here", lambda kernel: False):
+                        outs.append(formats.matmul(xi, qw, method="int8"))
+                else:
+                    outs.append(int8_cpu.int8_matmul_cpu(xi, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(-1),
+                                                         build=path))
+            return outs
+        return jax.jit(run)
+
+    paths = {name: layer(name) for name in ("native", "portable", "pure_jax")}
+    want = paths["pure_jax"](x)
+    for got in (paths["native"](x), paths["portable"](x)):  # the kernel's contract: the same bits
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return timed_side_by_side(paths, (x,), FLAGS.rounds, FLAGS.calls)
+
+
+def attention(seqs: int, kv_dtype) -> dict:
+    heads, kv_heads, dim, page, context = 9, 3, 64, 16, 256
+    pages_per_seq = context // page
+    num_pages = seqs * pages_per_seq
+    key = jax.random.PRNGKey(seqs)
+    q = jax.random.normal(key, (seqs, heads, dim), jnp.float32)
+    kv = jax.random.normal(jax.random.fold_in(key, 1), kv_cache_spec(num_pages, page, kv_heads, dim).shape)
+    scales = None
+    if kv_dtype == jnp.int8:
+        kv = jnp.clip(jnp.round(kv * 30), -127, 127).astype(jnp.int8)
+        scales = jnp.full((kv_heads, scale_rows(num_pages, page), 128), 1 / 30, jnp.float32)
+    perm = np.random.default_rng(0).permutation(num_pages).reshape(seqs, pages_per_seq).astype(np.int32)
+    meta = (jnp.full((seqs,), context, jnp.int32), jnp.asarray(perm), jnp.arange(seqs + 1, dtype=jnp.int32),
+            jnp.array([seqs], jnp.int32))
+    common = dict(sm_scale=dim ** -0.5, kv_scales=scales)
+    paths = {"native": jax.jit(functools.partial(ragged_paged_attention_cpu, **common)),
+             "pure_jax": jax.jit(functools.partial(ragged_paged_attention_reference, max_q_len=1, **common))}
+    args = (q, kv, *meta)
+    np.testing.assert_allclose(np.asarray(paths["native"](*args)), np.asarray(paths["pure_jax"](*args)),
+                               rtol=2e-4, atol=2e-4)
+    return timed_side_by_side(paths, args, FLAGS.rounds, FLAGS.calls)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main(argv):
+    del argv
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+              "cpu": cpu_model(), "isa": gate.host_isa(), "cores": os.cpu_count(), "load_before": os.getloadavg(),
+              "cases": {}}
+    print(f"{result['cpu']} ({result['isa']}, {result['cores']} cores), load {result['load_before']}", flush=True)
+    cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 32)}
+    cases.update({f"attention_{jnp.dtype(d).name}_b{s}": functools.partial(attention, s, d)
+                  for d in (jnp.float32, jnp.int8) for s in (1, 32)})
+    for name, case in cases.items():
+        times = case()
+        entry = {f"{path}_ms": t * 1e3 for path, t in times.items()}
+        entry["kernel_speedup"] = times["pure_jax"] / times["native"]
+        result["cases"][name] = entry
+        print(f"{name:28s} " + "  ".join(f"{k} {v:8.3f}" for k, v in entry.items()), flush=True)
+    result["load_after"] = os.getloadavg()
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"load {result['load_after']}; wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
