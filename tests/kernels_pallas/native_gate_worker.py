@@ -45,6 +45,7 @@ def kernels_called(fn, *args) -> list[str]:
 def main():
     keep = Keep()
     logging.getLogger("kernels_pallas.native.gate").addHandler(keep)
+    logging.getLogger("kernels_pallas.native.gate").setLevel(logging.INFO)  # the choices taken are INFO lines
     rng = np.random.default_rng(0)
     attention_args = list(map(jnp.asarray, make_case(rng, [1, 1], [7, 12], num_q_heads=4, num_kv_heads=2,
                                                      head_dim=64, page_size=4, pages_per_seq=3, num_pages=8)))

@@ -58,11 +58,16 @@ def test_switched_off_every_site_runs_pure_jax_and_says_why_once():
 
 
 @needs_cxx
-def test_switched_on_every_site_takes_its_kernel_silently():
-    """The control for the test above: the same worker without the switch sees each site's kernel."""
+def test_switched_on_every_site_takes_its_kernel_and_says_why_once():
+    """The control for the test above: the same worker without the switch sees each site's kernel (none is measured
+    slower on the ISAs of `gate.MEASURED` so far), and the gate says once per kernel, at INFO, that it runs and why
+    (the ISA and the measured table)."""
     out = run_worker()
     assert out["sites"] == out["sites_again"] == {name: [name] for name in SITES}
-    assert out["log"] == []
+    assert len(out["log"]) == len(SITES)
+    for target in out["targets"].values():
+        (line,) = [m for m in out["log"] if target in m]
+        assert line.startswith("INFO") and " runs: " in line and gate.host_isa() in line, line
     assert out["auto"] == "cpu" and not out["fine_pages"] and out["mla_fine_pages"]  # no CPU MLA kernel
 
 
@@ -114,6 +119,43 @@ def test_the_engine_asks_the_dispatcher(page_size, monkeypatch):
     with compiling_for("tpu"):
         assert resolve_impl("auto", page_size, dense.head_dim) == "tpu"
         assert not reads_padded_pages(dense, page_size)
+
+
+def test_a_kernel_measured_slower_on_this_isa_does_not_run(monkeypatch, caplog):
+    """The table, not the build, decides: a kernel that builds but was measured slower than its pure-JAX path on
+    this CPU's ISA takes the pure-JAX path, and says so once at INFO; one not measured there runs."""
+    slower = gate.CpuKernel("pagejax_gate_test_slower", WRITE_KERNEL.symbol)  # builds: a real symbol
+    unmeasured = gate.CpuKernel("pagejax_gate_test_unmeasured", WRITE_KERNEL.symbol)
+    monkeypatch.setitem(gate.MEASURED, gate.host_isa(), {slower.target: False})
+    with caplog.at_level(logging.INFO, logger=gate.__name__):
+        if gate.unavailable_reason(slower) is not None:
+            pytest.skip("the kernel library does not build here")
+        assert not gate.runs_here(slower) and not gate.runs_here(slower)
+        assert gate.runs_here(unmeasured)
+    (record,) = [r for r in caplog.records if slower.target in r.getMessage()]
+    assert record.levelno == logging.INFO and "measured slower" in record.getMessage()
+    assert gate.choices()["kernels"][slower.target] == {"runs": False, "why": gate.choice(slower)[1]}
+    assert "not measured on" in gate.choices()["kernels"][unmeasured.target]["why"]
+
+
+def test_host_isa_names_the_cpu_flags(monkeypatch):
+    for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),
+                                ({"avx512f", "avx512bw", "avx512_vnni"}, "x86_64", "avx512-vnni"),
+                                ({"sse2"}, "x86_64", "baseline"), ({"asimd", "asimddp"}, "aarch64", "neon-dotprod"),
+                                ({"asimd"}, "aarch64", "neon")]:
+        monkeypatch.setattr(gate, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(gate.platform, "machine", lambda machine=machine: machine)
+        gate.host_isa.cache_clear()
+        assert gate.host_isa() == isa
+    gate.host_isa.cache_clear()
+
+
+def test_builds_are_separate_targets():
+    assert cpu.KERNEL.build("native") is cpu.KERNEL and cpu.KERNEL.build("portable") == cpu.KERNEL.portable()
+    avx2 = cpu.KERNEL.build("avx2")
+    assert avx2.target == f"{cpu.KERNEL.target}_avx2" and avx2.march == "x86-64-v3"
+    with pytest.raises(ValueError, match="unknown kernel build 'sse'"):
+        cpu.KERNEL.build("sse")
 
 
 def test_portable_variant_is_a_separate_target():

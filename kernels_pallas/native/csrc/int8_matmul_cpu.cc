@@ -410,24 +410,25 @@ void run_vector(const Matmul& mm, int32_t bias, const Rows& rows, int64_t strip_
   }
 }
 
-ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
-                         ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1] || xd[1] > kMaxK)
-    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N], K <= 65535");
-  const int64_t m = xd[0], k = xd[1], n = wd[1], k4 = (k + 3) / 4;
-  if (m == 0 || n == 0) return ffi::Error::Success();
+}  // namespace
+
+// out [M, N] = the W8A8 product of x [M, K] and w [K, N], w_scale [N] (K <= kMaxK): the kernel without XLA's FFI,
+// which tests/kernels_pallas/int8_matmul_driver.cc calls directly (the aarch64 build, run under qemu).
+void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, float* out, int64_t m, int64_t k,
+                         int64_t n) {
+  if (m == 0 || n == 0) return;
   if (k == 0) {
-    std::fill(out->typed_data(), out->typed_data() + m * n, 0.f);
-    return ffi::Error::Success();
+    std::fill(out, out + m * n, 0.f);
+    return;
   }
+  const int64_t k4 = (k + 3) / 4;
   uint32_t* xu = pagejax::scratch<uint32_t, 0>(m * k4);  // the quantized rows, read as bytes or 4-byte groups
   std::fill(xu, xu + m * k4, 0u);                         // (zero past K)
   float* xscale = pagejax::scratch<float, 1>(m);
   int32_t* xsum = pagejax::scratch<int32_t, 2>(m);
   int8_t* xq = reinterpret_cast<int8_t*>(xu);
-  quantize_rows(x.typed_data(), m, k, xq, xscale, xsum);
-  const Matmul mm{xq, xscale, xsum, w.typed_data(), wscale.typed_data(), out->typed_data(), m, k, n};
+  quantize_rows(x, m, k, xq, xscale, xsum);
+  const Matmul mm{xq, xscale, xsum, w, wscale, out, m, k, n};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
   run_vector(mm, 128, [&](int64_t i, int64_t rows_per_item, int32_t* p) { mm.vnni_rows(i, rows_per_item, p); }, 64,
              [&](int64_t i) { mm.vnni_strip(i); });
@@ -438,6 +439,16 @@ ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::B
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
 #endif
+}
+
+namespace {
+
+ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wscale.element_count() != wd[1] || xd[1] > kMaxK)
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x [M, K], w [K, N] and w_scale [N], K <= 65535");
+  pagejax_int8_matmul(x.typed_data(), w.typed_data(), wscale.typed_data(), out->typed_data(), xd[0], xd[1], wd[1]);
   return ffi::Error::Success();
 }
 
