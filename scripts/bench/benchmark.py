@@ -292,6 +292,13 @@ def main(argv: list[str]) -> None:
                   f"{base['output_tok_s']:.1f} tok/s; speculation accepted "
                   f"{ours['engine']['spec_acceptance_rate']:.2f} of drafts, "
                   f"{ours['engine']['spec_tokens_per_pass']:.2f} tokens per pass", file=sys.stderr)
+    from kernels_pallas.native import gate
+
+    result["cpu_kernels"] = gate.choices()  # the ISA and, per C++ kernel asked, whether it ran and why
+    result["load_average"] = os.getloadavg()  # other work on the machine slows both sides of a comparison
+    print(f"C++ CPU kernels ({result['cpu_kernels']['isa']}): " + "; ".join(
+        f"{target} {'on' if c['runs'] else 'off'}" for target, c in result["cpu_kernels"]["kernels"].items()),
+        file=sys.stderr)
     if FLAGS.plot:
         from scripts.bench import plot_benchmarks
 
