@@ -236,11 +236,12 @@ struct Attention {
     };
     const int64_t lo = first(0), hi = last(rows - 1) + 1, L = std::max<int64_t>(hi - lo, 0);
 
-    work.resize(rows * D * 2 + rows * L + rows);
+    work.resize(rows * D * 2 + rows * L + rows + D);
     float* qbuf = work.data();
     float* acc = qbuf + rows * D;
     float* p = acc + rows * D;
     float* inv_sum = p + rows * L;
+    float* row_f = inv_sum + rows;  // the generic loops' key or value row as floats, converted once for all rows
 
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t g = 0; g < G; ++g) {
@@ -256,10 +257,11 @@ struct Attention {
     } else
 #endif
     for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
+      for (int64_t d = 0; d < D; ++d) row_f[d] = to_float(k[d]);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = qbuf + r * D;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * to_float(k[d]);
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * row_f[d];
         p[r * L + (j - lo)] = dot * ks;
       }
     });
@@ -294,10 +296,11 @@ struct Attention {
     {
       std::fill(acc, acc + rows * D, 0.f);
       for_each_row(it.seq, it.kv_head, lo, hi, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
+        for (int64_t d = 0; d < D; ++d) row_f[d] = to_float(v[d]);
         for (int64_t r = 0; r < rows; ++r) {
           const float w = p[r * L + (j - lo)] * vs;
           float* ar = acc + r * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * to_float(v[d]);
+          for (int64_t d = 0; d < D; ++d) ar[d] += w * row_f[d];
         }
       });
     }
