@@ -7,7 +7,8 @@ Cases (time = median over rounds of `--calls` back-to-back jitted calls; both pa
 a machine loaded by other work slows both alike, and the ratio is what counts):
   * int8_matmul: one decoder layer's seven W8A8 linears (q, k, v, o, gate, up, down: 576 -> 576/192/1536 and
     1536 -> 576), per-channel int8 weights, at 1 and 32 rows: the kernel ("native" build, and the scalar "portable"
-    build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot);
+    build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot), and
+    XLA's float32 matmul of the same weights ("f32_xla": what the float32 model runs instead);
   * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32 and int8 caches,
     1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
 Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
@@ -67,13 +68,16 @@ def int8_layer(rows: int) -> dict:
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
     weights = [formats.quantize_int8(rng.standard_normal(shape).astype(np.float32)) for shape in LAYER]
+    dense = [qw.dequantize() for qw in weights]  # float32 weights, made once as the float32 model holds them
 
     def layer(path: str):
         def run(x):
             outs = []
-            for qw in weights:
+            for qw, wf in zip(weights, dense):
                 xi = jnp.tile(x, (1, 3))[:, :qw.shape[0]]  # 576 or 1536 input features
-                if path == "pure_jax":
+                if path == "f32_xla":  # what the float32 model runs instead: is W8A8 worth it on this CPU?
+                    outs.append(xi @ wf)
+                elif path == "pure_jax":
                     with mock.patch.object(gate, "runs_here", lambda kernel: False):
                         outs.append(formats.matmul(xi, qw, method="int8"))
                 else:
@@ -82,7 +86,7 @@ def int8_layer(rows: int) -> dict:
             return outs
         return jax.jit(run)
 
-    paths = {name: layer(name) for name in ("native", "portable", "pure_jax")}
+    paths = {name: layer(name) for name in ("native", "portable", "pure_jax", "f32_xla")}
     want = paths["pure_jax"](x)
     for got in (paths["native"](x), paths["portable"](x)):  # the kernel's contract: the same bits
         for a, b in zip(got, want):
