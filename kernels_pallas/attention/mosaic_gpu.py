@@ -70,13 +70,14 @@ Design (why it is shaped this way):
     the same shared-memory tiles (`OLD_INTERPRETER`). TMA copies, barriers, the pipeline, masking, the V fix-up,
     the tile bookkeeping and the split combine are the same code in both.
 
-What the compiler said (deviceless, sm_90a, `python -m kernels_pallas.attention.mosaic_gpu_compile h100|h200`;
-H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints no shared-memory figure):
+What the compiler said (deviceless, sm_90a, `scripts/tools/aot_compile.py --chips=h100 --what=mosaic_gpu`;
+H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints no shared-memory figure; the same
+figures at the batch shapes of the harness's other kernel cases, recompiled 2026-12-04, as at the shapes below):
   * decode 64 seqs x 2048 tokens, Hq 32 / Hkv 8 / D 128 bf16, 16-token pages (4 stages of 64 tokens, no split):
     209 (219) registers, 0 spills, 149504 B shared memory (q tile 16 KiB + 4 x (K 16 + V 16) KiB + barriers);
   * the same with 4 KV splits: 225 (221) registers, 0 spills, 183296 B (+ the f32 output tile and lse);
-  * mixed 4 x 512-token prefills + 60 decodes: 209 (219) registers, 0 spills, 149504 B;
-  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
+  * mixed 4 x 512-token prefills + 60 decodes (the harness: 2 x 256 + 32): 209 (219) registers, 0 spills, 149504 B;
+  * D 64, Hq 32 / Hkv 4, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
   * int8 cache, the decode shape: 226 (241) registers, 0 spills, 118784 B (q 16 KiB + 4 x (K 8 + V 8)
     KiB int8 stages + 4 x 512 B scales + the bf16 K and V tiles 2 x 16 KiB); the mixed batch: the same figures;
   * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B.

@@ -8,6 +8,8 @@ Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
     the kernel with several split-KV counts, and the same with an int8 cache (per-token scales);
   * mixed: 16 decode sequences at 2048 tokens + 2 prefill chunks of 512 queries (contexts 1024 and 2048);
+  * basic_padded: JAX's `basic` RPA case (q 192 / 128 / 64 over kv 328 / 180 / 255) with metadata for 8 sequence
+    slots, the 5 past num_seqs zero-padded as JAX's tests pad them (the engine repeats the last offset instead);
   * the Mosaic GPU kernel (`attention/mosaic_gpu.py`, Hopper, bf16 queries over a bf16 or int8 cache) beside the
     Triton one in decode (same split counts), decode_int8 and mixed; `--smoke` runs it on small bf16 decode cases
     ("decode_bf16", and "decode_bf16_int8" over an int8 cache) in its interpreter.
@@ -63,6 +65,14 @@ def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pag
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = tuple(map(jnp.asarray, (np.array(kv_lens, np.int32), perm, cu, np.array([len(q_lens)], np.int32))))
     return q, kv, meta
+
+
+def pad_slots(batch, slots: int):
+    """`batch` with metadata for `slots` sequence slots: kv_lens, page-table rows and cu_q_lens zero-padded."""
+    q, kv, (kv_lens, pages, cu, num_seqs) = batch
+    extra = slots - kv_lens.shape[0]
+    return q, kv, (jnp.pad(kv_lens, (0, extra)), jnp.pad(pages, ((0, extra), (0, 0))), jnp.pad(cu, (0, extra)),
+                   num_seqs)
 
 
 def bytes_read(q, kv_lens, kv_pages, kv_scales=None) -> int:
@@ -136,11 +146,12 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(argv):
-    del argv
-    smoke = FLAGS.smoke
-    if not smoke and jax.default_backend() != "gpu":
-        raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
+CASES = ("decode", "decode_bf16", "decode_bf16_int8", "decode_int8", "mixed", "basic_padded")
+
+
+def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[str, ...] = CASES) -> dict:
+    """The checks and timings of the cases in `only` (the module docstring; decode_bf16 and decode_bf16_int8 are
+    --smoke's); `scripts/bench/gpu_report.py` runs this too."""
     if smoke:  # tiny and f32 so the interpreter is quick; the checks use the f32 tolerance
         dims = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
         decode_lens, mixed = ([1] * 3, [40, 64, 17]), ([1, 1, 8], [64, 30, 20])
@@ -148,7 +159,6 @@ def main(argv):
     else:
         dims = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
         decode_lens, mixed = ([1] * 64, [2048] * 64), ([1] * 16 + [512, 512], [2048] * 16 + [1024, 2048])
-        splits, rounds, calls = [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls
         tol, copy_bytes = 2e-2, 1 << 30
     copy_bw = copy_bandwidth(copy_bytes, rounds, calls)
     print(f"device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", flush=True)
@@ -163,11 +173,12 @@ def main(argv):
 
     cases = {}
     decode = make_batch(key, *decode_lens, **dims)
-    cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
-        f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits} | ({
-        f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {}),
-        kv_scales=None, max_q_len=1, **common)
-    if smoke:
+    if "decode" in only:
+        cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
+            f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits} | ({
+            f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {}),
+            kv_scales=None, max_q_len=1, **common)
+    if smoke and "decode_bf16" in only:
         bf16 = make_batch(key, *decode_lens, **(dims | dict(dtype=jnp.bfloat16)))
         cases["decode_bf16"] = run_case("decode_bf16", bf16, {"xla_reference": reference, "pallas": gpu,
                                                               "mosaic": mosaic},
@@ -176,22 +187,37 @@ def main(argv):
         cases["decode_bf16_int8"] = run_case("decode_bf16_int8", (bf16[0], bf16_int8, bf16[2]), {
             "xla_reference": reference, "pallas": gpu, "mosaic": mosaic}, kv_scales=bf16_scales, max_q_len=1,
             **(common | dict(tol=2e-2)))
-    kv_int8, scales = quantize_cache(decode[1])
-    cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
-        "xla_reference": reference, f"pallas_splits{splits[-1]}": functools.partial(gpu, num_kv_splits=splits[-1])} | ({
-        f"mosaic_splits{splits[-1]}": functools.partial(mosaic, num_kv_splits=splits[-1])} if with_mosaic else {}),
-        kv_scales=scales, max_q_len=1, **common)
-    del decode, kv_int8, scales
-    cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,
-                                                                         "pallas": gpu} | (
-                                  {"mosaic": mosaic} if with_mosaic else {}),
-                              kv_scales=None, max_q_len=max(mixed[0]), **common)
+    if "decode_int8" in only:
+        kv_int8, scales = quantize_cache(decode[1])
+        last = splits[-1]
+        cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
+            "xla_reference": reference, f"pallas_splits{last}": functools.partial(gpu, num_kv_splits=last)} | ({
+            f"mosaic_splits{last}": functools.partial(mosaic, num_kv_splits=last)} if with_mosaic else {}),
+            kv_scales=scales, max_q_len=1, **common)
+        del kv_int8, scales
+    del decode
+    if "mixed" in only:
+        cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,
+                                                                             "pallas": gpu} | (
+            {"mosaic": mosaic} if with_mosaic else {}), kv_scales=None, max_q_len=max(mixed[0]), **common)
+    if "basic_padded" in only:
+        basic = pad_slots(make_batch(key, [192, 128, 64], [328, 180, 255], **dims), 8)
+        cases["basic_padded"] = run_case("basic_padded", basic, {"xla_reference": reference, "pallas": gpu} | (
+            {"mosaic": mosaic} if with_mosaic else {}), kv_scales=None, max_q_len=192, **common)
 
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "smoke": smoke, "shapes": {k: str(v) for k, v in dims.items()},
               "copy_bandwidth_GBps": copy_bw / 1e9, "cases": cases}
     result["all_ok"] = all(v["ok"] for c in cases.values() for v in c["variants"].values())
+    return result
+
+
+def main(argv):
+    del argv
+    if not FLAGS.smoke and jax.default_backend() != "gpu":
+        raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
+    result = bench(FLAGS.smoke, [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls)
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")

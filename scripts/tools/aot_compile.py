@@ -3,16 +3,18 @@
 Interpret mode runs a kernel's semantics, not the compilers' rules (Mosaic tiling, VMEM, shared memory,
 registers). This script builds devices of chips that are not there (`jax.experimental.topologies`), gives every
 input as a `ShapeDtypeStruct` (so real-size models cost no memory) and compiles:
-  (a) each attention kernel over a sweep of shapes and dtypes (`kernel_cases`), and
+  (a) each attention kernel over a sweep of shapes and dtypes (`kernel_cases`; the Mosaic GPU kernel's cases,
+      `mosaic_gpu_cases`, with `--what=mosaic_gpu`), and
   (b) the engine's jitted prefill and decode steps of real-size presets at TP 1 and 8 (`step_cases`).
 Per case it records the compiler's verdict (or its message), `memory_analysis()` bytes (beside the cost model's
 weight + KV bytes for steps), the custom calls and whole-cache copies in the optimized HLO, and on GPU ptxas's
-registers / spills and Triton's shared memory. JSON out; `docs/accelerators.md` holds the table.
+registers / spills and the Triton or Mosaic GPU kernel's shared memory. JSON out; `docs/accelerators.md` holds
+the table.
 
 Needs libtpu (TPU) and jax-cuda13-plugin + jax-cuda13-pjrt (GPU) of the installed jax's version; chips whose
 compiler is missing are reported as such. GPU register counts need `TF_CPP_MIN_LOG_LEVEL=0` and
-`TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start; this script
-re-executes itself with them.
+`TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start (Mosaic GPU's,
+`gpu_compile_report.MOSAIC_GPU_ENV`); this script re-executes itself with them.
 
     JAX_PLATFORMS=cpu python scripts/tools/aot_compile.py --chips=v5e,h100 --what=kernels,steps --out=aot.json
 """
@@ -109,7 +111,7 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
                  cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = ()) -> dict:
     """Lower and compile `fn(*args)` for `chip` (args already abstract); the verdict and what the compiler said.
     `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates."""
-    from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
+    from kernels_pallas.gpu_compile_report import capture_compiler_logs, parse_compile_log
 
     backend = CHIPS[chip][0]
     start = time.time()
@@ -117,9 +119,9 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
     try:
         # The abstract mesh names the chip: kernels read their block sizes by it, Pallas-Triton lowers for it.
         with compiling_for(backend), jax.sharding.use_abstract_mesh(_mesh(chip, num_chips).abstract_mesh), \
-                capture_native_stderr() as log:
+                capture_compiler_logs() as log:
             lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*args)
-        with capture_native_stderr() as log2:
+        with capture_compiler_logs() as log2:
             compiled = lowered.compile()
         log = log + log2
     except Exception as e:  # noqa: BLE001 - the compiler's message is the result
@@ -150,11 +152,15 @@ class KernelCase:
     page_size: int = 16
     context: int = 2048  # tokens per sequence
     window: bool = False  # a 1024-token sliding window and a soft cap of 50 (Gemma 2/3)
+    impl: str = "gpu"  # on GPU chips: "gpu" (Pallas Triton) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper)
+    num_kv_splits: int | None = None  # None: the kernel's default
 
     @property
     def name(self) -> str:
         return (f"{self.kind}_{self.dtype}_d{self.head_dim}_kv{self.num_kv_heads}_g{self.group}"
-                f"_p{self.page_size}" + ("_window_softcap" if self.window else ""))
+                f"_p{self.page_size}" + ("_window_softcap" if self.window else "")
+                + (f"_split{self.num_kv_splits}" if self.num_kv_splits else "")
+                + ("_mosaic_gpu" if self.impl == "mosaic_gpu" else ""))
 
     @property
     def batch(self) -> tuple[int, int]:
@@ -178,18 +184,34 @@ class KernelCase:
 
 
 def kernel_cases(quick: bool = False) -> list[KernelCase]:
-    """quick: the CI grid (dtypes x head_dim {64, 128} x KV heads {3, 8} x decode/prefill). Full: head_dim up to
+    """quick: the CI grid (dtypes x head_dim {64, 128} x KV heads {3, 8} x decode/prefill, and mixed at D 128 /
+    Hkv 8). Full: head_dim up to
     256, KV heads 1-16, and for bf16 / int8 page sizes 32 and 64, GQA ratios 1, 2 and 8, mixed batches and a
     sliding window with a soft cap."""
     head_dims, kv_heads = ((64, 128), (3, 8)) if quick else ((64, 128, 256), (1, 3, 5, 8, 16))
     cases = [KernelCase(kind, dtype, d, h) for kind, dtype, d, h in
              itertools.product(("decode", "prefill"), ("bfloat16", "float32", "int8"), head_dims, kv_heads)]
+    # the mixed batch at D 128 / Hkv 8: with decode and prefill above, every entry of the Triton kernel's tuning
+    # table (kernels_pallas/attention/gpu_tuning.py) for each GPU chip
+    cases += [KernelCase("mixed", dtype, 128, 8) for dtype in ("bfloat16", "float32", "int8")]
     if not quick:
         for kind, dtype in itertools.product(("decode", "prefill", "mixed"), ("bfloat16", "int8")):
             cases += [KernelCase(kind, dtype, 128, 8, page_size=p) for p in (32, 64)]
             cases += [KernelCase(kind, dtype, 128, 8, group=g) for g in (1, 2, 8)]
             cases += [KernelCase(kind, dtype, 128, 8, window=True)]
     return cases
+
+
+def mosaic_gpu_cases() -> list[KernelCase]:
+    """The Mosaic GPU kernel (bf16 / f16 queries, a cache of that dtype or int8; no f32): decode with and without
+    split-KV, a mixed batch, head_dim 64 over 64-token pages with window and soft cap, an int8 cache at D 128 and
+    at D 64 over 32-token pages with split-KV. The Triton kernel's twin of each is in `kernel_cases`, or is one
+    `KernelCase` away. The CUDA plugin compiles a Mosaic GPU kernel once per process, so ptxas reports it for the
+    first chip of a run only: one GPU chip per run for its figures."""
+    m = functools.partial(KernelCase, impl="mosaic_gpu")
+    return [m("decode", "bfloat16", 128, 8), m("decode", "bfloat16", 128, 8, num_kv_splits=4),
+            m("mixed", "bfloat16", 128, 8), m("decode", "bfloat16", 64, 4, group=8, page_size=64, window=True),
+            m("decode", "int8", 128, 8), m("decode", "int8", 64, 4, group=8, page_size=32, num_kv_splits=4)]
 
 
 def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
@@ -199,12 +221,22 @@ def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
 
     backend = CHIPS[chip][0]
     args, q_len = case.inputs(NamedSharding(_mesh(chip, 1), P()))
+    if case.num_kv_splits:
+        kernel_kw = {"num_kv_splits": case.num_kv_splits, **kernel_kw}
     if backend == "tpu":
         from kernels_pallas.attention.tpu import ragged_paged_attention_tpu
 
         kernel = functools.partial(ragged_paged_attention_tpu, **kernel_kw)
+    elif case.impl == "mosaic_gpu":
+        from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+
+        kernel = functools.partial(ragged_paged_attention_mosaic_gpu, **kernel_kw)
+    elif kernel_kw:
+        from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
+
+        kernel = functools.partial(ragged_paged_attention_gpu, **kernel_kw)
     else:
-        kernel = functools.partial(ragged_paged_attention, impl="gpu", **kernel_kw)
+        kernel = functools.partial(ragged_paged_attention, impl="gpu")
 
     extra = dict(sliding_window=1024, soft_cap=50.0) if case.window else {}
 
@@ -383,6 +415,10 @@ def main(argv) -> None:
             for kind in ("decode", "prefill"):
                 rows.append(compile_mla(chip, kind))
                 print(json.dumps(rows[-1])[:300], flush=True)
+        if "mosaic_gpu" in flags.what and CHIPS[chip][0] == "gpu":
+            for case in mosaic_gpu_cases():
+                rows.append(compile_kernel(chip, case))
+                print(json.dumps(rows[-1])[:300], flush=True)
         if "steps" in flags.what:
             for case in step_cases(flags.presets):
                 if str(case.num_chips) not in flags.tp:
@@ -395,14 +431,15 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2",
-                JAX_PLATFORMS="cpu")
+    from kernels_pallas.gpu_compile_report import LOG_VMODULE, MOSAIC_GPU_ENV
+
+    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_VMODULE, JAX_PLATFORMS="cpu", **MOSAIC_GPU_ENV)
     if any(os.environ.get(k) != v for k, v in want.items()):  # XLA reads its log settings once, at start-up
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
     from absl import app, flags as absl_flags
 
     absl_flags.DEFINE_list("chips", ["v5e", "v6e", "h100", "h200"], "Chips to compile for.")
-    absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels and/or steps.")
+    absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels, steps and/or mosaic_gpu (its kernel cases).")
     absl_flags.DEFINE_list("presets", list(STEP_PRESETS), "Real-size presets for the steps.")
     absl_flags.DEFINE_list("tp", ["1", "8"], "Tensor-parallel sizes for the steps.")
     absl_flags.DEFINE_bool("quick", False, "The small kernel grid CI compiles.")

@@ -291,7 +291,8 @@ ptxas info    : Used 10 registers, used 0 barriers"""
 
 
 def test_block_sizes_come_from_the_chip_table():
-    from kernels_pallas.attention.gpu import BLOCK_SIZES, block_config, gpu_chip
+    from kernels_pallas.attention.gpu import block_config, gpu_chip
+    from kernels_pallas.attention.gpu_tuning import BLOCK_SIZES
 
     assert gpu_chip("NVIDIA H100 80GB HBM3") == "h100" and gpu_chip("NVIDIA H200") == "h200"
     assert gpu_chip("NVIDIA A100-SXM4-80GB") == "default"
@@ -305,6 +306,26 @@ def test_block_sizes_come_from_the_chip_table():
     # a short sequence: the KV block is not much longer than it; MLA's 512-wide value: fewer rows
     assert block_config("h100", 4, 16, 2, 1, 256, 128, "bfloat16")["pages_per_block"] == 2
     assert block_config("h100", 16, 16, 32, 512, 576, 512, "bfloat16")["block_q"] == 2
+
+
+def test_tuning_is_data_with_its_measurement():
+    """Every (chip, kind, dtype) has an entry and the split rule; each says what it rests on: a timing (the run
+    named by chip and date) or "default"; mixed batches have entries of their own, reached from the static shape."""
+    from kernels_pallas.attention import gpu_tuning as t
+
+    for chip, table in t.BLOCK_SIZES.items():
+        assert set(table) == {(k, d) for k in t.KINDS for d in t.DTYPES}, chip
+        for key, entry in table.items():
+            assert entry.source.startswith(("default", "H200, 2026-12-04")), (chip, key, entry.source)
+        assert t.SPLIT_RULES[chip].source
+    timed = {k for k, e in t.BLOCK_SIZES["h200"].items() if not e.source.startswith("default")}
+    assert timed == {("decode", "bfloat16"), ("decode", "int8"), ("mixed", "bfloat16")}  # shared/GPU_NOTES.md
+    assert all(e.source.startswith("default") for e in t.BLOCK_SIZES["h100"].values())  # never run on an H100
+    assert t.batch_kind(1, 64, 64) == "decode"
+    assert t.batch_kind(512, 2048, 4) == "prefill"  # the engine's prefill bucket: every slot can be full
+    assert t.batch_kind(512, 1040, 18) == "mixed"  # kernel_bench's mixed case: 16 decodes + 2 x 512
+    with pytest.raises(ValueError, match="no Triton tuning entry"):
+        t.blocks("h200", "verify", "bfloat16")
 
 
 def test_auto_picks_gpu_kernel_on_gpu_only_where_it_tiles(monkeypatch):

@@ -19,7 +19,8 @@ def test_kernel_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["all_ok"] and result["copy_bandwidth_GBps"] > 0
-    assert set(result["cases"]) == {"decode", "decode_int8", "mixed", "decode_bf16", "decode_bf16_int8"}
+    assert set(result["cases"]) == {"decode", "decode_int8", "mixed", "decode_bf16", "decode_bf16_int8",
+                                     "basic_padded"}
     for name, case in result["cases"].items():
         assert "xla_reference" in case["variants"] and len(case["variants"]) >= 2
         for v in case["variants"].values():
