@@ -3,7 +3,9 @@ multi-stage shared-memory pipeline, QK and PV on warpgroup MMA (wgmma), online s
 split-KV with a combine pass. Same signature and semantics as `ragged_paged_attention_reference`.
 
 Status: tested on CPU in Mosaic GPU's interpret mode against the reference; compiled deviceless for sm_90a in the
-tests where jax-cuda13-plugin is installed; never run on a GPU, so nothing here is a timing.
+tests where jax-cuda13-plugin is installed; run once on an H200 (2026-12-04; figures in BENCHMARKS.md): it matched
+the f32 reference and was slower than the Triton kernel in decode and with int8; its non-finite output on padded
+metadata there is fixed (`clean_metadata`).
 
 Design (why it is shaped this way):
   * One program (a CUDA block of one warpgroup, 128 threads) owns one 64-row query tile of one KV head. A tile's

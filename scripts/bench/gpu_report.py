@@ -186,12 +186,12 @@ def markdown(report: dict) -> str:
     rows = ["| figure | value | limit | fraction |", "|---|---|---|---|"]
     rates = report.get("rates", {})
     if "copy_Bps" in rates:
-        spec = rates.get("spec_bandwidth_Bps")
-        rows.append(f"| copy bandwidth | {rates['copy_Bps'] / 1e9:.0f} GB/s | spec "
-                    f"{spec / 1e9 if spec else float('nan'):.0f} GB/s | {rates['copy_Bps'] / spec if spec else float('nan'):.2f} |")
-        rows.append(f"| bf16 matmul | {rates['matmul_flops'] / 1e12:.1f} TFLOP/s | spec "
-                    f"{(rates.get('spec_flops') or float('nan')) / 1e12:.0f} TFLOP/s | "
-                    f"{rates['matmul_flops'] / rates['spec_flops'] if rates.get('spec_flops') else float('nan'):.2f} |")
+        nan = float("nan")
+        bw, flops = rates.get("spec_bandwidth_Bps") or nan, rates.get("spec_flops") or nan  # nan: no spec (CPU)
+        rows.append(f"| copy bandwidth | {rates['copy_Bps'] / 1e9:.0f} GB/s | spec {bw / 1e9:.0f} GB/s | "
+                    f"{rates['copy_Bps'] / bw:.2f} |")
+        rows.append(f"| bf16 matmul | {rates['matmul_flops'] / 1e12:.1f} TFLOP/s | spec {flops / 1e12:.0f} TFLOP/s | "
+                    f"{rates['matmul_flops'] / flops:.2f} |")
     for case, c in report.get("kernels", {}).get("cases", {}).items():
         for name, v in c["variants"].items():
             if "time_ms" in v:

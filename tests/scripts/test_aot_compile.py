@@ -21,6 +21,9 @@ from scripts.tools.aot_compile import CHIPS, kernel_cases, mosaic_gpu_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_MEMORY_PER_BLOCK = 232448  # H100/H200 opt-in maximum (configs/gpu_targets)
+# beyond every bf16 case, cases that compile without spills (f32 prefill, D 128, 3 KV heads: 172 B, jax 0.10 and 0.12)
+SPILL_FREE = {"decode_int8_d128_kv3_g4_p16", "decode_int8_d128_kv8_g4_p16", "prefill_float32_d128_kv8_g4_p16",
+              "mixed_int8_d128_kv8_g4_p16", "mixed_float32_d128_kv8_g4_p16"}
 STEP_TOLERANCE = 0.02  # compiled argument bytes vs the cost model's weights + KV (+ the step's small inputs)
 
 
@@ -63,7 +66,7 @@ def test_attention_kernel_compiles(chip, case, kernel_rows):
     if CHIPS[chip][0] == "gpu":
         kernels = {k: v for k, v in row["ptxas"]["kernels"].items() if "paged" in k}
         assert kernels, f"ptxas reported no attention kernel: {sorted(row['ptxas']['kernels'])}"
-        if "bfloat16" in case:
+        if "bfloat16" in case or case in SPILL_FREE:
             assert all(v["spill_stores"] == 0 and v["spill_loads"] == 0 for v in kernels.values()), kernels
         assert all(v["registers"] <= 255 for v in kernels.values())
         assert 0 < max(row["ptxas"]["shared_memory"]) <= SHARED_MEMORY_PER_BLOCK
