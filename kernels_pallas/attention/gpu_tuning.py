@@ -57,7 +57,7 @@ _KIB = 1024
 _H200_RUN = "H200, 2026-12-04, commit d9c3466, scripts/bench/kernel_bench.py (shared/GPU_NOTES.md, BENCHMARKS.md)"
 _COMPILED = ("default: chosen from deviceless compiles (no spills, registers well under 255, jax 0.12), never "
              "timed")
-_SWEEP = "kernel_bench.py on the chip, sweeping kv_tokens, num_warps and num_stages around it, would tune it"
+_SWEEP = "`kernel_bench.py --sweep` on the chip (KV block, warps, stages; rows for mixed) would tune it"
 
 _HOPPER = {
     ("decode", "bfloat16"): Blocks(
@@ -67,7 +67,7 @@ _HOPPER = {
     ("decode", "int8"): Blocks(
         16, 128, 16 * _KIB, 8, 2,
         f"{_H200_RUN}: decode_int8 at 8 KV splits 0.292 ms, 30% of copy bandwidth, the only configuration timed; "
-        f"{_SWEEP}, with the split counts"),
+        f"{_SWEEP}, with --splits"),
     ("decode", "float32"): Blocks(16, 32, 32 * _KIB, 8, 1, f"{_COMPILED}; {_SWEEP} (f32 is the accuracy path)"),
     ("prefill", "bfloat16"): Blocks(
         128, 64, 32 * _KIB, 8, 2,

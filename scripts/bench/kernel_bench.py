@@ -3,6 +3,7 @@ time them side by side.
 
     python scripts/bench/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
     python scripts/bench/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
+    python scripts/bench/kernel_bench.py --sweep --out=sweep.json           # + the Triton tuning sweep (gpu_tuning.py)
 
 Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `interpret=True`):
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
@@ -51,6 +52,8 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes in interpret mode (runs on CPU; c
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median reported).")
 flags.DEFINE_integer("calls", 10, "Back-to-back calls per timed round.")
 flags.DEFINE_list("splits", ["1", "4", "8"], "Split-KV counts to time for decode.")
+flags.DEFINE_bool("sweep", False, "Also time the Triton kernel over `sweep_variants` in decode, decode_int8 and "
+                  "mixed: the runs that tune kernels_pallas/attention/gpu_tuning.py's entries.")
 
 
 def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
@@ -149,7 +152,22 @@ def git_commit() -> str:
 CASES = ("decode", "decode_bf16", "decode_bf16_int8", "decode_int8", "mixed", "basic_padded")
 
 
-def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[str, ...] = CASES) -> dict:
+def sweep_variants(gpu, case: str, smoke: bool) -> dict:
+    """Triton kernel variants around its tuning entries (`gpu_tuning.py`): KV block (pages per block), warps and
+    pipeline depth for decode and int8 decode; query rows (block_q at group 4) and KV block for mixed batches.
+    --smoke: one variant each (the flow, not a sweep)."""
+    import itertools
+
+    if case == "mixed":
+        grid = [(4, 4), (16, 4), (32, 8)] if not smoke else [(8, 2)]
+        return {f"pallas_bq{q}_ppb{p}": functools.partial(gpu, block_q=q, pages_per_block=p) for q, p in grid}
+    grid = list(itertools.product((4, 8, 16), (4, 8), (2, 3))) if not smoke else [(2, 4, 2)]
+    return {f"pallas_ppb{p}_w{w}_s{s}": functools.partial(gpu, pages_per_block=p, num_warps=w, num_stages=s)
+            for p, w, s in grid}
+
+
+def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[str, ...] = CASES,
+          sweep: bool = False) -> dict:
     """The checks and timings of the cases in `only` (the module docstring; decode_bf16 and decode_bf16_int8 are
     --smoke's); `scripts/bench/gpu_report.py` runs this too."""
     if smoke:  # tiny and f32 so the interpreter is quick; the checks use the f32 tolerance
@@ -176,8 +194,8 @@ def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[s
     if "decode" in only:
         cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
             f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits} | ({
-            f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {}),
-            kv_scales=None, max_q_len=1, **common)
+            f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {})
+            | (sweep_variants(gpu, "decode", smoke) if sweep else {}), kv_scales=None, max_q_len=1, **common)
     if smoke and "decode_bf16" in only:
         bf16 = make_batch(key, *decode_lens, **(dims | dict(dtype=jnp.bfloat16)))
         cases["decode_bf16"] = run_case("decode_bf16", bf16, {"xla_reference": reference, "pallas": gpu,
@@ -192,14 +210,15 @@ def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[s
         last = splits[-1]
         cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
             "xla_reference": reference, f"pallas_splits{last}": functools.partial(gpu, num_kv_splits=last)} | ({
-            f"mosaic_splits{last}": functools.partial(mosaic, num_kv_splits=last)} if with_mosaic else {}),
-            kv_scales=scales, max_q_len=1, **common)
+            f"mosaic_splits{last}": functools.partial(mosaic, num_kv_splits=last)} if with_mosaic else {})
+            | (sweep_variants(gpu, "decode_int8", smoke) if sweep else {}), kv_scales=scales, max_q_len=1, **common)
         del kv_int8, scales
     del decode
     if "mixed" in only:
         cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,
                                                                              "pallas": gpu} | (
-            {"mosaic": mosaic} if with_mosaic else {}), kv_scales=None, max_q_len=max(mixed[0]), **common)
+            {"mosaic": mosaic} if with_mosaic else {}) | (sweep_variants(gpu, "mixed", smoke) if sweep else {}),
+            kv_scales=None, max_q_len=max(mixed[0]), **common)
     if "basic_padded" in only:
         basic = pad_slots(make_batch(key, [192, 128, 64], [328, 180, 255], **dims), 8)
         cases["basic_padded"] = run_case("basic_padded", basic, {"xla_reference": reference, "pallas": gpu} | (
@@ -217,7 +236,7 @@ def main(argv):
     del argv
     if not FLAGS.smoke and jax.default_backend() != "gpu":
         raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
-    result = bench(FLAGS.smoke, [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls)
+    result = bench(FLAGS.smoke, [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls, sweep=FLAGS.sweep)
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")
