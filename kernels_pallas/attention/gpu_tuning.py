@@ -78,12 +78,12 @@ _HOPPER = {
 }
 # mixed batches: the prefill entries' values (what they ran with before mixed had entries of its own)
 _HOPPER |= {("mixed", d): dataclasses.replace(_HOPPER[("prefill", d)], source=f"{_COMPILED} (the prefill entry's "
-                                                                              f"values); {_SWEEP}, and rows 16-64")
+                                                                              f"values); {_SWEEP}")
             for d in DTYPES}
 _HOPPER[("mixed", "bfloat16")] = dataclasses.replace(
     _HOPPER[("prefill", "bfloat16")],
     source=f"{_H200_RUN}: mixed (16 decodes of 2048 + 2 x 512-query chunks) 0.276 ms, 18% of copy bandwidth with "
-           f"these values (the prefill entry's, before mixed had its own); {_SWEEP}, and rows 16-64")
+           f"these values (the prefill entry's, before mixed had its own); {_SWEEP}")
 _H100_SOURCE = "default: the H200's entry (the same SM: 132 SMs, 227 KiB shared memory a block; only HBM differs)"
 
 # chip -> (kind, dtype) -> Blocks. "default": any other GPU.
