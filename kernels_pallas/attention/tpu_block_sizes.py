@@ -37,9 +37,9 @@ VMEM_LIMIT = {"v5e": 64 * MiB, "v6e": 64 * MiB, "v5p": 48 * MiB, "default": None
 
 # (chip, case) -> (kv_tokens, block_q): the default of a chip and case.
 CASE_DEFAULTS = {
-    ("v5e", "decode"): (512, 1), ("v5e", "mixed"): (256, 16),
-    ("v6e", "decode"): (1024, 1), ("v6e", "mixed"): (512, 16),
-    ("v5p", "decode"): (1024, 1), ("v5p", "mixed"): (512, 16),
+    ("v5e", "decode"): (512, 1), ("v5e", "mixed"): (256, 32),
+    ("v6e", "decode"): (1024, 1), ("v6e", "mixed"): (512, 32),
+    ("v5p", "decode"): (1024, 1), ("v5p", "mixed"): (512, 32),
     ("default", "decode"): (512, 1), ("default", "mixed"): (256, 8),
 }
 
@@ -47,9 +47,9 @@ CASE_DEFAULTS = {
 # case default. head_dim 256 halves the KV tokens so a block moves the same bytes as at 128; int8 doubles them.
 TUNED = {
     ("v5e", 256, "bfloat16", 16, "decode"): (256, 1),
-    ("v5e", 256, "bfloat16", 16, "mixed"): (128, 16),
+    ("v5e", 256, "bfloat16", 16, "mixed"): (128, 32),
     ("v6e", 256, "bfloat16", 16, "decode"): (512, 1),
-    ("v6e", 256, "bfloat16", 16, "mixed"): (256, 16),
+    ("v6e", 256, "bfloat16", 16, "mixed"): (256, 32),
     ("v5e", 128, "int8", 16, "decode"): (1024, 1),
     ("v6e", 128, "int8", 16, "decode"): (2048, 1),
     ("v6e", 64, "bfloat16", 16, "decode"): (2048, 1),
