@@ -213,8 +213,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chip", default="v6e", choices=("v5e", "v6e"))
     parser.add_argument("--before", default="main", help="git revision (or a file path) of the 'before' kernel")
+    parser.add_argument("--page_size", type=int, default=LLAMA3_8B["page_size"],
+                        help="cache page size (the engine's default: 16; upstream recommends larger on TPU)")
     parser.add_argument("--out", default="tpu_schedule.json")
     args = parser.parse_args()
+    LLAMA3_8B["page_size"] = args.page_size
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("LIBTPU_INIT_ARGS", "")
     os.environ["LIBTPU_INIT_ARGS"] = f"{flags} --xla_mosaic_dump_to={DUMP_DIR}".strip()
@@ -229,7 +232,7 @@ def main() -> None:
     import jax
 
     with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "before": args.before, "rows": rows}, f, indent=1)
+        json.dump({"jax": jax.__version__, "before": args.before, "model": LLAMA3_8B, "rows": rows}, f, indent=1)
     print(markdown(rows))
 
 
