@@ -248,8 +248,8 @@ def _jax_list_case(seq_lens, head_dim, page_size, hq, hkv, seed, max_seqs=None):
                      max_seqs=max_seqs)
 
 
-@pytest.mark.parametrize("head_dim,kw", [(128, {}), (256, dict(sliding_window=128, soft_cap=20.0)),
-                                         (64, dict(k_scale=0.5, v_scale=2.0))])
+@pytest.mark.parametrize("head_dim,kw", [(128, dict(k_scale=0.5, v_scale=2.0)),
+                                         (256, dict(sliding_window=128, soft_cap=20.0))])
 def test_jax_decode_list_decode_variant(head_dim, kw):
     """JAX's decode-only list through the decode variant (max_q_len 1: one query row per KV head and sequence,
     no causal mask), padded metadata (max_seqs 20 > 16 sequences), the pipeline crossing 16 sequences."""
