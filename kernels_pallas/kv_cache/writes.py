@@ -8,8 +8,8 @@ so a padded batch never writes outside its own pages.
 (`write_latent`, below) all go through it, in the form each backend keeps in place:
   * CPU: a loop of `dynamic_update_slice`, not one scatter: on XLA CPU a scatter whose result is read again in the
     same computation (attention reads the pages right after the write) made XLA copy the whole cache, every
-    layer, every step (BENCHMARKS.md); a while loop with a traced trip count updates in place, at a small cost per
-    token (and the C++ kernel below does it with one memcpy per token and head).
+    layer, every step (BENCHMARKS_HISTORY.md); a while loop with a traced trip count updates in place, at a small cost
+    per token (and the C++ kernel below does it with one memcpy per token and head).
   * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
     copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/tools/aot_compile.py`).
 Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
