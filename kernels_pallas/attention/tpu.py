@@ -8,8 +8,8 @@ Grid `(kv_head,)`, "parallel"; inside a grid step a ragged loop over *work items
   * A work item is one block of `block_q` query tokens of one valid sequence. XLA lists the items before the call
     (`work_items`: `cdiv(q_len, block_q)` per sequence, in token order, and their count) and they reach SMEM as
     scalar prefetch, so the kernel loops `for item < count`: padded sequence slots, sequences without queries and
-    the query blocks a short sequence lacks cost nothing (the old grid `(Hkv, max_seqs, cdiv(max_q_len, 8))` paid
-    an empty step for each). Like tpu-inference's RPA v3 (`v3/kernel.py`: a loop over real sequences inside one
+    the query blocks a short sequence lacks cost nothing (a grid `(Hkv, max_seqs, cdiv(max_q_len, block_q))` would
+    pay an empty step for each). Like tpu-inference's RPA v3 (`v3/kernel.py`: a loop over real sequences inside one
     grid step), not JAX's in-tree op (a grid over query blocks).
   * One grid step owns the `group = Hq // Hkv` query heads of one KV head: every K/V page is fetched from HBM once
     per (item, KV head) and reused by all `group` heads (GQA's saving), and the head axis has no tiling
@@ -58,6 +58,7 @@ V enter the MXU as bf16 (int8 is exact there) and the scales multiply score and 
 Block sizes and `vmem_limit_bytes` come from the table in `tpu_block_sizes.py` (chip, head_dim, dtype, page size,
 case). `schedule_params` is the static schedule the kernel and the schedule report share.
 """
+
 from __future__ import annotations
 
 import functools
