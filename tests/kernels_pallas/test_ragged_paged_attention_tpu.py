@@ -235,8 +235,10 @@ def test_stale_pages_change_no_output(kv_dtype, page_size):
 # JAX's own RPA test lists (jax tests/pallas/tpu_ragged_paged_attention_test.py): (q_len, kv_len) per sequence.
 JAX_DECODE = [(1, 18), (1, 129), (1, 597), (1, 122), (1, 64), (1, 322), (1, 463), (1, 181), (1, 1107), (1, 123),
               (1, 31), (1, 18), (1, 1229), (1, 229), (1, 87), (1, 1328)]
-JAX_MIXED = [(5, 18), (1, 129), (120, 597), (1, 122), (1, 64), (32, 322), (250, 463), (1, 181), (1, 1107),
-             (50, 123), (1, 31), (1, 18), (1, 1229), (60, 229), (1, 87), (1, 1328)]
+JAX_MIXED = [(5, 18), (1, 129), (120, 597), (1, 122), (1, 64), (32, 322), (251, 463), (1, 181), (1, 1107),
+             (99, 123), (1, 31), (5, 18), (3, 1229), (117, 229), (1, 87), (1, 1328)]
+JAX_PREFILL = [(5, 18), (15, 129), (120, 597), (100, 122), (21, 64), (32, 322), (251, 463), (40, 181), (64, 1107),
+               (99, 123), (10, 31), (5, 18), (3, 1229), (120, 229), (9, 87), (2, 1328)]
 
 
 def _jax_list_case(seq_lens, head_dim, page_size, hq, hkv, seed, max_seqs=None):
@@ -258,10 +260,11 @@ def test_jax_decode_list_decode_variant(head_dim, kw):
     assert_close(run_kernel(args, **kw), run_reference(args, **kw))
 
 
-def test_jax_mixed_list_window_soft_cap():
-    """JAX's mixed list (prefills of 5-250 tokens between decodes): several query blocks per sequence, each
+@pytest.mark.parametrize("seq_lens", [JAX_MIXED, JAX_PREFILL], ids=["mixed", "prefill"])
+def test_jax_mixed_and_prefill_lists_window_soft_cap(seq_lens):
+    """JAX's mixed and prefill-only lists (queries of 1-251 tokens): several query blocks per sequence, each
     item's window spilling into the next sequence's rows, which that sequence's later write must overwrite."""
-    args = _jax_list_case(JAX_MIXED, 128, 64, 4, 1, 21)
+    args = _jax_list_case(seq_lens, 128, 64, 4, 1, 21)
     kw = dict(sm_scale=0.08, sliding_window=200, soft_cap=30.0, block_q=32, pages_per_block=4)
     assert_close(run_kernel(args, **kw), run_reference(args, **kw))
 
