@@ -3,6 +3,7 @@ time them side by side.
 
     python scripts/bench/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
     python scripts/bench/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
+    python scripts/bench/kernel_bench.py --out=tpu_ab.json                  # on a TPU: the A/B of tpu_kernel_ab.py
 
 Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `interpret=True`):
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
