@@ -14,6 +14,7 @@ test_aot_compile.py.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -25,14 +26,15 @@ from scripts.tools import hlo_checks
 from tests.scripts.test_aot_compile import _selected_chips
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BATCHES = (1, 64, 256)
-CHIPS = ("h200", "v6e")
+# Decode sequences per chip. v6e's compiles are the slow ones (about 40 s and 90 s for 1 and 64 sequences on a busy
+# 2-core machine, 140 s for 256) and its steps were clean at all three before and after the change (BENCHMARKS.md).
+BATCHES = {"h200": (1, 64, 256), "v6e": (1, 64)}
+CHIPS = tuple(BATCHES)
 
 
-def _compile(tmp_path_factory, chip: str, *extra: str) -> tuple[dict, str]:
-    """aot_compile.py's rows for `chip` (JSON) and the folder of their .hlo files."""
-    import json
-
+def _compile(tmp_path_factory, chip: str, *extra: str) -> tuple[dict, str] | str:
+    """aot_compile.py's rows for `chip` (by case) and the folder of their .hlo files; or why the chip's compiler is
+    not here (the test skips with it, so one missing compiler does not skip the other chip's tests)."""
     out = tmp_path_factory.mktemp(f"hlo_{chip}")
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # another process may hold libtpu's lockfile
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tools", "aot_compile.py"),
@@ -43,17 +45,23 @@ def _compile(tmp_path_factory, chip: str, *extra: str) -> tuple[dict, str]:
     rows = json.loads((out / "rows.json").read_text())["rows"]
     setup = [r for r in rows if r["case"] == "-"]
     if setup and setup[0]["status"] == "unavailable":
-        pytest.skip(setup[0]["error"])
+        return setup[0]["error"]
     return {r["case"]: r for r in rows}, str(out)
+
+
+def _compiled(result: tuple[dict, str] | str) -> tuple[dict, str]:
+    if isinstance(result, str):
+        pytest.skip(result)
+    return result
 
 
 @pytest.fixture(scope="module")
 def decode_hlo(request, tmp_path_factory):
-    """chip -> (rows by case, hlo folder): the bf16 decode steps at every batch of BATCHES."""
+    """chip -> (rows by case, hlo folder): the bf16 decode steps at the chip's BATCHES."""
     out = {}
     for chip in CHIPS:
         if chip in _selected_chips(request):
-            out[chip] = _compile(tmp_path_factory, chip, f"--decode_batches={','.join(map(str, BATCHES))}")
+            out[chip] = _compile(tmp_path_factory, chip, f"--decode_batches={','.join(map(str, BATCHES[chip]))}")
     return out
 
 
@@ -61,10 +69,9 @@ def _case(batch: int, dtype: str = "") -> str:
     return f"llama-3-8b_l2_decode{'' if batch == 64 else f'_b{batch}'}{dtype}_tp1"
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("chip,batch", [(c, b) for c, bs in BATCHES.items() for b in bs])
 def test_decode_step_writes_the_cache_without_fused_work_or_copies(chip, batch, decode_hlo):
-    rows, folder = decode_hlo[chip]
+    rows, folder = _compiled(decode_hlo[chip])
     row = rows[_case(batch)]
     assert row["status"] == "compiled", row.get("error")
     text = open(os.path.join(folder, f"{chip}_{_case(batch)}.hlo")).read()
@@ -85,7 +92,7 @@ def f32_hlo(request, tmp_path_factory):
 @pytest.mark.parametrize("chip", ["h200"])
 def test_float32_step_has_only_ieee_f32_dots_on_gpu(chip, f32_hlo):
     """dtype="float32" traces every dot at Precision.HIGHEST (models/decoder.py): no TF32 on the H200."""
-    rows, folder = f32_hlo
+    rows, folder = _compiled(f32_hlo)
     case = _case(1, "_float32")
     assert rows[case]["status"] == "compiled", rows[case].get("error")
     text = open(os.path.join(folder, f"{chip}_{case}.hlo")).read()
