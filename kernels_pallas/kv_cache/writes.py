@@ -122,7 +122,10 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
         idx[0] = jnp.where(inside, idx[0], array.shape[1])  # out of bounds: dropped
         head = jnp.repeat(jnp.arange(heads, dtype=jnp.int32), count)  # head-major, as `values`
         idx = [jnp.tile(i, heads) for i in idx]
-        values = rows.astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
+        # The rows arrive computed: nothing that makes them (a projection XLA:GPU strength-reduced to a reduce,
+        # RoPE, int8 quantization) may fuse into the scatter, whose threads each write one element and would each
+        # redo that work (issue 33; `scripts/tools/hlo_checks.py` and tests/scripts/test_step_hlo.py check it).
+        values = jax.lax.optimization_barrier(rows).astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
         if width == array.shape[-1]:
             array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:
