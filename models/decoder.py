@@ -78,7 +78,7 @@ class Decoder(nnx.Module):
         # models/batch_invariant.py sets it (with its layers'); the step and log_probs read it for the sampler's sums.
         self.batch_invariant = False
         # float32 means IEEE float32 dots on every backend: XLA:GPU runs an f32 dot of default precision as TF32
-        # (1e-3 off on an H200: /work/shared/GPU_NOTES.md) and XLA:TPU as one bf16 pass. "highest" sets
+        # (1e-3 off on an H200: BENCHMARKS.md, the H200 section) and XLA:TPU as one bf16 pass. "highest" sets
         # `Precision.HIGHEST` on every dot traced inside the forward (projections, the reference attention's
         # einsums, the LM head, MoE's ragged dots). Other dtypes keep jax's default.
         self.matmul_precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None

@@ -5,7 +5,7 @@ write, copies of a whole cache, TF32 dots in a float32 program, and how many fus
 Why a KV write must hold no dot or long reduce: XLA:GPU maps a scatter fusion one thread per written element, so a
 reduction fused into it is redone serially per element. At one decode sequence it strength-reduced the M = 1 K/V
 projections into multiply + reduce and fused the reduce into the cache scatter: the write then took 36% of an
-H200 step (/work/shared/GPU_NOTES.md, issue 33). The text format parsed here is XLA's HLO printer's, which is
+H200 step (BENCHMARKS.md, the H200 section; issue 33). The text format parsed here is XLA's HLO printer's, which is
 stable across the jax versions the project supports (0.10 - 0.12).
 """
 
