@@ -3,7 +3,7 @@
 and the split-KV rule. tpu-inference keeps its kernels' tuning the same way (`tuned_block_sizes.py`).
 
 Every entry says what it rests on (`source`): a timing on a device (the run named, its figures in
-`shared/GPU_NOTES.md` and BENCHMARKS.md), or "default" with what it was chosen from (ptxas's registers, spills and
+BENCHMARKS.md's H200 section), or "default" with what it was chosen from (ptxas's registers, spills and
 shared memory in deviceless compiles: it fits; nothing about speed) and the bench run that would tune it. One
 configuration per entry has been timed at most: no entry is the winner of a sweep yet.
 
@@ -54,7 +54,7 @@ def batch_kind(max_q_len: int, num_tokens: int, max_seqs: int) -> str:
 
 
 _KIB = 1024
-_H200_RUN = "H200, 2026-12-04, commit d9c3466, scripts/bench/kernel_bench.py (shared/GPU_NOTES.md, BENCHMARKS.md)"
+_H200_RUN = "H200, 2026-12-04, commit d9c3466, scripts/bench/kernel_bench.py (BENCHMARKS.md's H200 section)"
 _COMPILED = ("default: chosen from deviceless compiles (no spills, registers well under 255, jax 0.12), never "
              "timed")
 _SWEEP = "`kernel_bench.py --sweep` on the chip (KV block, warps, stages; rows for mixed) would tune it"

@@ -244,7 +244,7 @@ def test_tuning_is_data_with_its_measurement():
             assert entry.source.startswith(("default", "H200, 2026-12-04")), (chip, key, entry.source)
         assert t.SPLIT_RULES[chip].source
     timed = {k for k, e in t.BLOCK_SIZES["h200"].items() if not e.source.startswith("default")}
-    assert timed == {("decode", "bfloat16"), ("decode", "int8"), ("mixed", "bfloat16")}  # shared/GPU_NOTES.md
+    assert timed == {("decode", "bfloat16"), ("decode", "int8"), ("mixed", "bfloat16")}  # BENCHMARKS.md's H200 section
     assert all(e.source.startswith("default") for e in t.BLOCK_SIZES["h100"].values())  # never run on an H100
     assert t.batch_kind(1, 64, 64) == "decode"
     assert t.batch_kind(512, 2048, 4) == "prefill"  # the engine's prefill bucket: every slot can be full
