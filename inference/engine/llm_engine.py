@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from inference.runtime.batch import BucketLimits, build_model_input, bucket
+from inference.runtime.batch import BucketLimits, ModelInput, build_model_input, bucket
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
 from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
@@ -33,6 +33,7 @@ from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_s
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
+from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
@@ -120,6 +121,7 @@ class Engine:
         self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
         self.async_stats = AsyncStats()
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
+        self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -279,8 +281,25 @@ class Engine:
             if copies:
                 self.runner.copy_pages(copies, group=group)
         draft_probs = self._run_draft(batch) if batch.speculative else None
+        lora_slots = self._lora_slots(batch)
+        reused = self.persistent.next_step(batch, self.block_manager.take_touched())
+        if reused is not None:  # the steady decode state: derived from the last step's arrays
+            inp, sampling, flags = reused
+            self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])
+        else:
+            inp, sampling, flags = self._build_step(batch, lora_slots, draft_probs)
+            self.persistent.keep(batch, inp, sampling, flags, lora_slots is not None,
+                                 self.block_manager.num_groups)
+        inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
+        return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
+                                   use_filters=flags.use_filters, logprobs=flags.extras,
+                                   prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
+
+    def _build_step(self, batch: ScheduledBatch, lora_slots: list[int] | None, draft_probs
+                    ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
+        """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
-                                             lora_slots=self._lora_slots(batch))
+                                             lora_slots=lora_slots)
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
@@ -300,10 +319,7 @@ class Engine:
                                    logit_edits=sampling.logit_bias is not None)
         sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len,
                                sharding=self.runner.token_sharding)
-        inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
-        return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
-                                   use_filters=flags.use_filters, logprobs=flags.extras,
-                                   prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
+        return inp, sampling, flags
 
     def _token_mask(self, batch: ScheduledBatch, pad_to: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The step's token bitmask (the grammars of the constrained rows that sample now, and the allowed lists;
@@ -359,11 +375,15 @@ class Engine:
     def _advance(self, seq: Sequence, count: int) -> bool:
         """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
         tokens, full pages into the prefix cache, forks of `n` samples); whether the step sampled a token for it."""
-        seq.num_computed_tokens += count
-        self.block_manager.commit_full_pages(seq)
-        if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = after = before + count
+        # A sequence's registered chain always ends at its last full computed page, so only a step that completes
+        # a page (or the first, which starts the chain) has anything to register.
+        if before == 0 or before // self.page_size != after // self.page_size:
+            self.block_manager.commit_full_pages(seq)
+        if seq.index == 0 and self.scheduler.awaiting_fork and after >= seq.num_prompt_tokens:
             self.scheduler.fork_samples(seq)
-        return seq.num_computed_tokens >= seq.num_tokens
+        return after >= len(seq.token_ids)
 
     def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
         """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted

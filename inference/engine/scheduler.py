@@ -19,6 +19,7 @@ The `n` samples of a request wait until the first sample has computed the prompt
 from __future__ import annotations
 
 import bisect
+import operator
 import dataclasses
 from typing import Callable
 
@@ -51,8 +52,9 @@ class ScheduledBatch:
         return any(s.spec_tokens for s in self.seqs)
 
 
-def _queue_key(seq: Sequence) -> tuple[int, int]:
-    return seq.priority, seq.arrival_order
+#: The waiting order (priority, arrival), as a C-level key: the decode pass sorts every running sequence each step.
+_queue_key = operator.attrgetter("priority", "arrival_order")
+RUNNING = SequenceStatus.RUNNING
 
 
 class Scheduler:
@@ -165,10 +167,17 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
+        in_place = self.block_manager.decode_in_place if self.proposer is None else None
+        running = RUNNING
         for seq in sorted(self.running, key=_queue_key):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if seq.status is not running or len(seq.token_ids) - seq.num_computed_tokens != 1:
                 continue  # preempted below while making room for an older sequence, or still prefilling
             if self.finishing is not None and self.finishing(seq):
+                continue
+            if in_place is not None and in_place(seq):  # steady decode: nothing to allocate, copy or preempt
+                scheduled.append(seq)
+                if len(scheduled) == self.config.max_num_seqs:
+                    break
                 continue
             seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
             if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
@@ -186,7 +195,7 @@ class Scheduler:
             scheduled.append(seq)
             if len(scheduled) == self.config.max_num_seqs:
                 break
-        counts = [1 + len(s.spec_tokens) for s in scheduled]
+        counts = [1 + len(s.spec_tokens) for s in scheduled] if self.proposer is not None else [1] * len(scheduled)
         return ScheduledBatch(scheduled, counts) if scheduled else None
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
