@@ -102,16 +102,19 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     """`inp` with each placeholder input token replaced, on the device, by the in-flight step's sampled token of
     that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back).
     `width`: the largest sequence bucket (`ModelRunner.feed_tokens`)."""
-    if in_flight is None:
+    if in_flight is None or not in_flight.rows:
         return inp
-    pairs = [(int(inp.logits_indices[i]), in_flight.rows[seq]) for i, seq in enumerate(batch.seqs)
-             if seq in in_flight.rows]
-    if not pairs:
+    rows = in_flight.rows
+    prev_row = np.fromiter((rows.get(seq, -1) for seq in batch.seqs), np.int32, len(batch.seqs))
+    fed = prev_row >= 0
+    count = int(fed.sum())
+    if not count:
         return inp
     size = inp.logits_indices.shape[0]  # one gather shape per sequence bucket
     dst = np.full(size, inp.tokens.shape[0], np.int32)
     src = np.zeros(size, np.int32)
-    dst[:len(pairs)], src[:len(pairs)] = zip(*pairs)
+    dst[:count] = inp.logits_indices[:len(batch.seqs)][fed]
+    src[:count] = prev_row[fed]
     return inp.replace(tokens=runner.feed_tokens(inp.tokens, in_flight.pending.tokens, dst, src, width))
 
 
@@ -147,10 +150,12 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
             engine._fail(seq, exc)
         return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
     now = time.perf_counter()
+    tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
+    requests = engine.requests
     for seq, row in rows.items():
         seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
         try:
-            engine._append_token(seq, engine.requests[seq.request_id], int(out.tokens[row]), out, row, now)
+            engine._append_token(seq, requests[seq.request_id], tokens[row], out, row, now)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             engine._fail(seq, exc)
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]

@@ -8,6 +8,7 @@ Everything here is host-side Python over numpy; the only device work is the runn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -21,7 +22,7 @@ from inference.engine.compile_budget import padding_is_free, reads_padded_pages,
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
-from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
@@ -432,7 +433,7 @@ class Engine:
                                                      out.top_logprobs[row][:k], self._texts(seq.params)))
             seq.cumulative_logprob += float(out.logprob[row])
         reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
-        if reason is None and self.structured.sync(seq):
+        if reason is None and seq.params.structured_outputs is not None and self.structured.sync(seq):
             reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -461,23 +462,18 @@ class Engine:
 
     # ---- outputs ----------------------------------------------------------------------------------------------
     def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        pending = self.in_flight.rows if self.in_flight is not None else {}
-        for seq in request.seqs:
-            end = seq.num_tokens - (seq in pending)  # not the placeholder of an in-flight token
-            completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],  # one copy
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None))
+        """The request's output now. Its completions are captured (token counts, text, reasons: what later steps
+        change) and built only when read (`DeferredRequestOutput`)."""
+        pending = self.in_flight.rows if self.in_flight is not None else ()
+        states = [(seq, len(seq.token_ids) - (seq in pending), seq.output_text, seq.finish_reason, seq.stop_reason,
+                   len(seq.output_logprobs), seq.cumulative_logprob) for seq in request.seqs]
         first = request.seqs[0]
         # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
         prompt_lp = (list(first.prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None else None
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
-                             outputs=completions, finished=request.finished, metrics=request.metrics,
-                             error=request.error)
+        return DeferredRequestOutput(functools.partial(_completions, states), request_id=request.request_id,
+                                     prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+                                     prompt_logprobs=prompt_lp, finished=all(s.is_finished for s in request.seqs),
+                                     metrics=request.metrics, error=request.error)
 
     def output_of(self, request_id: str) -> RequestOutput:
         """The current output of a request that has not been popped."""
@@ -491,3 +487,15 @@ class Engine:
             if request is not None and request.finished:
                 del self.requests[request_id]
 
+
+def _completions(states: list[tuple]) -> list[CompletionOutput]:
+    """The completions of `Engine._output`'s captured states (the placeholder of an in-flight token excluded)."""
+    out = []
+    for seq, end, text, finish_reason, stop_reason, num_logprobs, cumulative in states:
+        asked = seq.params.logprobs is not None
+        out.append(CompletionOutput(
+            index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],
+            logprobs=seq.output_logprobs[:num_logprobs] if asked else None, finish_reason=finish_reason,
+            stop_reason=stop_reason, logprobs_mode=seq.params.logprobs_mode if asked else None,
+            cumulative_logprob=cumulative if asked else None))
+    return out

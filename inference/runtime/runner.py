@@ -265,9 +265,8 @@ class ModelRunner:
         first widened to `width` (the largest sequence bucket), so the gather has one shape per (tokens, sequences)
         bucket of the step it feeds whatever the previous step's bucket was; both inputs are committed to the
         runner's devices, as the step outputs are, so warm-up's calls key the same executables."""
-        wide = self._widen_tokens(jax.device_put(prev, self.token_sharding), width)
-        return self._gather_tokens(jax.device_put(tokens, self.token_sharding), wide,
-                                   jax.device_put(dst, self.token_sharding), jax.device_put(src, self.token_sharding))
+        prev, tokens, dst, src = jax.device_put((prev, tokens, dst, src), self.token_sharding)  # one transfer call
+        return self._gather_tokens(tokens, self._widen_tokens(prev, width), dst, src)
 
     def warm_token_feeds(self, widths: list[int], shapes: list[tuple[int, int]], width: int) -> int:
         """Compile `feed_tokens` for previous steps of each sequence bucket in `widths` and next steps of each

@@ -30,6 +30,7 @@ import functools
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +38,9 @@ from typing import Any, Callable
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# --baseline runs this script against another checkout's engine: OVERHEAD_BENCH_TREE names it.
+sys.path.insert(0, os.environ.get("OVERHEAD_BENCH_TREE")
+                or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,6 +61,9 @@ def define_flags() -> None:
     flags.DEFINE_list("modes", ["async"], "Engine scheduling per measurement, in this order for each size: sync "
                       "(one step at a time), async (the default: each step dispatched before the last one's tokens "
                       "are fetched).")
+    flags.DEFINE_string("baseline", None, "A git commit (or a checkout's path) whose engine is measured beside this "
+                        "tree's in the same run: each size runs in a fresh process of that tree, then of this one, "
+                        "alternating, with this script (rows tagged tree=base / tree=this).")
     flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
                       "out of the collector's generations), to see whether collections cause the dispatch spikes.")
 
@@ -173,6 +179,9 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(llm_engine, "needs_penalties", "batch_build")
     profiler.patch(llm_engine, "needs_filters", "batch_build")
     profiler.patch(SamplingTensors, "from_params", "batch_build")
+    if hasattr(engine, "persistent"):  # the kept decode batch (inference/engine/persistent_batch.py)
+        profiler.patch(engine.persistent, "next_step", "batch_build")
+        profiler.patch(engine.persistent, "keep", "batch_build")
     profiler.patch(runner, "decode_step", "dispatch")
     profiler.patch(runner, "prefill_step", "dispatch")
     profiler.patch(llm_engine, "feed_pending_tokens", "batch_build")
@@ -261,7 +270,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
-            "gc_frozen": FLAGS.gc_freeze}
+            "gc_frozen": FLAGS.gc_freeze,
+            "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
 
 def replay_ms(runner, captured, repeats: int) -> float:
@@ -279,9 +289,66 @@ def replay_ms(runner, captured, repeats: int) -> float:
     return float(np.median(times[2:]) * 1e3)
 
 
+def _tree_of(baseline: str) -> str:
+    """A checkout of `baseline`: the path itself, or a detached git worktree of that commit made for this run."""
+    if os.path.isdir(baseline):
+        return os.path.abspath(baseline)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tree = tempfile.mkdtemp(prefix="overhead_baseline_")
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, baseline], check=True,
+                   capture_output=True)
+    return tree
+
+
+def _run_in(tree: str, script: str, size: int) -> list[dict]:
+    """One size measured by `script` in a fresh process whose imports come from `tree`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        args = [sys.executable, script, f"--seqs={size}", f"--json={out.name}",
+                *(f"--{k}={v}" for k, v in _forwarded().items())]
+        env = {**os.environ, "OVERHEAD_BENCH_TREE": tree}
+        subprocess.run(args, cwd=tree, env=env, check=True)
+        with open(out.name) as f:
+            return json.load(f)["rows"]
+
+
+def _forwarded() -> dict[str, str]:
+    """The flags a side-by-side run hands to each of its processes."""
+    return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
+            "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze}
+
+
+def side_by_side(baseline: str) -> list[dict]:
+    """Every size measured with the baseline tree's engine and this tree's, alternating, each in its own process
+    running this script (so both use the same timers and workload)."""
+    base = _tree_of(baseline)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.abspath(__file__)
+    rows = []
+    for n in [int(s) for s in FLAGS.seqs]:
+        for name, tree in (("base", base), ("this", here)):
+            for row in _run_in(tree, script, n):
+                rows.append({**row, "tree": name})
+    for n in [int(s) for s in FLAGS.seqs]:
+        pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"]}
+        if len(pair) == 2:
+            b, t = pair["base"], pair["this"]
+            print(f"seqs={n:4d}  host ms {b['host_ms']:.2f} -> {t['host_ms']:.2f} ({t['host_ms'] / b['host_ms']:.2f}x)"
+                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}", flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.baseline:
+        rows = side_by_side(FLAGS.baseline)
+        if FLAGS.json:
+            os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+            with open(FLAGS.json, "w") as f:
+                json.dump({"benchmark": "overhead", "jax": jax.__version__, "baseline": FLAGS.baseline,
+                           "decode_steps": FLAGS.decode_steps, "temperature": FLAGS.temperature,
+                           "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
+        return
     from inference import LLM
     from inference.engine.llm_engine import Engine
 
