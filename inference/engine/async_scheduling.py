@@ -6,8 +6,9 @@ the device waits. With it on (`SchedulerConfig.async_scheduling`, the default), 
 
 1. schedule step N+1: the scheduler sees step N's sequences already advanced (computed tokens, pages), each token N
    samples standing in `Sequence.token_ids` as a placeholder (`PLACEHOLDER`);
-2. dispatch N+1 (JAX dispatch returns at once): its placeholder input tokens are gathered on the device from N's
-   sampled-token array, by row (`feed_pending_tokens`); every other input token is known on the host;
+2. dispatch N+1 (JAX dispatch returns at once): its placeholder input tokens are gathered inside the step, on the
+   device, from N's sampled-token array, by row (`feed_pending_tokens`, `TokenFeed`); every other input token is
+   known on the host;
 3. fold N while N+1 computes: fetch its tokens (the copy started when N was dispatched), put them in place of the
    placeholders, run the stop checks, detokenize, build the outputs;
 4. advance N+1's bookkeeping without its tokens (`advance`) and leave it in flight.
@@ -46,8 +47,8 @@ import numpy as np
 from inference.engine.outputs import RequestOutput
 from inference.engine.scheduler import ScheduledBatch
 from inference.engine.sequence import Sequence
-from inference.runtime.batch import ModelInput
-from inference.runtime.runner import ModelRunner, PendingStep
+from inference.runtime.batch import ModelInput, TokenFeed
+from inference.runtime.runner import PendingStep
 
 # The functions below take the `Engine` (inference/engine/llm_engine.py), which imports this module: typed `Engine`
 # here it would be an import cycle, so the alias only names it.
@@ -97,12 +98,11 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[s
     return reasons
 
 
-def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None, runner: ModelRunner,
-                        width: int) -> ModelInput:
-    """`inp` with each placeholder input token replaced, on the device, by the in-flight step's sampled token of
-    that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back).
-    `width`: the largest sequence bucket (`ModelRunner.feed_tokens`)."""
-    if in_flight is None or not in_flight.rows:
+def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None) -> ModelInput:
+    """`inp` with a `TokenFeed`: each placeholder input token is replaced, inside the step on the device, by the
+    in-flight step's sampled token of that sequence (the placeholder is a decode row's only token: `sync_reasons`
+    holds every other case back). Unchanged (the runner adds a no-op feed) when nothing is in flight."""
+    if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
     rows = in_flight.rows
     prev_row = np.fromiter((rows.get(seq, -1) for seq in batch.seqs), np.int32, len(batch.seqs))
@@ -115,7 +115,7 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     src = np.zeros(size, np.int32)
     dst[:count] = inp.logits_indices[:len(batch.seqs)][fed]
     src[:count] = prev_row[fed]
-    return inp.replace(tokens=runner.feed_tokens(inp.tokens, in_flight.pending.tokens, dst, src, width))
+    return inp.replace(feed=TokenFeed(prev=in_flight.pending.feed, dst=dst, src=src))
 
 
 def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:

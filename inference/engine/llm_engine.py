@@ -123,6 +123,7 @@ class Engine:
         self.async_stats = AsyncStats()
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
+        runner.feed_width = self.limits.max_seqs  # every step returns its tokens this wide (`TokenFeed`)
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -291,7 +292,7 @@ class Engine:
             inp, sampling, flags = self._build_step(batch, lora_slots, draft_probs)
             self.persistent.keep(batch, inp, sampling, flags, lora_slots is not None,
                                  self.block_manager.num_groups)
-        inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
+        inp = feed_pending_tokens(inp, batch, in_flight)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
                                    use_filters=flags.use_filters, logprobs=flags.extras,
                                    prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
