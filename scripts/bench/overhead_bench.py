@@ -2,6 +2,7 @@
 
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
+    python scripts/bench/overhead_bench.py --seqs=8,64,256 --baseline=<commit> --json=out/ab.json   # before/after
 
 A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
 and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
@@ -20,6 +21,10 @@ turn for every size: "sync" steps one at a time, "async" dispatches each step be
 fetched (inference/engine/async_scheduling.py), so its phases run while the device computes: there "wait_readback"
 is what is left of the wait once the host's work is done, and steps/s and the device-busy fraction are the
 comparison.
+
+Each row also has the gaps between a request's tokens over the whole measured run (all requests arrive at once, so
+prompts are prefilled while the first ones decode): ITL p50 and p99, under `--policy`. `--baseline` measures
+another checkout's engine beside this one's in the same run, each size in a fresh process of each tree.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def define_flags() -> None:
     flags.DEFINE_list("modes", ["async"], "Engine scheduling per measurement, in this order for each size: sync "
                       "(one step at a time), async (the default: each step dispatched before the last one's tokens "
                       "are fetched).")
+    flags.DEFINE_string("policy", None, "The scheduling policy (prefill_first or mixed; default: the engine's).")
     flags.DEFINE_string("baseline", None, "A git commit (or a checkout's path) whose engine is measured beside this "
                         "tree's in the same run: each size runs in a fresh process of that tree, then of this one, "
                         "alternating, with this script (rows tagged tree=base / tree=this).")
@@ -210,7 +216,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         engine.reset_stats()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{num_seqs}-{i}", p, sp)
-        steps = []
+        steps, gaps = [], []
         while engine.has_unfinished_requests():
             decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
                 not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
@@ -227,8 +233,9 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
                 outs = engine.step()
             for out in outs:
                 if out.finished:
+                    gaps.extend(out.metrics.inter_token_latencies)
                     engine.pop_finished(out.request_id)
-        return {"steps": steps}
+        return {"steps": steps, "gaps": gaps}
 
     run(None)  # compiles every shape of this workload
     if FLAGS.gc_freeze:
@@ -260,6 +267,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
     device_ms = replay_ms(runner, capture["step"], repeats)
+    gaps = np.asarray(result["gaps"]) * 1e3  # every request's gaps between tokens, the whole run (prefill too)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
     return {"seqs": num_seqs, "async_scheduling": engine.async_scheduling, "measured_steps": len(walls),
@@ -270,7 +278,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
-            "gc_frozen": FLAGS.gc_freeze,
+            "gc_frozen": FLAGS.gc_freeze, "policy": engine.scheduler.config.policy,
+            "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
             "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
 
@@ -316,7 +325,8 @@ def _run_in(tree: str, script: str, size: int) -> list[dict]:
 def _forwarded() -> dict[str, str]:
     """The flags a side-by-side run hands to each of its processes."""
     return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
-            "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze}
+            "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze,
+            **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
 
 def side_by_side(baseline: str) -> list[dict]:
@@ -363,6 +373,8 @@ def main(argv: list[str]) -> None:
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
         config = llm.engine.scheduler.config
+        if FLAGS.policy:
+            config = dataclasses.replace(config, policy=FLAGS.policy)
         engines = {mode: Engine(llm.runner, llm.tokenizer,
                                 dataclasses.replace(config, async_scheduling=mode == "async")) for mode in FLAGS.modes}
         for n in sizes:
@@ -375,7 +387,8 @@ def main(argv: list[str]) -> None:
                       f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
-                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
+                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}  "
+                      f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})",
                       flush=True)
     result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
               "temperature": FLAGS.temperature, "rows": rows}
