@@ -111,16 +111,16 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         if self.config.policy == "mixed":
             return self._schedule_mixed()
-        prefill_due = self._prefill_streak < self.config.max_prefill_streak or not decodes
+        prefill_due = self._prefill_streak < self.config.max_prefill_streak or not any(
+            len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running)
         batch = self._schedule_prefill(self.config.max_num_batched_tokens, []) if prefill_due else None
         if batch is not None:
             self._prefill_streak += 1
             return batch
         self._prefill_streak = 0
-        return self._schedule_decode() if decodes else None
+        return self._schedule_decode()  # None when no sequence decodes
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
         decode = self._schedule_decode()
@@ -131,7 +131,9 @@ class Scheduler:
     def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None
                           ) -> ScheduledBatch | None:
         counts = [] if counts is None else counts
-        partial = [s for s in self.running if s.num_uncomputed_tokens > 1 and s not in seqs]
+        partial = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1 and s not in seqs]
+        if not partial and not self.waiting:  # the steady decode state: nothing to prefill
+            return ScheduledBatch(seqs, counts) if seqs else None
         for seq in partial + list(self.waiting):
             if budget <= 0 or len(seqs) == self.config.max_num_seqs:
                 break
