@@ -86,7 +86,8 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
                   token_rank(prompt_logits, targets))
     if inp.feed is None:
         return sampled, prompt, kv_caches
-    wide = jnp.zeros_like(inp.feed.prev).at[:sampled.tokens.shape[0]].set(sampled.tokens)
+    tokens = (sampled[0] if inp.spec is not None else sampled).tokens  # a verification step: (output, drafts...)
+    wide = jnp.zeros_like(inp.feed.prev).at[:tokens.shape[0]].set(tokens)
     return sampled, prompt, kv_caches, wide
 
 
