@@ -284,7 +284,8 @@ class Engine:
                 self.runner.copy_pages(copies, group=group)
         draft_probs = self._run_draft(batch) if batch.speculative else None
         lora_slots = self._lora_slots(batch)
-        reused = self.persistent.next_step(batch, self.block_manager.take_touched())
+        touched = self.block_manager.take_touched()
+        reused = None if self.num_spec and batch.speculative else self.persistent.next_step(batch, touched)
         if reused is not None:  # the steady decode state: derived from the last step's arrays
             inp, sampling, flags = reused
             self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])

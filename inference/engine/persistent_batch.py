@@ -53,7 +53,8 @@ class PersistentDecodeBatch:
                   ) -> tuple[ModelInput, SamplingTensors, StepFlags] | None:
         """The step of `batch` derived from the kept one, or None (then build it in general and `keep` it)."""
         kept = self._kept
-        if kept is None or batch.seqs != kept.seqs:  # identity compare of the rows, in C
+        # The same rows (an identity compare, in C), each computing one token (no prompt chunk, no drafts).
+        if kept is None or batch.seqs != kept.seqs or sum(batch.num_new_tokens) != len(batch.seqs):
             self._kept = None
             return None
         seqs, n = batch.seqs, len(batch.seqs)
