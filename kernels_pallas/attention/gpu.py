@@ -337,6 +337,7 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
     key_width = sum(p.shape[-1] for p in q_parts) + (value_dim if value_operand is not None else 0)
     kv_dtype = jnp.dtype(key_operands[0][0].dtype)
     tiles = "float32" if jnp.dtype(jnp.float32) in (kv_dtype, jnp.dtype(q_parts[0].dtype)) else kv_dtype.name
+    tiles = "int8" if kv_dtype == jnp.float8_e4m3fn else tiles  # an fp8 cache: 1 byte a value, int8's tiles
     config = block_config(chip, group, page_size, pages_per_seq, max_q_len, key_width, value_dim, tiles)
     given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
     config |= {k: v for k, v in given.items() if v is not None}
