@@ -14,7 +14,7 @@ Each FP8 weight becomes `formats.fp8_weight(q.T, scale.T)` ([in, out], per-tenso
 `input_scale` (a static per-tensor activation scale) is dropped: activations are quantized per token at run time
 (models/quantization/formats.py), which needs no calibration and is at least as fine. A malformed checkpoint
 (FP8 weight without its scale, a scale without an FP8 weight, a wrong shape or dtype) is a ValueError naming the
-tensor.
+tensor. `fp8_hf_tensors` writes the compressed-tensors layout (scripts/convert.py --quantization=fp8).
 """
 
 from __future__ import annotations
@@ -89,4 +89,43 @@ def take_fp8_weights(tensors: dict[str, np.ndarray], layout: str | None, source:
             raise ValueError(f"{source}: FP8 tensor {weight!r} has shape {q.shape}; expected a 2-D [out, in] weight")
         scale = scale.reshape(-1) if scale.ndim == 2 and scale.shape[1] == 1 and q.shape[0] > 1 else scale
         out[weight] = fp8_weight(np.ascontiguousarray(q.T), scale.T if scale.ndim == 2 else scale, name=scale_name)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing (scripts/convert.py --quantization=fp8).
+
+#: The quantization_config a written folder carries: llm-compressor's FP8_DYNAMIC scheme (per-channel e4m3 weights,
+#: activations quantized per token at run time, the LM head left as it is).
+COMPRESSED_TENSORS_FP8 = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                              "symmetric": True, "dynamic": False},
+                                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                        "symmetric": True, "dynamic": True}}},
+    "ignore": ["lm_head"]}
+
+
+def fp8_hf_tensors(weights: dict[str, Any], fp8_linears: set[str], linears: set[str], hf_name
+                   ) -> dict[str, np.ndarray]:
+    """Canonical weights -> the HF tensors of a compressed-tensors FP8 folder: each layer projection whose last name
+    part is in `fp8_linears` as e4m3 codes [out, in] + `weight_scale` [out, 1] (float32), every other tensor under
+    its HF name (`hf_name(canonical)`), those in `linears` transposed to [out, in]. FP8 weights keep their codes."""
+    from models.quantization.formats import quantize_fp8
+
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        hf = hf_name(name)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in fp8_linears and leaf != "lm_head" and ".experts." not in name:
+            qw = w if isinstance(w, QuantizedWeight) else quantize_fp8(np.asarray(w, np.float32))
+            if qw.group_size != qw.shape[0] or not qw.is_fp8:
+                raise ValueError(f"{name}: only per-channel FP8 weights are written (got group {qw.group_size})")
+            out[hf] = np.ascontiguousarray(np.asarray(qw.q).T)
+            out[hf[:-len(".weight")] + ".weight_scale"] = np.ascontiguousarray(np.asarray(qw.scale).T)
+        elif isinstance(w, QuantizedWeight):
+            raise ValueError(f"{name}: a quantized tensor the FP8 layout has no place for")
+        else:
+            out[hf] = np.ascontiguousarray(np.asarray(w).T if leaf in linears else np.asarray(w))
     return out

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from models.config import ModelConfig, RopeScaling
-from models.loaders.fp8_checkpoint import fp8_layout, take_fp8_weights
+from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors, fp8_layout, take_fp8_weights
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
 
@@ -391,3 +391,30 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
                          "is the download complete and does config.json match the weights?")
     check_weights(config, weights, folder)
     return config, weights
+
+
+def save_fp8_folder(folder: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
+    """Write `folder` (a dense HF model, e.g. bf16) as a compressed-tensors FP8 folder at `output` (new): per-channel
+    e4m3 layer projections, everything else as stored, config.json with its quantization_config, the tokenizer and
+    generation files copied. Returns the bytes of tensors written."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    folder, output = os.fspath(folder), os.fspath(output)
+    config, weights = load_hf_folder(folder, dtype=None)
+    if config.num_experts:
+        raise ValueError(f"{folder}: writing FP8 checkpoints of mixtures of experts is not supported")
+    cfg = _read_json(os.path.join(folder, "config.json"))
+    if cfg.get("quantization_config") and fp8_layout(cfg) != "compressed-tensors":
+        raise ValueError(f"{folder} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
+                         "convert a float checkpoint")
+    tensors = fp8_hf_tensors(weights, _FP8_LINEARS, _LINEARS, lambda n: hf_name(n, config.family))
+    os.makedirs(output, exist_ok=False)
+    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg | {"quantization_config": COMPRESSED_TENSORS_FP8}, f, indent=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), os.path.join(output, name))
+    return sum(t.nbytes for t in tensors.values())

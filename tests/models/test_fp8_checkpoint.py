@@ -146,3 +146,26 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="only \\[128, 128\\] blocks"):
         load_hf_folder(tmp_path)
+
+
+def test_convert_writes_a_compressed_tensors_fp8_folder_from_a_float_one(tmp_path):
+    """scripts/convert.py --quantization=fp8 (`save_fp8_folder`): a bf16/f32 HF folder -> per-channel FP8 codes and
+    weight_scale in the compressed-tensors layout; it loads back as FP8 and stays close to the float model."""
+    from models.loaders.hf_checkpoint import save_fp8_folder
+    from tests.tiny_folder import make_tiny_hf_folder
+
+    src = make_tiny_hf_folder(tmp_path / "src")
+    size = save_fp8_folder(src, tmp_path / "fp8")
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "float-quantized" and (tmp_path / "fp8" / "tokenizer.json").exists()
+    config, float_weights = load_hf_folder(src)
+    _, weights = load_hf_folder(tmp_path / "fp8")
+    assert weights["layers.0.q_proj"].is_fp8 and size < sum(w.nbytes for w in float_weights.values())
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    want = np.asarray(build_decoder(config, float_weights).forward(ids))
+    got = np.asarray(build_decoder(config, weights).forward(ids))
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    (tmp_path / "block").mkdir()
+    write_fp8_folder(tmp_path / "block", "fp8")
+    with pytest.raises(ValueError, match="already quantized"):
+        save_fp8_folder(tmp_path / "block", tmp_path / "again")
