@@ -97,3 +97,21 @@ def test_pallas_kernels_read_an_fp8_cache_in_interpret_mode(impl):
         interpret = True
     got = ragged_paged_attention(*args, sm_scale=0.125, kv_scales=ks, impl=impl, interpret=interpret)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "gpu"])
+def test_mla_kernels_read_an_fp8_latent_cache(impl):
+    """MLA over fp8 latent pages (bf16 queries): the reference and the Triton kernel (interpret mode) give what the
+    reference gives over the same pages converted to float32."""
+    from kernels_pallas.mla.dispatch import ragged_paged_mla_attention
+    from tests.kernels_pallas.test_mla_attention import mla_case
+
+    rng = np.random.default_rng(1)
+    ql, qr, latent, *rest = mla_case(rng, [1, 1], [30, 9], heads=16, latent_dim=128, rope_dim=64, page_size=16,
+                                     pages_per_seq=2)
+    pages = jnp.asarray(latent).astype(F8)
+    q = (jnp.asarray(ql, jnp.bfloat16), jnp.asarray(qr, jnp.bfloat16))
+    kw = dict(sm_scale=0.04, max_q_len=1)
+    want = ragged_paged_mla_attention(*q, pages.astype(jnp.float32), *map(jnp.asarray, rest), **kw)
+    got = ragged_paged_mla_attention(*q, pages, *map(jnp.asarray, rest), impl=impl, interpret=impl == "gpu", **kw)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2)
