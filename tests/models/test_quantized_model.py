@@ -158,7 +158,10 @@ def test_weight_bytes(quantized):
     model = merged_model(llm)
     nbytes, n = _linear_bytes(model)
     cfg = model.config
-    if mode in ("int8", "fp8"):  # 1 byte per weight + one f32 scale per output column (per token row for embed)
+    if mode == "fp8":  # on CPU the e4m3 values are held as float32 (models/decoder.py: _hold_fp8_for_the_chip)
+        assert nbytes == 4 * n
+        return
+    if mode == "int8":  # 1 byte per weight + one f32 scale per output column (per token row for the embedding)
         assert nbytes / (4 * n) == pytest.approx(0.25, abs=0.01)
     elif mode == "int4":  # layer linears 1/2 byte + (f32 scale + f32 min) per 32 weights; head int8 per channel
         layers = n - cfg.vocab_size * cfg.hidden_size
@@ -170,8 +173,7 @@ def test_weight_bytes(quantized):
         assert nbytes == pytest.approx(layers * (0.5 + 8 / 32) + cfg.vocab_size * cfg.hidden_size * (1 + 4 / 32),
                                        rel=1e-3)
     # No float copy of a quantized weight among the parameters: all float leaves are norms, scales or offsets.
-    floats = sum(param_bytes(x) for x in jax.tree.leaves(llm.get_params())
-                 if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn)
+    floats = sum(param_bytes(x) for x in jax.tree.leaves(llm.get_params()) if jnp.issubdtype(x.dtype, jnp.floating))
     assert floats < 0.1 * 4 * n
 
 
