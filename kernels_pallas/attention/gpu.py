@@ -198,7 +198,7 @@ def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num
                 at = [lax.broadcasted_iota(jnp.int32, shape, a) for a in (1, 2)]  # masked load needs it
                 at = (jnp.broadcast_to(pages[:, None, None], shape), *at)
                 rows_ok = jnp.broadcast_to(in_range.reshape(pages_per_block, page_size, 1), shape)
-                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=0).reshape(block_kv, -1)
+                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=jnp.zeros((), v_ref.dtype)).reshape(block_kv, -1)
             scores = sum(plgpu.dot(q, k.astype(compute_dtype), trans_b=True, precision=dot_precision)
                          for q, k in zip(qs, ks)) * sm_scale  # [rows, block_kv] f32
             if quantized:  # the KV head's scales flattened: page p's K scales at p * 2 * page_size, V after them
