@@ -81,20 +81,27 @@ class Decoder(nnx.Module):
                         else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
         # models/batch_invariant.py sets it (with its layers'); the step and log_probs read it for the sampler's sums.
         self.batch_invariant = False
+        # float32 means IEEE float32 dots on every backend: XLA:GPU runs an f32 dot of default precision as TF32
+        # (1e-3 off on an H200: BENCHMARKS.md, the H200 section) and XLA:TPU as one bf16 pass. "highest" sets
+        # `Precision.HIGHEST` on every dot traced inside the forward (projections, the reference attention's
+        # einsums, the LM head, MoE's ragged dots). Other dtypes keep jax's default.
+        self.matmul_precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:
         """Packed tokens[T] -> (final hidden states [T, D], updated KV caches, one per caching layer)."""
-        x = self.embed(tokens)
-        caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            j = self.config.kv_layer(i)
-            x, caches[j] = layer(x, positions, caches[j], meta)
-        return self.final_norm(x), caches
+        with jax.default_matmul_precision(self.matmul_precision):
+            x = self.embed(tokens)
+            caches = list(kv_caches)
+            for i, layer in enumerate(self.layers):
+                j = self.config.kv_layer(i)
+                x, caches[j] = layer(x, positions, caches[j], meta)
+            return self.final_norm(x), caches
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states -> float32 logits over the vocabulary (soft-capped when the config says so)."""
-        out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        with jax.default_matmul_precision(self.matmul_precision):
+            out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         out = out.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
@@ -102,11 +109,13 @@ class Decoder(nnx.Module):
     def forward(self, tokens: jax.Array) -> jax.Array:
         """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = self.embed(tokens)
-        kv = None  # a layer that owns its KV ignores the previous one's; a CLA layer reads and passes it on
-        for layer in self.layers:
-            x, kv = layer.forward_dense(x, positions, kv)
-        return self.logits(self.final_norm(x))
+        with jax.default_matmul_precision(self.matmul_precision):
+            x = self.embed(tokens)
+            kv = None  # a layer that owns its KV ignores the previous one's; a CLA layer reads and passes it on
+            for layer in self.layers:
+                x, kv = layer.forward_dense(x, positions, kv)
+            x = self.final_norm(x)
+        return self.logits(x)
 
 
 # Canonical per-layer weight name (models/weights.py) -> attribute path inside a DecoderLayer.

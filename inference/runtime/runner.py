@@ -188,8 +188,8 @@ class ModelRunner:
         self.attn_impl = getattr(model.layers[0].attn, "attn_impl", "auto")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
-        # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
-        # a list next to nothing.
+        # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS_HISTORY.md, host
+        # overhead), a list next to nothing.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         # What update_weights checks new leaves against (the leaves themselves are gone while asleep).
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]

@@ -8,8 +8,8 @@ so a padded batch never writes outside its own pages.
 (`write_latent`, below) all go through it, in the form each backend keeps in place:
   * CPU: a loop of `dynamic_update_slice`, not one scatter: on XLA CPU a scatter whose result is read again in the
     same computation (attention reads the pages right after the write) made XLA copy the whole cache, every
-    layer, every step (BENCHMARKS.md); a while loop with a traced trip count updates in place, at a small cost per
-    token (and the C++ kernel below does it with one memcpy per token and head).
+    layer, every step (BENCHMARKS_HISTORY.md); a while loop with a traced trip count updates in place, at a small cost
+    per token (and the C++ kernel below does it with one memcpy per token and head).
   * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
     copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/tools/aot_compile.py`).
 Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
@@ -143,7 +143,10 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
         idx[0] = jnp.where(inside, idx[0], array.shape[1])  # out of bounds: dropped
         head = jnp.repeat(jnp.arange(heads, dtype=jnp.int32), count)  # head-major, as `values`
         idx = [jnp.tile(i, heads) for i in idx]
-        values = rows.astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
+        # The rows arrive computed: nothing that makes them (a projection XLA:GPU strength-reduced to a reduce,
+        # RoPE, int8 quantization) may fuse into the scatter, whose threads each write one element and would each
+        # redo that work (issue 33; `scripts/tools/hlo_checks.py` and tests/scripts/test_step_hlo.py check it).
+        values = jax.lax.optimization_barrier(rows).astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
         if width == array.shape[-1]:
             array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:

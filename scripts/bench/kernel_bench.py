@@ -3,6 +3,7 @@ time them side by side.
 
     python scripts/bench/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
     python scripts/bench/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
+    python scripts/bench/kernel_bench.py --out=tpu_ab.json                  # on a TPU: the A/B of tpu_kernel_ab.py
 
 Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `interpret=True`):
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
@@ -49,6 +50,8 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes in interpret mode (runs on CPU; c
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median reported).")
 flags.DEFINE_integer("calls", 10, "Back-to-back calls per timed round.")
 flags.DEFINE_list("splits", ["1", "4", "8"], "Split-KV counts to time for decode.")
+flags.DEFINE_bool("tpu", False, "The TPU A/B (scripts/bench/tpu_kernel_ab.py): pagejax's TPU kernel beside JAX's "
+                  "in-tree one; the default on a TPU; with --smoke, in interpret mode on CPU.")
 
 
 def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
@@ -94,6 +97,21 @@ def copy_bandwidth(num_bytes: int, rounds: int, calls: int) -> float:
     return 2 * num_bytes / timed(jax.jit(lambda x: x * 2), (x,), rounds, calls)
 
 
+def check_and_time(label, fn, args, want, *, nbytes, copy_bw, rounds, calls, tol) -> dict:
+    """One variant's row: max abs error against `want`, median time, bandwidth, and its fraction of copy_bw."""
+    try:  # one failing variant (e.g. a compile error) must not cost the rest of a single device run
+        got = np.asarray(fn(*args), np.float32)
+        err = float(np.max(np.abs(got - want)))
+        seconds = timed(fn, args, rounds, calls)
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON and fails the run's exit status
+        print(f"{label} FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
+    print(f"{label} err {err:.2e}  {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e9:8.1f} GB/s "
+          f"({nbytes / seconds / copy_bw:.0%} of copy)", flush=True)
+    return {"max_err": err, "tol": tol, "ok": bool(err <= tol), "time_ms": seconds * 1e3,
+            "GBps": nbytes / seconds / 1e9, "fraction_of_copy_bw": nbytes / seconds / copy_bw}
+
+
 def run_case(name, batch, variants, *, kv_scales, max_q_len, copy_bw, rounds, calls, tol) -> dict:
     q, kv, (kv_lens, page_indices, cu, num_seqs) = batch
     args = (q, kv, kv_lens, page_indices, cu, num_seqs)
@@ -108,19 +126,8 @@ def run_case(name, batch, variants, *, kv_scales, max_q_len, copy_bw, rounds, ca
               "kv_dtype": str(kv.dtype), "q_dtype": str(q.dtype), "bytes_read": nbytes, "variants": {}}
     for vname, fn in variants.items():
         jitted = jax.jit(functools.partial(fn, sm_scale=sm_scale, max_q_len=max_q_len, kv_scales=kv_scales))
-        try:  # one failing variant (e.g. a Triton compile error) must not cost the rest of a single device run
-            got = np.asarray(jitted(*args), np.float32)
-            err = float(np.max(np.abs(got - want)))
-            seconds = timed(jitted, args, rounds, calls)
-        except Exception as e:  # noqa: BLE001 - recorded in the JSON and fails the run's exit status
-            result["variants"][vname] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
-            print(f"{name:12s} {vname:16s} FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
-            continue
-        result["variants"][vname] = {
-            "max_err": err, "tol": tol, "ok": bool(err <= tol), "time_ms": seconds * 1e3,
-            "GBps": nbytes / seconds / 1e9, "fraction_of_copy_bw": nbytes / seconds / copy_bw}
-        print(f"{name:12s} {vname:16s} err {err:.2e}  {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e9:8.1f} GB/s "
-              f"({nbytes / seconds / copy_bw:.0%} of copy)", flush=True)
+        result["variants"][vname] = check_and_time(f"{name:12s} {vname:16s}", jitted, args, want, nbytes=nbytes,
+                                                   copy_bw=copy_bw, rounds=rounds, calls=calls, tol=tol)
     ref_time = result["variants"].get("xla_reference", {}).get("time_ms")
     for v in result["variants"].values():
         if ref_time and "time_ms" in v:
@@ -139,6 +146,8 @@ def git_commit() -> str:
 def main(argv):
     del argv
     smoke = FLAGS.smoke
+    if FLAGS.tpu or (not smoke and jax.default_backend() == "tpu"):
+        return tpu_main(smoke)
     if not smoke and jax.default_backend() != "gpu":
         raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
     if smoke:  # tiny and f32 so the interpreter is quick; the checks use the f32 tolerance
@@ -192,6 +201,25 @@ def main(argv):
               "jax": jax.__version__, "smoke": smoke, "shapes": {k: str(v) for k, v in dims.items()},
               "copy_bandwidth_GBps": copy_bw / 1e9, "cases": cases}
     result["all_ok"] = all(v["ok"] for c in cases.values() for v in c["variants"].values())
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")
+    if not result["all_ok"]:
+        sys.exit(1)
+
+
+def tpu_main(smoke: bool) -> None:
+    """The TPU A/B (`tpu_kernel_ab.py`), written like the GPU run: JSON with date, commit, device."""
+    from scripts.bench import tpu_kernel_ab
+
+    if not smoke and jax.default_backend() != "tpu":
+        raise app.UsageError(f"no TPU (backend {jax.default_backend()!r}); use --tpu --smoke to check it on CPU")
+    rounds, calls = (1, 1) if smoke else (FLAGS.rounds, FLAGS.calls)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "smoke": smoke,
+              **tpu_kernel_ab.run(sys.modules[__name__], smoke=smoke, rounds=rounds, calls=calls)}
+    result["all_ok"] = all(v["ok"] for c in result["cases"].values() for v in c["variants"].values())
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")

@@ -119,9 +119,11 @@ def memory_report(compiled) -> dict:
 
 
 def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
-                 cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = ()) -> dict:
+                 cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = (),
+                 hlo_path: str | None = None) -> dict:
     """Lower and compile `fn(*args)` for `chip` (args already abstract); the verdict and what the compiler said.
-    `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates."""
+    `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates.
+    `hlo_path`: where to write the optimized HLO text (the HLO guard, `tests/scripts/test_step_hlo.py`)."""
     from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
 
     backend = CHIPS[chip][0]
@@ -142,6 +144,9 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
         row.update(status="does_not_fit" if oom else "failed", error=" ".join(msg[k:k + 600].split()))
         return row | {"seconds": round(time.time() - start, 1)}
     row.update(status="compiled", memory=memory_report(compiled), **hlo_report(compiled, cache_shapes))
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(compiled.as_text())
     if backend == "gpu":
         row["ptxas"] = parse_compile_log("".join(log))
     if row["cpu_only_calls"]:
@@ -265,48 +270,59 @@ class StepCase:
     num_chips: int  # tensor-parallel size
     context: int = 4096  # tokens of cache per sequence
     page_size: int = 16
+    decode_batch: int = 64  # sequences of a decode step
+    layers: int | None = None  # the preset's layer count when None; fewer keep its widths (a cheaper compile)
+    dtype: str = "bfloat16"  # of the weights and the KV cache
 
     @property
     def name(self) -> str:
-        return f"{self.preset}_{self.kind}_tp{self.num_chips}"
+        batch = f"_b{self.decode_batch}" if self.kind == "decode" and self.decode_batch != 64 else ""
+        layers = f"_l{self.layers}" if self.layers else ""
+        dtype = "" if self.dtype == "bfloat16" else f"_{self.dtype}"
+        return f"{self.preset}{layers}_{self.kind}{batch}{dtype}_tp{self.num_chips}"
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(tokens, sequences, longest query) of the step's bucket."""
-        return (2048, 4, 512) if self.kind == "prefill" else (64, 64, 1)
+        return (2048, 4, 512) if self.kind == "prefill" else (self.decode_batch, self.decode_batch, 1)
 
 
-def step_cases(presets=STEP_PRESETS) -> list[StepCase]:
-    return [StepCase(p, kind, tp) for p, kind, tp in itertools.product(presets, ("prefill", "decode"), (1, 8))]
+def step_cases(presets=STEP_PRESETS, decode_batches=(64,), layers: int | None = None,
+               kinds=("prefill", "decode"), dtype: str = "bfloat16") -> list[StepCase]:
+    """Prefill and decode (one case per decode batch) at TP 1 and 8."""
+    return [StepCase(p, kind, tp, decode_batch=b, layers=layers, dtype=dtype)
+            for p, kind, tp in itertools.product(presets, kinds, (1, 8))
+            for b in (decode_batches if kind == "decode" else (64,))]
 
 
-def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float = 2) -> dict:
-    """What the cost model says the step holds: bf16 (or `weight_bytes` a weight: 1 for fp8 / int8) weights and the
-    KV cache (per device under TP)."""
+def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float | None = None) -> dict:
+    """What the cost model says the step holds: the weights (in the case's dtype, or `weight_bytes` a weight: 1 for
+    fp8 / int8) and the KV cache in the case's dtype (per device under TP)."""
     from inference.tools import cost_model
 
-    weights = cost_model.weight_bytes(config, weight_bytes)
-    kv = config.kv_cache_bytes(num_pages, case.page_size, jnp.bfloat16)
+    weights = cost_model.weight_bytes(config, weight_bytes or jnp.dtype(case.dtype).itemsize)
+    kv = config.kv_cache_bytes(num_pages, case.page_size, case.dtype)
     per = case.num_chips
     kv_per_device = kv if config.is_mla else kv / per  # MLA's latent cache is replicated
     return {"weights": int(weights / per), "kv": int(kv_per_device), "total": int(weights / per + kv_per_device)}
 
 
-def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_bytes: float = 2) -> int:
+def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_bytes: float | None = None) -> int:
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
     from configs.chips import CHIP_PRESETS
     from inference.tools import cost_model
 
-    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(config, weight_bytes)
-    per_page = config.kv_cache_bytes(1, case.page_size, jnp.bfloat16)
+    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(
+        config, weight_bytes or jnp.dtype(case.dtype).itemsize)
+    per_page = config.kv_cache_bytes(1, case.page_size, case.dtype)
     return int(max(case.shape[1], min(wanted, free // per_page)))
 
 
-def compile_step(chip: str, case: StepCase, quantization: str | None = None) -> dict:
+def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantization: str | None = None) -> dict:
     """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs;
-    `quantization` ("fp8", "int8"): the weights as `LLM(quantization=...)` holds them, with the GEMMs' operand
-    dtypes reported (`dot_operand_dtypes`)."""
+    with `hlo_dir`, its optimized HLO goes to `hlo_dir/<chip>_<case>.hlo`; `quantization` ("fp8", "int8"): the
+    weights as `LLM(quantization=...)` holds them, with the GEMMs' operand dtypes reported (`dot_operand_dtypes`)."""
     from flax import nnx
 
     from configs import get_model_config
@@ -318,15 +334,18 @@ def compile_step(chip: str, case: StepCase, quantization: str | None = None) -> 
     from sharding.partition import kv_cache_sharding, needs_padding, param_shardings, replicated
 
     config = get_model_config(case.preset)
+    if case.layers:
+        config = config.replace(num_layers=case.layers, name=f"{config.name}-{case.layers}-layers")
     if case.num_chips > 1 and needs_padding(config, case.num_chips):
         return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
                 "error": f"{case.preset} needs head padding for TP {case.num_chips}"}
     mesh = _mesh(chip, case.num_chips)
     rep = replicated(mesh)
     backend = CHIPS[chip][0]
+
     def build():
-        model = Decoder(config, dtype=jnp.bfloat16, attn_impl="auto", mesh=mesh if case.num_chips > 1 else None,
-                        rngs=nnx.Rngs(0))
+        model = Decoder(config, dtype=jnp.dtype(case.dtype), attn_impl="auto",
+                        mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0))
         return model if quantization is None else quantize_decoder(model, quantization)
 
     with compiling_for(backend):
@@ -339,10 +358,10 @@ def compile_step(chip: str, case: StepCase, quantization: str | None = None) -> 
         leaves = abstract(leaves, rep)
     tokens, seqs, max_q = case.shape
     pages_per_seq = -(-case.context // case.page_size)
-    per_weight = 2 if quantization is None else 1  # fp8 / int8: 1 byte a weight
+    per_weight = None if quantization is None else 1  # fp8 / int8: 1 byte a weight
     num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1, per_weight)
     with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/kv_cache/latent_layout.py)
-        spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
+        spec = config.kv_cache_spec(num_pages, case.page_size, case.dtype)
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
               for _ in range(config.num_kv_layers)]
@@ -357,8 +376,9 @@ def compile_step(chip: str, case: StepCase, quantization: str | None = None) -> 
     fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
     row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local,),
-                       donate_argnums=(1,))
+                       donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
     row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
+    row["cache_shape"] = list(local)
     if quantization is not None and row.get("status") == "compiled":
         row["quantization"] = quantization
     if row.get("memory"):
@@ -407,10 +427,14 @@ def main(argv) -> None:
                 rows.append(compile_mla(chip, kind))
                 print(json.dumps(rows[-1])[:300], flush=True)
         if "steps" in flags.what:
-            for case in step_cases(flags.presets):
+            if flags.hlo_dir:
+                os.makedirs(flags.hlo_dir, exist_ok=True)
+            batches = tuple(int(b) for b in flags.decode_batches)
+            kinds = ("decode",) if flags.decode_only else ("prefill", "decode")
+            for case in step_cases(flags.presets, batches, flags.layers, kinds, flags.dtype):
                 if str(case.num_chips) not in flags.tp:
                     continue
-                rows.append(compile_step(chip, case, flags.quantization))
+                rows.append(compile_step(chip, case, flags.hlo_dir, flags.quantization))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "ptxas"})[:400], flush=True)
     with open(flags.out, "w") as f:
         json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)
@@ -428,6 +452,11 @@ if __name__ == "__main__":
     absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels and/or steps.")
     absl_flags.DEFINE_list("presets", list(STEP_PRESETS), "Real-size presets for the steps.")
     absl_flags.DEFINE_list("tp", ["1", "8"], "Tensor-parallel sizes for the steps.")
+    absl_flags.DEFINE_list("decode_batches", ["64"], "Sequences of each decode step compiled.")
+    absl_flags.DEFINE_bool("decode_only", False, "Steps: the decode steps only.")
+    absl_flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Steps: weights' and KV cache's dtype.")
+    absl_flags.DEFINE_integer("layers", None, "Steps: this many layers of the preset (its widths kept).")
+    absl_flags.DEFINE_string("hlo_dir", None, "Steps: write each optimized HLO as DIR/<chip>_<case>.hlo.")
     absl_flags.DEFINE_bool("quick", False, "The small kernel grid CI compiles.")
     absl_flags.DEFINE_enum("quantization", None, ["fp8", "int8"], "Steps with quantized weights (LLM(quantization=)).")
     absl_flags.DEFINE_string("out", "aot_compile.json", "JSON output path.")
