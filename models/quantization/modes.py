@@ -27,8 +27,10 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
             the embedding), as "int8" is laid out; an FP8 checkpoint (models/loaders/fp8_checkpoint.py) keeps its
             own codes and per-tensor / per-channel / 128x128 block scales. Matmuls run `matmul(method="fp8")` where
             the chip has FP8 (Hopper, Ada, Blackwell GPUs: activations quantized to e4m3 per token, FP8 x FP8 with a
-            float32 accumulator) and weight-only "dequant" elsewhere (XLA:CPU, TPU v5e/v6e: the codes converted to
-            bf16/f32 inside the dot, exact; `quantize_decoder` logs it once).
+            float32 accumulator) and weight-only "dequant" on TPU v5e/v6e (the codes converted to bf16 inside the
+            dot, exact). XLA:CPU has no FP8 units and would write a float32 copy of every weight every call, so on
+            CPU `quantize_decoder` holds the e4m3-rounded values as float32 (same numbers, float32 speed and
+            memory). Both are logged once at load.
     "gguf"  a .gguf model keeps the blocks it ships (Q8_0 / Q4_0 / Q4_1, via `models.quantization.gguf_blocks`, codes
             copied, never decoded to float; Q/K rows un-permuted on the blocks). Tensors of other types stay float.
             For the default SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied
