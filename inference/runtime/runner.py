@@ -24,6 +24,7 @@ from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
+from kernels_pallas.kv_cache.layout import has_scales
 from models.attention import QuantizedKV
 from models.decoder import Decoder
 from models.lora import bind_lora
@@ -221,7 +222,7 @@ class ModelRunner:
             self.param_leaves = self._place(self.param_leaves)
             # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
-            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
+            if has_scales(kv_dtype) and not padded.is_mla:  # int8 / fp8: the scales are head-major too, same split
                 kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
             self._kv_sharding = kv_sharding
             self.token_sharding = replicated(mesh)

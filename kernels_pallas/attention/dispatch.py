@@ -58,7 +58,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            interpret=False, max_q_len: int | None = None,
                            kv_scales: jax.Array | None = None) -> jax.Array:
     """See `ragged_paged_attention_reference` for the contract. `interpret` goes to the Pallas kernels only."""
-    impl = resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_cache/layout.py)
+    requested, impl = impl, resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_cache/layout.py)
+    if requested == "auto" and impl == "cpu" and kv_pages.dtype not in cpu.KV_DTYPES:
+        impl = "reference"  # an fp8 cache: the C++ kernel does not read it yet
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
               v_scale=v_scale, max_q_len=max_q_len, kv_scales=kv_scales)
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)

@@ -184,7 +184,7 @@ def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num
                 at = [lax.broadcasted_iota(jnp.int32, shape, a) for a in (1, 2)]  # masked load needs it
                 at = (jnp.broadcast_to(pages[:, None, None], shape), *at)
                 rows_ok = jnp.broadcast_to(in_range.reshape(pages_per_block, page_size, 1), shape)
-                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=0).reshape(block_kv, -1)
+                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=jnp.zeros((), v_ref.dtype)).reshape(block_kv, -1)
             scores = sum(plgpu.dot(q, k.astype(compute_dtype), trans_b=True, precision=dot_precision)
                          for q, k in zip(qs, ks)) * sm_scale  # [rows, block_kv] f32
             if quantized:  # the KV head's scales flattened: page p's K scales at p * 2 * page_size, V after them
@@ -326,6 +326,7 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
     key_width = sum(p.shape[-1] for p in q_parts) + (value_dim if value_operand is not None else 0)
     kv_dtype = jnp.dtype(key_operands[0][0].dtype)
     tiles = "float32" if jnp.dtype(jnp.float32) in (kv_dtype, jnp.dtype(q_parts[0].dtype)) else kv_dtype.name
+    tiles = "int8" if kv_dtype == jnp.float8_e4m3fn else tiles  # an fp8 cache: 1 byte a value, int8's tiles
     chip = gpu_chip() if chip is None else chip
     config = block_config(chip, group, page_size, pages_per_seq, max_q_len, key_width, value_dim, tiles,
                           kind=batch_kind(max_q_len, num_tokens, max_seqs))

@@ -96,7 +96,20 @@ def hlo_report(compiled, cache_shapes: tuple[tuple[int, ...], ...] = ()) -> dict
     copies = [f"{m.group(1)}[{m.group(2)}]" for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", text)
               if m.group(2) and int(np.prod([int(d) for d in m.group(2).split(",")])) in wanted]
     return {"custom_calls": targets, "cpu_only_calls": [t for t in targets if t.startswith(CPU_ONLY_CALLS)],
-            "cache_copies": copies}
+            "cache_copies": copies, "gemm_operands": dot_operand_dtypes(text)}
+
+
+def dot_operand_dtypes(text: str) -> dict[str, int]:
+    """How many GEMMs (dots, cuBLAS / Triton gemm calls) of the optimized HLO `text` take which operand dtypes, e.g.
+    {"f8e4m3fn x f8e4m3fn": 224, "bf16 x bf16": 65}: FP8 weights must reach the GEMM as FP8, not converted first."""
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"= \w+\[[^\n]*? (?:dot|custom-call)\(%([\w.\-]+), %([\w.\-]+)[,)]([^\n]*)", text):
+        if " dot(" not in m.group(0) and not re.search(r'custom_call_target="[^"]*(gemm|matmul)', m.group(3)):
+            continue
+        key = f"{dtypes.get(m.group(1), '?')} x {dtypes.get(m.group(2), '?')}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def memory_report(compiled) -> dict:
@@ -314,33 +327,34 @@ def step_cases(presets=STEP_PRESETS, decode_batches=(64,), layers: int | None = 
             for b in (decode_batches if kind == "decode" else (64,))]
 
 
-def cost_model_bytes(config, case: StepCase, num_pages: int) -> dict:
-    """What the cost model says the step holds: the weights and the KV cache in the case's dtype (per device under
-    TP)."""
+def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float | None = None) -> dict:
+    """What the cost model says the step holds: the weights (in the case's dtype, or `weight_bytes` a weight: 1 for
+    fp8 / int8) and the KV cache in the case's dtype (per device under TP)."""
     from inference.tools import cost_model
 
-    weights = cost_model.weight_bytes(config, jnp.dtype(case.dtype).itemsize)
+    weights = cost_model.weight_bytes(config, weight_bytes or jnp.dtype(case.dtype).itemsize)
     kv = config.kv_cache_bytes(num_pages, case.page_size, case.dtype)
     per = case.num_chips
     kv_per_device = kv if config.is_mla else kv / per  # MLA's latent cache is replicated
     return {"weights": int(weights / per), "kv": int(kv_per_device), "total": int(weights / per + kv_per_device)}
 
 
-def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
+def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_bytes: float | None = None) -> int:
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
     from configs.chips import CHIP_PRESETS
     from inference.tools import cost_model
 
     free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(
-        config, jnp.dtype(case.dtype).itemsize)
+        config, weight_bytes or jnp.dtype(case.dtype).itemsize)
     per_page = config.kv_cache_bytes(1, case.page_size, case.dtype)
     return int(max(case.shape[1], min(wanted, free // per_page)))
 
 
-def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None) -> dict:
+def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantization: str | None = None) -> dict:
     """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs;
-    with `hlo_dir`, its optimized HLO goes to `hlo_dir/<chip>_<case>.hlo`."""
+    with `hlo_dir`, its optimized HLO goes to `hlo_dir/<chip>_<case>.hlo`; `quantization` ("fp8", "int8"): the
+    weights as `LLM(quantization=...)` holds them, with the GEMMs' operand dtypes reported (`dot_operand_dtypes`)."""
     from flax import nnx
 
     from configs import get_model_config
@@ -348,7 +362,7 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None) -> dict:
     from inference.runtime.runner import StepLayout, jit_step
     from inference.sampling.sampler import SamplingTensors
     from inference.sampling.params import SamplingParams
-    from models.decoder import Decoder
+    from models.decoder import Decoder, quantize_decoder
     from sharding.partition import kv_cache_sharding, needs_padding, param_shardings, replicated
 
     config = get_model_config(case.preset)
@@ -360,9 +374,14 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None) -> dict:
     mesh = _mesh(chip, case.num_chips)
     rep = replicated(mesh)
     backend = CHIPS[chip][0]
+
+    def build():
+        model = Decoder(config, dtype=jnp.dtype(case.dtype), attn_impl="auto",
+                        mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0))
+        return model if quantization is None else quantize_decoder(model, quantization)
+
     with compiling_for(backend):
-        model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.dtype(case.dtype), attn_impl="auto",
-                                               mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(build)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     if case.num_chips > 1:
@@ -371,7 +390,8 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None) -> dict:
         leaves = abstract(leaves, rep)
     tokens, seqs, max_q = case.shape
     pages_per_seq = -(-case.context // case.page_size)
-    num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1)
+    per_weight = None if quantization is None else 1  # fp8 / int8: 1 byte a weight
+    num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1, per_weight)
     with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/kv_cache/latent_layout.py)
         spec = config.kv_cache_spec(num_pages, case.page_size, case.dtype)
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
@@ -389,8 +409,10 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None) -> dict:
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
     row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local,),
                        donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
-    row["cost_model"] = cost_model_bytes(config, case, num_pages)
+    row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
     row["cache_shape"] = list(local)
+    if quantization is not None and row.get("status") == "compiled":
+        row["quantization"] = quantization
     if row.get("memory"):
         m = row["memory"]
         row["argument_vs_cost_model"] = round(m["argument"] / row["cost_model"]["total"], 3)
@@ -448,7 +470,7 @@ def main(argv) -> None:
             for case in step_cases(flags.presets, batches, flags.layers, kinds, flags.dtype):
                 if str(case.num_chips) not in flags.tp:
                     continue
-                rows.append(compile_step(chip, case, flags.hlo_dir))
+                rows.append(compile_step(chip, case, flags.hlo_dir, flags.quantization))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "ptxas"})[:400], flush=True)
     with open(flags.out, "w") as f:
         json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)
@@ -473,6 +495,7 @@ if __name__ == "__main__":
     absl_flags.DEFINE_integer("layers", None, "Steps: this many layers of the preset (its widths kept).")
     absl_flags.DEFINE_string("hlo_dir", None, "Steps: write each optimized HLO as DIR/<chip>_<case>.hlo.")
     absl_flags.DEFINE_bool("quick", False, "The small kernel grid CI compiles.")
+    absl_flags.DEFINE_enum("quantization", None, ["fp8", "int8"], "Steps with quantized weights (LLM(quantization=)).")
     absl_flags.DEFINE_string("out", "aot_compile.json", "JSON output path.")
     FLAGS = absl_flags.FLAGS
     app.run(main)

@@ -97,6 +97,35 @@ def test_real_size_step_compiles_with_the_cost_models_memory(chip, tp, kind, ste
     assert row["memory"]["alias"] >= row["cost_model"]["kv"]  # the donated cache is updated in place
 
 
+@pytest.fixture(scope="module")
+def fp8_step_rows(request, tmp_path_factory):
+    rows = {}
+    chips = _selected_chips(request)
+    for chip, extra in (("h200", ()), ("v5e", ("--layers=2",))):  # v5e: 2 of 32 layers, a cheaper compile
+        if chip in chips:
+            rows |= _run(tmp_path_factory, f"--chips={chip}", "--what=steps", "--presets=llama-3-8b", "--tp=1",
+                         "--quantization=fp8", *extra)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+@pytest.mark.parametrize("chip", ["h200", "v5e"])
+def test_fp8_steps_compile_with_fp8_gemms_on_hopper(chip, kind, fp8_step_rows):
+    """Llama-3-8B with quantization="fp8": on the H200 every GEMM of the step takes float8_e4m3fn operands (the
+    weights reach the tensor cores as FP8, activations quantized per token) and the weights are ~8 GB (1 byte a
+    weight: the compiled arguments are the cost model's 1-byte weights + the KV cache); on v5e (no FP8 units) the
+    same model (2 of its layers) compiles with weight-only dots."""
+    row = _row(fp8_step_rows, chip, f"llama-3-8b_{kind}_tp1" if chip == "h200" else f"llama-3-8b_l2_{kind}_tp1")
+    assert row["status"] == "compiled", row.get("error")
+    assert not row["cache_copies"] and not row["cpu_only_calls"]
+    assert abs(row["memory"]["argument"] / row["cost_model"]["total"] - 1) < STEP_TOLERANCE
+    if CHIPS[chip][0] == "gpu":
+        assert abs(row["cost_model"]["weights"] / 8.03e9 - 1) < 0.01
+        assert row["gemm_operands"] and set(row["gemm_operands"]) == {"f8e4m3fn x f8e4m3fn"}, row["gemm_operands"]
+        kernels = row["ptxas"]["kernels"]
+        assert all(v["spill_stores"] == 0 and v["spill_loads"] == 0 for v in kernels.values()), kernels
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize("chip", list(CHIPS))
 def test_mla_compiles(chip, kind, kernel_rows):
