@@ -1,8 +1,10 @@
-"""What the real GPU compiler said about a deviceless compile: ptxas registers / spills per kernel and Triton's
-shared memory, parsed from XLA's log (read by `scripts/tools/aot_compile.py` and the GPU kernel's tests).
+"""What the real GPU compiler said about a deviceless compile: ptxas registers / spills per kernel and the shared
+memory of each Triton or Mosaic GPU kernel, parsed from the compilers' logs (read by `scripts/tools/aot_compile.py`,
+the one deviceless-compile harness, and the GPU kernel's tests).
 
-XLA logs them only when the process starts with `TF_CPP_MIN_LOG_LEVEL=0` and `TF_CPP_VMODULE=` `LOG_VMODULE`
-(read once, at startup); the log goes to the C++ stderr, which `capture_native_stderr` collects around a compile.
+XLA logs the Triton side only when the process starts with `TF_CPP_MIN_LOG_LEVEL=0` and `TF_CPP_VMODULE=`
+`LOG_VMODULE` (read once, at startup), to the C++ stderr; Mosaic GPU prints ptxas's report and its resources to
+the C++ stdout when `MOSAIC_GPU_ENV` is set. `capture_compiler_logs` collects both around a compile.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ import sys
 import tempfile
 
 LOG_VMODULE = "subprocess_compilation=2,xtile_compiler=2"
+MOSAIC_GPU_ENV = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_RESOURCES": "1"}  # jax 0.10 has no resources dump
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
-_SHARED = re.compile(r"Shared memory usage: (\d+) B")
+_SHARED = re.compile(r"Shared memory usage: (\d+) B|smem_scratch_bytes=(\d+)")  # Triton's | Mosaic GPU's
 
 
 def parse_compile_log(text: str) -> dict:
     """{"kernels": {name: {arch, registers, spill_stores, spill_loads, stack_frame}}, "shared_memory": [bytes, ...]}.
 
     `kernels` has every function ptxas compiled (XLA's own fusions too; the last entry of a name wins);
-    `shared_memory` is Triton's usage of each Triton kernel in log order (XLA does not name the kernel on that
+    `shared_memory` is the usage of each Triton or Mosaic GPU kernel in log order (neither names the kernel on that
     line; a compile of one `pallas_call` has one)."""
     kernels, name = {}, None
     for line in text.splitlines():
@@ -37,7 +40,7 @@ def parse_compile_log(text: str) -> dict:
                                  spill_loads=int(m.group(3)))
         elif name and (m := _REGS.search(line)):
             kernels[name]["registers"] = int(m.group(1))
-    return {"kernels": kernels, "shared_memory": [int(m.group(1)) for m in _SHARED.finditer(text)]}
+    return {"kernels": kernels, "shared_memory": [int(m.group(1) or m.group(2)) for m in _SHARED.finditer(text)]}
 
 
 @contextlib.contextmanager
@@ -61,6 +64,10 @@ def capture_native_fd(fd: int = 2):
             out.append(tmp.read().decode(errors="replace"))
 
 
-def capture_native_stderr():
-    """`capture_native_fd(2)`: the C++ stderr, where XLA's GPU compiler logs ptxas's report."""
-    return capture_native_fd(2)
+@contextlib.contextmanager
+def capture_compiler_logs():
+    """The C++ stderr (XLA's ptxas report) and stdout (Mosaic GPU's) inside the block, as one list of texts."""
+    with capture_native_fd(2) as err, capture_native_fd(1) as out:
+        logs: list[str] = []
+        yield logs
+    logs += err + out

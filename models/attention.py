@@ -25,9 +25,9 @@ def causal_softmax(scores: jax.Array, sliding_window: int | None, soft_cap: floa
 
 @struct.dataclass
 class QuantizedKV:
-    """One layer's int8 KV cache: int8 `pages` and their float32 per-token-per-head `scales`, both in
-    `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache/writes.py says why per token and head). A pytree,
-    so the steps donate and shard it like a plain cache array."""
+    """One layer's int8 or fp8 KV cache: int8 / float8_e4m3fn `pages` and their float32 per-token-per-head
+    `scales`, both in `kernels_pallas.kv_cache_spec`'s layout (kernels_pallas/kv_cache/writes.py says why per token
+    and head). A pytree, so the steps donate and shard it like a plain cache array."""
 
     pages: jax.Array
     scales: jax.Array

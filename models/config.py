@@ -230,7 +230,7 @@ class ModelConfig:
 
     def kv_cache_spec(self, num_pages: int, page_size: int, dtype="float32"):
         """One caching layer's paged cache as `jax.ShapeDtypeStruct`s: `kernels_pallas.kv_cache_spec`'s layout
-        (a `(pages, scales)` pair for an int8 cache), or MLA's latent pages `[pages, page_size, kv_lora_rank +
+        (a `(pages, scales)` pair for an int8 or fp8 cache), or MLA's latent pages `[pages, page_size, kv_lora_rank +
         qk_rope_head_dim]`, which have no head axis (flat pages on TPU, which lays that shape out pages-minor:
         `kernels_pallas/kv_cache/latent_layout.py`)."""
         import jax
@@ -242,7 +242,8 @@ class ModelConfig:
         dtype = jnp.dtype(dtype)
         if self.is_mla:
             if dtype == jnp.int8:
-                raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache")
+                raise ValueError("an int8 KV cache is supported for K/V caches, not for MLA's latent cache (fp8 is: "
+                                 "a saturating cast, no scales)")
             return jax.ShapeDtypeStruct(latent_cache_shape(num_pages, page_size, self.kv_width), dtype)
         return kv_cache_spec(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype)
 
@@ -265,7 +266,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: float, scale_bytes: int = 0) -> float:
         """KV cache bytes one token occupies across all layers: 2·L·K·H·b, with L the caching layers (fewer under
         CLA) and 2·K·H replaced by the latent + RoPE width for MLA (576·L·b for DeepSeek-V2). `scale_bytes`: an
-        int8 cache's per-token scale for each of the 2·K heads (4 for float32 scales)."""
+        int8 / fp8 cache's per-token scale for each of the 2·K heads (4 for float32 scales)."""
         scales = 0 if self.is_mla else 2 * self.num_kv_heads * scale_bytes
         return self.num_kv_layers * (self.kv_width * bytes_per_element + scales)
 

@@ -10,17 +10,21 @@ cache is likewise a list of per-layer page arrays that the step donates.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas.backend import target_backend
 from models.attention import Attention, AttentionMetadata
 from models.config import ModelConfig
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.mla import MLAttention
 from models.moe import MoE
 from models.quantization.awq import AWQConfig, apply_awq
+from models.quantization.formats import fp8_matmul_supported
 from models.quantization.modes import (QUANTIZATION_MODES, check_quantization_args, int4_group_size, is_quantized,
                                        quantize_embedding, quantize_linear)
 from models.weights import check_weights, expected_shapes
@@ -77,20 +81,27 @@ class Decoder(nnx.Module):
                         else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
         # models/batch_invariant.py sets it (with its layers'); the step and log_probs read it for the sampler's sums.
         self.batch_invariant = False
+        # float32 means IEEE float32 dots on every backend: XLA:GPU runs an f32 dot of default precision as TF32
+        # (1e-3 off on an H200: BENCHMARKS.md, the H200 section) and XLA:TPU as one bf16 pass. "highest" sets
+        # `Precision.HIGHEST` on every dot traced inside the forward (projections, the reference attention's
+        # einsums, the LM head, MoE's ragged dots). Other dtypes keep jax's default.
+        self.matmul_precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:
         """Packed tokens[T] -> (final hidden states [T, D], updated KV caches, one per caching layer)."""
-        x = self.embed(tokens)
-        caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            j = self.config.kv_layer(i)
-            x, caches[j] = layer(x, positions, caches[j], meta)
-        return self.final_norm(x), caches
+        with jax.default_matmul_precision(self.matmul_precision):
+            x = self.embed(tokens)
+            caches = list(kv_caches)
+            for i, layer in enumerate(self.layers):
+                j = self.config.kv_layer(i)
+                x, caches[j] = layer(x, positions, caches[j], meta)
+            return self.final_norm(x), caches
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final hidden states -> float32 logits over the vocabulary (soft-capped when the config says so)."""
-        out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        with jax.default_matmul_precision(self.matmul_precision):
+            out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         out = out.astype(jnp.float32)
         cap = self.config.final_logit_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
@@ -98,11 +109,13 @@ class Decoder(nnx.Module):
     def forward(self, tokens: jax.Array) -> jax.Array:
         """Cache-free reference forward: tokens[B, L] -> logits[B, L, V], positions 0..L-1."""
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = self.embed(tokens)
-        kv = None  # a layer that owns its KV ignores the previous one's; a CLA layer reads and passes it on
-        for layer in self.layers:
-            x, kv = layer.forward_dense(x, positions, kv)
-        return self.logits(self.final_norm(x))
+        with jax.default_matmul_precision(self.matmul_precision):
+            x = self.embed(tokens)
+            kv = None  # a layer that owns its KV ignores the previous one's; a CLA layer reads and passes it on
+            for layer in self.layers:
+                x, kv = layer.forward_dense(x, positions, kv)
+            x = self.final_norm(x)
+        return self.logits(x)
 
 
 # Canonical per-layer weight name (models/weights.py) -> attribute path inside a DecoderLayer.
@@ -148,6 +161,9 @@ def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "
     for name, param in weight_targets(model).items():
         if is_quantized(param.get_value()):
             raise ValueError(f"load_weights: {name} is quantized; load float weights before quantize_decoder")
+        if is_quantized(weights[name]):  # an FP8 checkpoint's codes and scales (models/loaders/fp8_checkpoint.py)
+            param.set_value(weights[name])
+            continue
         param.set_value(jnp.asarray(weights[name], dtype=param.get_value().dtype))
 
 
@@ -167,8 +183,10 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
     (`group_size`, default 32 if it divides every input dimension, else 64) with the LM head and embedding per-channel
     int8; "int4-awq": AWQ scales searched on `calibration_tokens` and folded into the float weights
     (`models.quantization.awq.apply_awq`), then "int4"; "gguf": the QuantizedWeights in `gguf_weights`
-    (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere. See models/quantization/modes.py. Norms and
-    biases stay float.
+    (`models.loaders.gguf_file.load_gguf_quantized`), float elsewhere; "fp8": float8_e4m3fn per channel everywhere,
+    or, when an FP8 checkpoint's weights are already loaded, those as they are; on CPU held as float32 of the e4m3
+    values (`_hold_fp8_for_the_chip`). See models/quantization/modes.py.
+    Norms and biases stay float.
     """
     if mode is None:
         raise ValueError(f"quantize_decoder needs a mode, one of {QUANTIZATION_MODES}")
@@ -191,6 +209,8 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
                 raise ValueError(f"GGUF tensor {name} is {qw.shape}, the model expects {want}")
             targets[name].set_value(qw)
         return model
+    if mode == "fp8" and any(is_quantized(targets[n].get_value()) for n in linears):
+        return _hold_fp8_for_the_chip(model, targets)  # an FP8 checkpoint: its own choice of FP8 tensors
     layer_linears = [n for n in linears if n != "lm_head"]
     if mode == "int4" and group_size is None:
         group_size = int4_group_size([targets[n].get_value().shape[0] for n in layer_linears])
@@ -198,11 +218,35 @@ def quantize_decoder(model: Decoder, mode: str, *, gguf_weights: dict | None = N
         param = targets[name]
         w = param.get_value()
         if is_quantized(w):
-            raise ValueError(f"quantize_decoder: {name} is already quantized")
-        param.set_value(quantize_linear(w, "int8" if name == "lm_head" else mode,
-                                        None if name == "lm_head" or mode == "int8" else group_size))
+            raise ValueError(f"quantize_decoder: {name} is already quantized (an FP8 checkpoint's tensors take "
+                             "quantization='fp8' or None)")
+        per_channel = mode if mode == "fp8" else "int8"
+        param.set_value(quantize_linear(w, per_channel if name == "lm_head" else mode,
+                                        None if name == "lm_head" or mode in ("int8", "fp8") else group_size))
     if not is_quantized(targets["embed"].get_value()):
-        targets["embed"].set_value(quantize_embedding(targets["embed"].get_value()))
+        embed_mode = "fp8" if mode == "fp8" else "int8"
+        targets["embed"].set_value(quantize_embedding(targets["embed"].get_value(), embed_mode))
+    return _hold_fp8_for_the_chip(model, targets) if mode == "fp8" else model
+
+
+def _hold_fp8_for_the_chip(model: Decoder, targets: dict) -> Decoder:
+    """FP8 weights stay e4m3 codes where the matmul reads them in place: FP8 GPUs (FP8 x FP8) and TPU (XLA fuses the
+    codes' convert into the dot). XLA:CPU has no FP8 units and writes a float32 copy of every weight on every call
+    (SmolLM2 decoded 0.6 tok/s that way against float32's 24.8 in the same run: BENCHMARKS.md), so on CPU each FP8
+    weight is held as the float32 of its e4m3-rounded values: the same numbers at float32's speed and memory."""
+    log = logging.getLogger(__name__)
+    if fp8_matmul_supported():
+        return model
+    if target_backend() != "cpu":
+        log.info("quantization='fp8': this chip has no FP8 matmul; the FP8 weights run weight-only dots (codes "
+                 "converted to the activation dtype inside the dot, exact)")
+        return model
+    log.info("quantization='fp8' on CPU: no FP8 units, so the weights are rounded to e4m3 and held as float32 "
+             "(exact values, float32 speed; no memory saved)")
+    for name, param in targets.items():
+        w = param.get_value()
+        if is_quantized(w) and w.is_fp8:
+            param.set_value(w.dequantize(model.embed.dtype).T if name == "embed" else w.dequantize(model.embed.dtype))
     return model
 
 
@@ -218,6 +262,8 @@ def build_decoder(config: ModelConfig, weights: dict[str, np.ndarray] | None = N
     else:
         model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, attn_impl=attn_impl, rngs=nnx.Rngs(seed)))
         load_weights(model, weights, source)
+        if quantization is None and any(is_quantized(w) for w in weights.values()):
+            quantization = "fp8"  # an FP8 checkpoint: held as this chip wants FP8 weights (`quantize_decoder`)
     if quantization is not None:
         quantize_decoder(model, quantization, gguf_weights=gguf_weights, group_size=quantization_group_size,
                          calibration_tokens=calibration_tokens)

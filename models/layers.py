@@ -15,10 +15,26 @@ import numpy as np
 from flax import nnx
 
 from kernels_pallas import rope_cpu
+from kernels_pallas.backend import target_backend
 from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
 from models.quantization.modes import embedding_lookup, is_quantized, quantized_matmul
+
+
+# XLA:GPU rewrites a dot of under 10M multiply-adds (its `IsMatrixMultiplicationTooSmallForRewriting` threshold)
+# into an elementwise multiply, materialized weights-sized, and a reduce, which it may then fuse into the KV cache
+# scatter (issue 33: one decode sequence's K/V projections, 1 x 4096 x 1024). Packed-token rows below this count
+# are padded with zeros on GPU so every projection stays a GEMM; the tensor cores' tile is 16 rows or more, so the
+# padding reads no extra weight bytes.
+GPU_MIN_GEMM_ROWS = 8
+
+
+def pad_rows_for_gemm(x: jax.Array) -> jax.Array:
+    """x[T, D] with T < GPU_MIN_GEMM_ROWS padded to that many rows when tracing for GPU; else x unchanged."""
+    if x.ndim != 2 or x.shape[0] >= GPU_MIN_GEMM_ROWS or target_backend() != "gpu":
+        return x
+    return jnp.pad(x, ((0, GPU_MIN_GEMM_ROWS - x.shape[0]), (0, 0)))
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -40,10 +56,12 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
+        rows = x if self.batch_invariant else pad_rows_for_gemm(x)
         if is_quantized(kernel):
-            y = quantized_matmul(x, kernel, self.matmul_method)
+            y = quantized_matmul(rows, kernel, self.matmul_method)
         else:
-            y = invariant_matmul(x, kernel) if self.batch_invariant else x @ kernel
+            y = invariant_matmul(rows, kernel) if self.batch_invariant else rows @ kernel
+        y = y[:x.shape[0]] if rows is not x else y
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
 

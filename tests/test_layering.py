@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels_pallas.sharded",),
     ("kernels_pallas",),
     # models
-    ("models.config",),
+    ("models.config", "models.optional_deps"),
     ("models.weights",),
     ("models.quantization.formats", "models.quantization.gguf_blocks", "models.lora"),
     ("models.quantization.modes",),

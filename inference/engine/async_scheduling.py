@@ -6,8 +6,9 @@ the device waits. With it on (`SchedulerConfig.async_scheduling`, the default), 
 
 1. schedule step N+1: the scheduler sees step N's sequences already advanced (computed tokens, pages), each token N
    samples standing in `Sequence.token_ids` as a placeholder (`PLACEHOLDER`);
-2. dispatch N+1 (JAX dispatch returns at once): its placeholder input tokens are gathered on the device from N's
-   sampled-token array, by row (`feed_pending_tokens`); every other input token is known on the host;
+2. dispatch N+1 (JAX dispatch returns at once): its placeholder input tokens are gathered inside the step, on the
+   device, from N's sampled-token array, by row (`feed_pending_tokens`, `TokenFeed`); every other input token is
+   known on the host;
 3. fold N while N+1 computes: fetch its tokens (the copy started when N was dispatched), put them in place of the
    placeholders, run the stop checks, detokenize, build the outputs;
 4. advance N+1's bookkeeping without its tokens (`advance`) and leave it in flight.
@@ -46,8 +47,8 @@ import numpy as np
 from inference.engine.outputs import RequestOutput
 from inference.engine.scheduler import ScheduledBatch
 from inference.engine.sequence import Sequence
-from inference.runtime.batch import ModelInput
-from inference.runtime.runner import ModelRunner, PendingStep
+from inference.runtime.batch import ModelInput, TokenFeed
+from inference.runtime.runner import PendingStep
 
 # The functions below take the `Engine` (inference/engine/llm_engine.py), which imports this module: typed `Engine`
 # here it would be an import cycle, so the alias only names it.
@@ -97,22 +98,24 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[s
     return reasons
 
 
-def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None, runner: ModelRunner,
-                        width: int) -> ModelInput:
-    """`inp` with each placeholder input token replaced, on the device, by the in-flight step's sampled token of
-    that sequence (the placeholder is a decode row's only token: `sync_reasons` holds every other case back).
-    `width`: the largest sequence bucket (`ModelRunner.feed_tokens`)."""
-    if in_flight is None:
+def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None) -> ModelInput:
+    """`inp` with a `TokenFeed`: each placeholder input token is replaced, inside the step on the device, by the
+    in-flight step's sampled token of that sequence (the placeholder is a decode row's only token: `sync_reasons`
+    holds every other case back). Unchanged (the runner adds a no-op feed) when nothing is in flight."""
+    if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
-    pairs = [(int(inp.logits_indices[i]), in_flight.rows[seq]) for i, seq in enumerate(batch.seqs)
-             if seq in in_flight.rows]
-    if not pairs:
+    rows = in_flight.rows
+    prev_row = np.fromiter((rows.get(seq, -1) for seq in batch.seqs), np.int32, len(batch.seqs))
+    fed = prev_row >= 0
+    count = int(fed.sum())
+    if not count:
         return inp
     size = inp.logits_indices.shape[0]  # one gather shape per sequence bucket
     dst = np.full(size, inp.tokens.shape[0], np.int32)
     src = np.zeros(size, np.int32)
-    dst[:len(pairs)], src[:len(pairs)] = zip(*pairs)
-    return inp.replace(tokens=runner.feed_tokens(inp.tokens, in_flight.pending.tokens, dst, src, width))
+    dst[:count] = inp.logits_indices[:len(batch.seqs)][fed]
+    src[:count] = prev_row[fed]
+    return inp.replace(feed=TokenFeed(prev=in_flight.pending.feed, dst=dst, src=src))
 
 
 def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
@@ -147,10 +150,12 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
             engine._fail(seq, exc)
         return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
     now = time.perf_counter()
+    tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
+    requests = engine.requests
     for seq, row in rows.items():
         seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
         try:
-            engine._append_token(seq, engine.requests[seq.request_id], int(out.tokens[row]), out, row, now)
+            engine._append_token(seq, requests[seq.request_id], tokens[row], out, row, now)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             engine._fail(seq, exc)
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]

@@ -3,8 +3,8 @@ that compiles them all before traffic, so a warmed-up server compiles nothing.
 
 Families: `decode` and `prefill` (the target's steps), `verify` (speculative verification: drafts in the batch),
 `draft` (the draft model's catch-up chunks and proposal step, `speculative_method="draft"`), `copy_pages`
-(copy-on-write page copies, one per power-of-two count), `token_feed` (async scheduling's gather of the previous
-step's tokens into this step's input, one per token bucket and sequence bucket). A family's variants are its shapes
+(copy-on-write page copies, one per power-of-two count). Async scheduling's gather of the previous step's tokens
+runs inside every step (`TokenFeed`), so it adds no family and no variant. A family's variants are its shapes
 (`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
 filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
 in prefill, which always runs filters and extras; draft probabilities in verification). The token mask carries
@@ -29,7 +29,7 @@ from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.dispatch import resolve_mla_impl
 
-FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages", "token_feed")
+FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages")
 
 #: The flag sets a decode (or verification) step can take; a prefill step (filters and extras always on,
 #: `StepFlags.of_batch`); a verification step that also carries prompt chunks (mixed scheduling).
@@ -87,21 +87,7 @@ def count_variants(engine) -> dict[str, int]:
     if engine.proposer is not None and engine.proposer.num_variants():
         counts["draft"] = engine.proposer.num_variants()
     counts["copy_pages"] = len(_copy_counts(engine))
-    widths, shapes = _token_feeds(engine, serving_variants(engine))
-    if widths:
-        counts["token_feed"] = len(widths) + len(shapes)
     return counts
-
-
-def _token_feeds(engine, variants: dict[str, list[StepVariant]]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Async scheduling's token feed (`ModelRunner.feed_tokens`): one widening per sequence bucket a step can
-    have, one gather per (tokens, sequences) bucket of a step it can feed; none without async scheduling."""
-    if not engine.async_scheduling:
-        return [], []
-    limits = engine.limits
-    shapes = sorted({(v.shape.num_tokens, v.shape.num_seqs) for family in ("decode", "prefill")
-                     for v in variants.get(family, [])})
-    return bucket_ladder(limits.min_seqs, limits.max_seqs), shapes
 
 
 def _copy_counts(engine) -> list[int]:
@@ -120,12 +106,6 @@ def warmup_serving(engine, *, prefill: bool = True, extras: bool = True) -> dict
         start = time.perf_counter()
         compiled = warm_variants(engine.runner, variants, penalty_len=penalty_len)
         report[family] = {"variants": len(variants), "compiled": compiled, "seconds": time.perf_counter() - start}
-    widths, shapes = _token_feeds(engine, families)
-    if widths:
-        start = time.perf_counter()
-        compiled = engine.runner.warm_token_feeds(widths, shapes, engine.limits.max_seqs)
-        report["token_feed"] = {"variants": len(widths) + len(shapes), "compiled": compiled,
-                                "seconds": time.perf_counter() - start}
     if not prefill:
         return report
     if engine.proposer is not None and engine.proposer.num_variants():

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from models.quantization.modes import check_quantization_args
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: quantized on write with per-token-per-head scales
+# int8 / fp8 (float8_e4m3fn): quantized on write with per-token-per-head scales (kernels_pallas/kv_cache/writes.py)
+KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 POLICIES = ("mixed", "prefill_first")
 SPECULATIVE_METHODS = ("ngram", "draft")
 

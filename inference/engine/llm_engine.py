@@ -8,6 +8,7 @@ Everything here is host-side Python over numpy; the only device work is the runn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -15,13 +16,13 @@ import time
 
 import numpy as np
 
-from inference.runtime.batch import BucketLimits, build_model_input, bucket
+from inference.runtime.batch import BucketLimits, ModelInput, build_model_input, bucket
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
 from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
-from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
@@ -33,6 +34,7 @@ from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_s
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
+from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
@@ -120,6 +122,8 @@ class Engine:
         self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
         self.async_stats = AsyncStats()
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
+        self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
+        runner.feed_width = self.limits.max_seqs  # every step returns its tokens this wide (`TokenFeed`)
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -279,8 +283,26 @@ class Engine:
             if copies:
                 self.runner.copy_pages(copies, group=group)
         draft_probs = self._run_draft(batch) if batch.speculative else None
+        lora_slots = self._lora_slots(batch)
+        touched = self.block_manager.take_touched()
+        reused = None if self.num_spec and batch.speculative else self.persistent.next_step(batch, touched)
+        if reused is not None:  # the steady decode state: derived from the last step's arrays
+            inp, sampling, flags = reused
+            self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])
+        else:
+            inp, sampling, flags = self._build_step(batch, lora_slots, draft_probs)
+            self.persistent.keep(batch, inp, sampling, flags, lora_slots is not None,
+                                 self.block_manager.num_groups)
+        inp = feed_pending_tokens(inp, batch, in_flight)
+        return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
+                                   use_filters=flags.use_filters, logprobs=flags.extras,
+                                   prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
+
+    def _build_step(self, batch: ScheduledBatch, lora_slots: list[int] | None, draft_probs
+                    ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
+        """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
-                                             lora_slots=self._lora_slots(batch))
+                                             lora_slots=lora_slots)
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
@@ -300,10 +322,7 @@ class Engine:
                                    logit_edits=sampling.logit_bias is not None)
         sampling = fold_extras(sampling, flags, vocab_size=self.runner.config.vocab_size, penalty_len=self.penalty_len,
                                sharding=self.runner.token_sharding)
-        inp = feed_pending_tokens(inp, batch, in_flight, self.runner, self.limits.max_seqs)
-        return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
-                                   use_filters=flags.use_filters, logprobs=flags.extras,
-                                   prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
+        return inp, sampling, flags
 
     def _token_mask(self, batch: ScheduledBatch, pad_to: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The step's token bitmask (the grammars of the constrained rows that sample now, and the allowed lists;
@@ -359,11 +378,15 @@ class Engine:
     def _advance(self, seq: Sequence, count: int) -> bool:
         """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
         tokens, full pages into the prefix cache, forks of `n` samples); whether the step sampled a token for it."""
-        seq.num_computed_tokens += count
-        self.block_manager.commit_full_pages(seq)
-        if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = after = before + count
+        # A sequence's registered chain always ends at its last full computed page, so only a step that completes
+        # a page (or the first, which starts the chain) has anything to register.
+        if before == 0 or before // self.page_size != after // self.page_size:
+            self.block_manager.commit_full_pages(seq)
+        if seq.index == 0 and self.scheduler.awaiting_fork and after >= seq.num_prompt_tokens:
             self.scheduler.fork_samples(seq)
-        return seq.num_computed_tokens >= seq.num_tokens
+        return after >= len(seq.token_ids)
 
     def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
         """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted
@@ -412,7 +435,7 @@ class Engine:
                                                      out.top_logprobs[row][:k], self._texts(seq.params)))
             seq.cumulative_logprob += float(out.logprob[row])
         reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
-        if reason is None and self.structured.sync(seq):
+        if reason is None and seq.params.structured_outputs is not None and self.structured.sync(seq):
             reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -441,23 +464,18 @@ class Engine:
 
     # ---- outputs ----------------------------------------------------------------------------------------------
     def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        pending = self.in_flight.rows if self.in_flight is not None else {}
-        for seq in request.seqs:
-            end = seq.num_tokens - (seq in pending)  # not the placeholder of an in-flight token
-            completions.append(CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],  # one copy
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs_mode=seq.params.logprobs_mode if seq.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None))
+        """The request's output now. Its completions are captured (token counts, text, reasons: what later steps
+        change) and built only when read (`DeferredRequestOutput`)."""
+        pending = self.in_flight.rows if self.in_flight is not None else ()
+        states = [(seq, len(seq.token_ids) - (seq in pending), seq.output_text, seq.finish_reason, seq.stop_reason,
+                   len(seq.output_logprobs), seq.cumulative_logprob) for seq in request.seqs]
         first = request.seqs[0]
         # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
         prompt_lp = (list(first.prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None else None
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
-                             outputs=completions, finished=request.finished, metrics=request.metrics,
-                             error=request.error)
+        return DeferredRequestOutput(functools.partial(_completions, states), request_id=request.request_id,
+                                     prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+                                     prompt_logprobs=prompt_lp, finished=all(s.is_finished for s in request.seqs),
+                                     metrics=request.metrics, error=request.error)
 
     def output_of(self, request_id: str) -> RequestOutput:
         """The current output of a request that has not been popped."""
@@ -471,3 +489,15 @@ class Engine:
             if request is not None and request.finished:
                 del self.requests[request_id]
 
+
+def _completions(states: list[tuple]) -> list[CompletionOutput]:
+    """The completions of `Engine._output`'s captured states (the placeholder of an in-flight token excluded)."""
+    out = []
+    for seq, end, text, finish_reason, stop_reason, num_logprobs, cumulative in states:
+        asked = seq.params.logprobs is not None
+        out.append(CompletionOutput(
+            index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],
+            logprobs=seq.output_logprobs[:num_logprobs] if asked else None, finish_reason=finish_reason,
+            stop_reason=stop_reason, logprobs_mode=seq.params.logprobs_mode if asked else None,
+            cumulative_logprob=cumulative if asked else None))
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 
 @dataclasses.dataclass
@@ -74,3 +75,40 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+
+
+class DeferredRequestOutput(RequestOutput):
+    """A `RequestOutput` whose completions are built when `outputs` is first read, from what the engine captured
+    when it made the output (each sequence's token count, text and reasons at that step).
+
+    Why: `Engine.step` returns an output for every request a step advanced, and building their `CompletionOutput`s
+    (a copy of the tokens, the logprob lists) is per-sequence work on the step's critical path that most steps'
+    callers never read (`LLM.generate` reads only final outputs). Later steps only append to a sequence's tokens
+    and logprobs, so a deferred build gives exactly what an eager one would have."""
+
+    def __init__(self, build: Callable[[], list[CompletionOutput]] | None = None, *, request_id: str,
+                 prompt: str | None, prompt_token_ids: list[int], prompt_logprobs, finished: bool,
+                 metrics: RequestMetrics | None = None, error: str | None = None,
+                 outputs: list[CompletionOutput] | None = None):
+        """`build` makes the completions on first read; `outputs` (what `dataclasses.replace` passes) gives them."""
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs, self.finished, self.metrics, self.error = prompt_logprobs, finished, metrics, error
+        if outputs is not None or build is None:
+            self.outputs = outputs if outputs is not None else []
+        else:
+            self._build = build
+
+    def __getattr__(self, name: str):
+        if name != "outputs" or "_build" not in self.__dict__:  # only `outputs` is ever missing
+            raise AttributeError(name)
+        self.outputs = self.__dict__.pop("_build")()
+        return self.outputs
+
+    def __eq__(self, other) -> bool:  # equal to the plain output it stands for
+        fields = [f.name for f in dataclasses.fields(RequestOutput)]
+        return isinstance(other, RequestOutput) and all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None
+
+    def __reduce__(self):  # pickled (or deep-copied) as the plain output it stands for
+        return RequestOutput, tuple(getattr(self, f.name) for f in dataclasses.fields(RequestOutput))

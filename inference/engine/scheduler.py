@@ -19,6 +19,7 @@ The `n` samples of a request wait until the first sample has computed the prompt
 from __future__ import annotations
 
 import bisect
+import operator
 import dataclasses
 from typing import Callable
 
@@ -51,8 +52,9 @@ class ScheduledBatch:
         return any(s.spec_tokens for s in self.seqs)
 
 
-def _queue_key(seq: Sequence) -> tuple[int, int]:
-    return seq.priority, seq.arrival_order
+#: The waiting order (priority, arrival), as a C-level key: the decode pass sorts every running sequence each step.
+_queue_key = operator.attrgetter("priority", "arrival_order")
+RUNNING = SequenceStatus.RUNNING
 
 
 class Scheduler:
@@ -109,16 +111,16 @@ class Scheduler:
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         if self.config.policy == "mixed":
             return self._schedule_mixed()
-        prefill_due = self._prefill_streak < self.config.max_prefill_streak or not decodes
+        prefill_due = self._prefill_streak < self.config.max_prefill_streak or not any(
+            len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running)
         batch = self._schedule_prefill(self.config.max_num_batched_tokens, []) if prefill_due else None
         if batch is not None:
             self._prefill_streak += 1
             return batch
         self._prefill_streak = 0
-        return self._schedule_decode() if decodes else None
+        return self._schedule_decode()  # None when no sequence decodes
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
         decode = self._schedule_decode()
@@ -129,7 +131,9 @@ class Scheduler:
     def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None
                           ) -> ScheduledBatch | None:
         counts = [] if counts is None else counts
-        partial = [s for s in self.running if s.num_uncomputed_tokens > 1 and s not in seqs]
+        partial = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1 and s not in seqs]
+        if not partial and not self.waiting:  # the steady decode state: nothing to prefill
+            return ScheduledBatch(seqs, counts) if seqs else None
         for seq in partial + list(self.waiting):
             if budget <= 0 or len(seqs) == self.config.max_num_seqs:
                 break
@@ -165,10 +169,17 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
+        in_place = self.block_manager.decode_in_place if self.proposer is None else None
+        running = RUNNING
         for seq in sorted(self.running, key=_queue_key):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            if seq.status is not running or len(seq.token_ids) - seq.num_computed_tokens != 1:
                 continue  # preempted below while making room for an older sequence, or still prefilling
             if self.finishing is not None and self.finishing(seq):
+                continue
+            if in_place is not None and in_place(seq):  # steady decode: nothing to allocate, copy or preempt
+                scheduled.append(seq)
+                if len(scheduled) == self.config.max_num_seqs:
+                    break
                 continue
             seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
             if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
@@ -186,7 +197,7 @@ class Scheduler:
             scheduled.append(seq)
             if len(scheduled) == self.config.max_num_seqs:
                 break
-        counts = [1 + len(s.spec_tokens) for s in scheduled]
+        counts = [1 + len(s.spec_tokens) for s in scheduled] if self.proposer is not None else [1] * len(scheduled)
         return ScheduledBatch(scheduled, counts) if scheduled else None
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:

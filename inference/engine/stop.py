@@ -10,7 +10,15 @@ through the tokenizer's incremental detokenizer, so a long generation costs O(1)
 
 from __future__ import annotations
 
+import functools
+
 from inference.engine.sequence import Sequence
+
+
+@functools.lru_cache(maxsize=1024)
+def _longest(stop: tuple[str, ...]) -> int:
+    """The longest stop string's length (a request's stop strings are a tuple, checked at every token)."""
+    return max(map(len, stop))
 
 
 def _append_text(seq: Sequence, tokenizer) -> None:
@@ -34,7 +42,7 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
         _append_text(seq, tokenizer)
         if params.stop and seq.num_output_tokens > params.min_tokens:
             # A new match can only end in the new text: look back by the longest stop string.
-            start = max(0, before - max(len(s) for s in params.stop) + 1)
+            start = max(0, before - _longest(tuple(params.stop)) + 1)
             for stop in params.stop:
                 at = seq.output_text.find(stop, start)
                 if at >= 0:

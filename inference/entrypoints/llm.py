@@ -67,8 +67,8 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
 def _num_pages(cache: CacheConfig, kv_dtype, configs: list) -> int:
     """KV pages of `cache.page_size` tokens that the budget holds for every model in `configs` (the target, and a
     draft model, whose cache has a slot for every target page since it runs on the target's page tables)."""
-    # An int8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py).
-    scale_bytes = 4 if cache.kv_cache_dtype == "int8" else 0
+    # An int8 / fp8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py).
+    scale_bytes = 4 if cache.kv_cache_dtype in ("int8", "fp8") else 0
     bytes_per_token = sum(c.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize, scale_bytes=scale_bytes) for c in configs)
     budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction)
     page_size = cache.page_size
@@ -145,7 +145,8 @@ class LLM:
         self.model_source = loaded.source
         self.quantization = quant.mode
         if cache.kv_cache_dtype == "int8" and loaded.config.is_mla:
-            raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use the model dtype")
+            raise ValueError("kv_cache_dtype='int8' is not supported for MLA's latent cache; use 'fp8' or the model "
+                             "dtype")
         kv_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype or dtype]
         draft = None
         if spec.method == "draft":

@@ -16,7 +16,6 @@ import numpy as np
 from configs.presets import MODEL_PRESETS, PRESET_WEIGHTS, get_model_config
 from inference.loading.tokenizer import Tokenizer
 from models.config import ModelConfig
-from models.loaders.gguf_file import load_gguf
 from models.loaders.hf_checkpoint import load_hf_folder
 from models.loaders.orbax_checkpoint import is_orbax_folder, read_config
 
@@ -53,6 +52,8 @@ def load_model(model: str) -> LoadedModel:
         if not model.endswith(".gguf"):
             raise ValueError(f"{model}: a model file must be .gguf; for safetensors pass the folder holding "
                              "config.json")
+        from models.loaders.gguf_file import load_gguf  # needs `gguf`, only for GGUF files
+
         config, weights, info = load_gguf(model)
         return LoadedModel(config, weights, Tokenizer.from_gguf(info), model)
     if os.path.isdir(model) and is_orbax_folder(model):

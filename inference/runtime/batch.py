@@ -62,6 +62,18 @@ class SpecInput:
 
 
 @struct.dataclass
+class TokenFeed:
+    """Async scheduling's token feed, done inside the step: `tokens[dst] = prev[src]` before the model reads them
+    (inference/engine/async_scheduling.py). `prev` is the in-flight step's sampled tokens as the step returned them,
+    widened to a fixed width (`ModelRunner.feed_width`), so the gather adds no compiled shape; every step carries a
+    feed (a no-op one drops every write at the token bucket), so it adds no variant either."""
+
+    prev: jax.Array  # i32[W]: the previous step's sampled tokens, on the device
+    dst: jax.Array  # i32[S]: the token rows to fill; the token bucket (out of range: dropped) for unused entries
+    src: jax.Array  # i32[S]: the row of `prev` each one takes
+
+
+@struct.dataclass
 class ModelInput:
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
@@ -70,6 +82,7 @@ class ModelInput:
     target_ids: jax.Array  # i32[T]: the next prompt token of each token (for prompt logprobs); -1 where none
     spec: SpecInput | None = None  # draft tokens to verify (speculative steps only)
     lora_slots: jax.Array | None = None  # i32[T]: each token's LoRA slot (models/lora.py; 0: none); None: no LoRA
+    feed: TokenFeed | None = None  # the previous step's tokens gathered into `tokens` on the device (runner fills it)
 
     @classmethod
     def empty(cls, num_tokens: int, num_seqs: int, pages_per_seq: int, max_q_len: int,

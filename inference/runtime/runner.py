@@ -18,12 +18,13 @@ from flax import nnx
 
 from inference.lora.slots import LoRASlots
 from inference.runtime.reshard import reshard_all
-from inference.runtime.batch import ModelInput, SpecInput, bucket
+from inference.runtime.batch import ModelInput, SpecInput, TokenFeed, bucket
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
+from kernels_pallas.kv_cache.layout import has_scales
 from models.attention import QuantizedKV
 from models.decoder import Decoder
 from models.lora import bind_lora
@@ -53,6 +54,7 @@ class PendingStep:
     prompt: tuple | None = None  # prompt logprobs (logprob, top ids, top logprobs, rank)
     spec: list | None = None  # speculative steps: [emitted, num_accepted]
     tokens_only: bool = True  # no logprobs asked: only the tokens come back
+    feed: jax.Array | None = None  # i32[W]: the sampled tokens widened for the next step's `TokenFeed.prev`
 
     @property
     def tokens(self) -> jax.Array:
@@ -64,7 +66,10 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     if lora is not None:  # LoRA slot arrays (inference/lora/slots.py): each token's adapter delta on the projections
         bind_lora(model, lora, inp.lora_slots)
-    hidden, kv_caches = model(inp.tokens, inp.positions, kv_caches, inp.attn)
+    tokens = inp.tokens
+    if inp.feed is not None:  # async scheduling: the in-flight step's tokens, gathered here rather than by the host
+        tokens = tokens.at[inp.feed.dst].set(inp.feed.prev[inp.feed.src], mode="drop")
+    hidden, kv_caches = model(tokens, inp.positions, kv_caches, inp.attn)
     if layout.kv_sharding is not None:  # the donated caches keep their sharding, so they are updated in place
         kv_caches = [jax.lax.with_sharding_constraint(c, layout.kv_sharding) for c in kv_caches]
     logits_of = functools.partial(_logits, model, layout)
@@ -80,7 +85,11 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
         prompt_logits, targets = logits_of(hidden), jnp.maximum(inp.target_ids, 0)
         prompt = (*compute_logprobs(prompt_logits, targets, MAX_LOGPROBS, invariant=model.batch_invariant),
                   token_rank(prompt_logits, targets))
-    return sampled, prompt, kv_caches
+    if inp.feed is None:
+        return sampled, prompt, kv_caches
+    tokens = (sampled[0] if inp.spec is not None else sampled).tokens  # a verification step: (output, drafts...)
+    wide = jnp.zeros_like(inp.feed.prev).at[:tokens.shape[0]].set(tokens)
+    return sampled, prompt, kv_caches, wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +196,8 @@ class ModelRunner:
         self.attn_impl = getattr(model.layers[0].attn, "attn_impl", "auto")
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
-        # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS.md, host overhead),
-        # a list next to nothing.
+        # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS_HISTORY.md, host
+        # overhead), a list next to nothing.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         # What update_weights checks new leaves against (the leaves themselves are gone while asleep).
         self._param_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.param_leaves]
@@ -213,7 +222,7 @@ class ModelRunner:
             self.param_leaves = self._place(self.param_leaves)
             # MLA's latent cache has no head axis: every device keeps the whole latent (docs/sharding.md).
             kv_sharding = replicated(mesh) if padded.is_mla else kv_cache_sharding(mesh, padded.num_kv_heads)
-            if jnp.dtype(kv_dtype) == jnp.int8:  # the scales are head-major too: the same split
+            if has_scales(kv_dtype) and not padded.is_mla:  # int8 / fp8: the scales are head-major too, same split
                 kv_sharding = QuantizedKV(pages=kv_sharding, scales=kv_sharding)
             self._kv_sharding = kv_sharding
             self.token_sharding = replicated(mesh)
@@ -233,12 +242,9 @@ class ModelRunner:
             lambda caches, src, dst: [_copy_cache_pages(c, src, dst) if kv_sharding is None else
                                       jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
                                       for c in caches], donate_argnums=(0,))
-        # Async scheduling's token feed (inference/engine/async_scheduling.py): the in-flight step's sampled tokens
-        # widened to one size, then gathered into the next step's input ids; per runner, so it is counted and warmed.
-        self._widen_tokens = jax.jit(lambda prev, width: jnp.zeros((width,), prev.dtype).at[:prev.shape[0]].set(prev),
-                                     static_argnums=(1,))
-        self._gather_tokens = jax.jit(lambda tokens, prev, dst, src: tokens.at[dst].set(prev[src], mode="drop"),
-                                      donate_argnums=(0,))
+        # Async scheduling's token feed (`TokenFeed`): the width of the sampled tokens every step also returns for
+        # the next step to gather from (the engine sets its largest sequence bucket; None: each step's own).
+        self.feed_width: int | None = None
 
     def _zero_kv_caches(self) -> list:
         """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
@@ -255,30 +261,13 @@ class ModelRunner:
         """Compiled variants of each step so far (one per static bucket seen), and of the copy-on-write page copy
         (one per power-of-two count of copies)."""
         return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size(),
-                "copy_pages": self._copy_pages._cache_size(),
-                "token_feed": self._widen_tokens._cache_size() + self._gather_tokens._cache_size()}
+                "copy_pages": self._copy_pages._cache_size()}
 
-    def feed_tokens(self, tokens: np.ndarray, prev: jax.Array, dst: np.ndarray, src: np.ndarray,
-                    width: int) -> jax.Array:
-        """`tokens` (a step's input ids, host) with tokens[dst] = prev[src] done on the device: async scheduling
-        fills its placeholders from the in-flight step's sampled tokens `prev` without waiting for them. `prev` is
-        first widened to `width` (the largest sequence bucket), so the gather has one shape per (tokens, sequences)
-        bucket of the step it feeds whatever the previous step's bucket was; both inputs are committed to the
-        runner's devices, as the step outputs are, so warm-up's calls key the same executables."""
-        wide = self._widen_tokens(jax.device_put(prev, self.token_sharding), width)
-        return self._gather_tokens(jax.device_put(tokens, self.token_sharding), wide,
-                                   jax.device_put(dst, self.token_sharding), jax.device_put(src, self.token_sharding))
-
-    def warm_token_feeds(self, widths: list[int], shapes: list[tuple[int, int]], width: int) -> int:
-        """Compile `feed_tokens` for previous steps of each sequence bucket in `widths` and next steps of each
-        (tokens, sequences) bucket in `shapes`; returns how many executables that added."""
-        before = self.num_compilations()["token_feed"]
-        for n in widths:
-            self._widen_tokens(jax.device_put(np.zeros(n, np.int32), self.token_sharding), width)
-        for t, s in shapes:
-            self.feed_tokens(np.zeros(t, np.int32), np.zeros(width, np.int32), np.full(s, t, np.int32),
-                             np.zeros(s, np.int32), width)
-        return self.num_compilations()["token_feed"] - before
+    def noop_feed(self, num_tokens: int, num_seqs: int) -> TokenFeed:
+        """A feed that writes nothing (every entry dropped at the token bucket), of the width the engine's steps
+        use: what a step without an in-flight predecessor carries (made once per shape)."""
+        width = self.feed_width if self.feed_width is not None and self.feed_width >= num_seqs else num_seqs
+        return _noop_feed(num_tokens, num_seqs, width, self.token_sharding)
 
     def execute(self, inp: ModelInput, sampling: SamplingTensors, *, is_decode: bool, use_filters: bool = False,
                 logprobs: bool = False, prompt_logprobs: bool = False, fetch: bool = True) -> StepOutput | PendingStep:
@@ -294,14 +283,15 @@ class ModelRunner:
             lora = self.lora.arrays
             if inp.lora_slots is None:  # warm-up and other callers without adapters: every token on slot 0
                 inp = inp.replace(lora_slots=np.zeros(inp.tokens.shape[0], np.int32))
-        inp = inp.replace(tokens=jax.device_put(inp.tokens, self.token_sharding))  # committed there, always
-        sampled, prompt, self.kv_caches = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
-                                             use_filters=use_filters, logprobs=logprobs,
-                                             prompt_logprobs=prompt_logprobs)
+        feed = inp.feed if inp.feed is not None else self.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0])
+        inp = inp.replace(tokens=jax.device_put(inp.tokens, self.token_sharding), feed=feed)  # committed there, always
+        sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
+                                                   use_filters=use_filters, logprobs=logprobs,
+                                                   prompt_logprobs=prompt_logprobs)
         spec = None
         if inp.spec is not None:
             sampled, *spec = sampled
-        pending = PendingStep(sampled, prompt, spec, tokens_only=not (logprobs or prompt_logprobs or spec))
+        pending = PendingStep(sampled, prompt, spec, tokens_only=not (logprobs or prompt_logprobs or spec), feed=wide)
         if not fetch:
             for leaf in jax.tree.leaves(pending.tokens if pending.tokens_only else (sampled, prompt, spec)):
                 leaf.copy_to_host_async()  # the readback overlaps the next step instead of following it
@@ -399,3 +389,12 @@ class ModelRunner:
                 return [jnp.asarray(x) for x in leaves]
             return reshard_all(leaves, [jax.sharding.SingleDeviceSharding(self._device)] * len(leaves))
         return reshard_all(leaves, self.param_shardings)
+
+
+@functools.lru_cache(maxsize=256)
+def _noop_feed(num_tokens: int, num_seqs: int, width: int, sharding: jax.sharding.Sharding) -> TokenFeed:
+    """`ModelRunner.noop_feed`'s arrays, read-only: `prev` on the device, as a real feed's (the step's output) is."""
+    dst = np.full(num_seqs, num_tokens, np.int32)
+    src = np.zeros(num_seqs, np.int32)
+    dst.flags.writeable = src.flags.writeable = False
+    return TokenFeed(prev=jax.device_put(np.zeros(width, np.int32), sharding), dst=dst, src=src)

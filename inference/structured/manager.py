@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-import llguidance
-import llguidance.numpy as llg_numpy
 import numpy as np
 
 from inference.sampling.token_mask import all_allowed
-from inference.structured.params import StructuredOutputsParams
+from inference.structured.params import StructuredOutputsParams, llguidance_module
 from inference.structured.tokenizer import ll_tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 @dataclasses.dataclass
@@ -58,13 +59,13 @@ class StructuredOutputManager:
                              "with a tokenizer (GGUF metadata or tokenizer.json)")
         if self._ll_tokenizer is None:
             self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance_module().LLExecutor()
         return self._ll_tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The grammar of `params`, checked against the tokenizer; ValueError naming the problem if it fails."""
         spec = params.grammar_spec()
-        error = llguidance.LLMatcher.validate_grammar(spec, self._ll())
+        error = llguidance_module().LLMatcher.validate_grammar(spec, self._ll())
         if error:
             raise ValueError(f"structured_outputs.{params.kind} does not compile: {error.strip()}")
         return spec
@@ -72,7 +73,7 @@ class StructuredOutputManager:
     def add(self, seq_ids: Sequence[int], grammar: str) -> None:
         """A fresh matcher for each sequence of a request (its `n` samples advance independently)."""
         for seq_id in seq_ids:
-            matcher = llguidance.LLMatcher(self._ll(), grammar, log_level=0)
+            matcher = llguidance_module().LLMatcher(self._ll(), grammar, log_level=0)
             if matcher.is_error():
                 raise ValueError(f"the structured-outputs grammar failed to start: {matcher.get_error()}")
             self._grammars[seq_id] = SequenceGrammar(matcher)
@@ -115,7 +116,7 @@ class StructuredOutputManager:
         for row, seq in constrained:
             self.sync(seq)
             matchers.append((self._grammars[seq.seq_id].matcher, row))
-        llg_numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+        llguidance_module("numpy").fill_next_token_bitmask_par(self._executor, matchers, mask)
         self.mask_seconds += time.perf_counter() - start
         self.masked_steps += 1
         return mask

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import ModuleType
 from typing import Any
+
+from models.optional_deps import require
 
 #: The kinds of constraint, in the order vLLM's `StructuredOutputsParams` lists them.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -69,9 +72,7 @@ class StructuredOutputsParams:
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must hold non-empty strings, got {self.choice!r}")
             set_("choice", tuple(self.choice))
-        import llguidance  # here, not at the top: `from inference import SamplingParams` stays light
-
-        error = llguidance.LLMatcher.validate_grammar(self.grammar_spec())
+        error = llguidance_module().LLMatcher.validate_grammar(self.grammar_spec())
         if error:
             raise ValueError(f"structured_outputs.{self.kind} is invalid: {error.strip()}")
 
@@ -82,8 +83,7 @@ class StructuredOutputsParams:
 
     def grammar_spec(self) -> str:
         """The llguidance grammar (its JSON form) of the constraint; tokenizer-independent."""
-        import llguidance
-
+        llguidance = llguidance_module()
         matcher = llguidance.LLMatcher
         if self.kind in ("json", "json_object"):
             schema = self.json if self.json is not None else '{"type": "object"}'
@@ -100,6 +100,12 @@ class StructuredOutputsParams:
             return llguidance.grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
         except ValueError as exc:
             raise ValueError(f"structured_outputs.grammar is invalid: {exc}") from None
+
+
+def llguidance_module(submodule: str = "") -> ModuleType:
+    """llguidance (or one of its submodules), imported when a request first asks for structured outputs: `from
+    inference import SamplingParams` stays light, and an engine that never sees a constraint never needs it."""
+    return require("llguidance" + (f".{submodule}" if submodule else ""), "Structured outputs", "llguidance")
 
 
 def _schema_text(schema: Any) -> str:

@@ -9,9 +9,12 @@ exact bytes, and added / special tokens are known as such. No vocabulary is re-e
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-import llguidance
+from inference.structured.params import llguidance_module
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:
@@ -27,4 +30,4 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> ll
     eos = sorted({int(t) for t in eos_token_ids})
     if not eos:
         raise ValueError("structured outputs need an EOS token (the tokenizer and the model config name none)")
-    return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return llguidance_module().LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)

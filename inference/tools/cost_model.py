@@ -77,6 +77,21 @@ def param_count(config: ModelConfig) -> ParamCount:
     return ParamCount(**counts)
 
 
+#: Bytes per weight / cache element of the formats pagejax stores. fp8 is float8_e4m3fn (quantization="fp8",
+#: kv_cache_dtype="fp8") and int8 one byte too; their float32 scales (one per output channel of a weight, one per
+#: token and KV head of a cache: 4 / head_dim bytes per element, 3% at head_dim 128) are not counted.
+FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+#: The chips `bounds_table` prints by default: the FP8 chips (Hopper) of the presets.
+FP8_CHIPS = ("h100", "h200")
+
+
+def format_bytes(name: str) -> float:
+    """Bytes per element of a storage format name (FORMAT_BYTES)."""
+    if name not in FORMAT_BYTES:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMAT_BYTES)}")
+    return FORMAT_BYTES[name]
+
+
 def weight_bytes(config: ModelConfig, bytes_per_element: float) -> float:
     """Bytes of all weights at `bytes_per_element` (2 for bf16): what one decode step of a dense model reads."""
     return param_count(config).total * bytes_per_element
@@ -307,6 +322,22 @@ def cost_report(config: ModelConfig, batches: Sequence[int], context: int, chip:
         model=config.name, chip=chip, context=context, bytes_per_element=bytes_per_element,
         summaries=tuple(summarize(v, context, bytes_per_element) for v in variants),
         rows=tuple(estimate_decode_step(v, b, context, chip, bytes_per_element) for v in variants for b in batches))
+
+
+def bounds_table(config: ModelConfig, batches: Sequence[int], context: int, formats: Sequence[str] = ("bf16", "fp8"),
+                 chips: Sequence[str] = FP8_CHIPS) -> str:
+    """The bandwidth-only decode bound (ms a step, tokens/s) of each chip x storage format (weights and KV cache in
+    the same format) x batch, side by side: what FP8 weights and an FP8 cache buy on Hopper."""
+    lines = [f"model {config.name}, context S={context}: decode bound = (weights + batch·KV per sequence) / bandwidth",
+             "chip   format  batch  weights_gb  kv_gb  step_ms  tokens_per_s"]
+    for chip_name in chips:
+        chip = get_chip(chip_name)
+        for fmt in formats:
+            for b in batches:
+                r = estimate_decode_step(config, b, context, chip, format_bytes(fmt))
+                lines.append(f"{chip.name:6s} {fmt:7s} {b:5d}  {r.weight_bytes / GB:10.2f}  {r.kv_bytes / GB:5.2f}  "
+                             f"{r.step_s * 1e3:7.2f}  {r.tokens_per_s:12,.0f}")
+    return "\n".join(lines)
 
 
 def json_rows(report: CostReport) -> list[dict[str, Any]]:

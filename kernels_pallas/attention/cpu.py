@@ -27,6 +27,7 @@ from kernels_pallas.attention.reference import check_attention_inputs
 from kernels_pallas.native import gate
 from kernels_pallas.native.build import KernelBuildError  # noqa: F401  (re-exported: what impl="cpu" raises)
 
+KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)  # the cache dtypes the kernel reads (not fp8 yet: the reference)
 KERNEL = gate.CpuKernel("pagejax_ragged_paged_attention_cpu", "PagejaxRaggedPagedAttentionCpu")
 
 
@@ -51,7 +52,7 @@ def ragged_paged_attention_cpu(
     `mask_value` are accepted for signature parity; the kernel needs neither."""
     del mask_value, max_q_len
     check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
-    if kv_pages.dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+    if kv_pages.dtype not in KV_DTYPES:
         raise ValueError(f"the CPU kernel reads float32, bfloat16 or int8 KV pages, not {kv_pages.dtype}; "
                          "use impl='reference'")
     if kv_pages.dtype == jnp.int8 and kv_scales is None:

@@ -10,10 +10,9 @@ force a kernel; off its hardware it only runs in interpret mode (`interpret=pltp
 
 `impl="mosaic_gpu"` forces the Pallas Mosaic GPU kernel (`attention/mosaic_gpu.py`: Hopper only; bf16/f16 queries
 over a cache of the same dtype or an int8 cache with its scales; head_dim 64/128; no f32, which stays the Triton
-kernel's IEEE path; `interpret=True` runs Mosaic GPU's CPU interpreter). "auto" does not pick it yet, by rule
-rather than by oversight: it has compiled for sm_90a but never run on a GPU, and its compiled PV path
-(probabilities kept in registers, accumulating wgmma) is one the interpreter cannot execute. Once a Hopper run
-checks it against the reference and `scripts/bench/kernel_bench.py` shows it ahead of the Triton kernel, "auto" routes
+kernel's IEEE path; `interpret=True` runs Mosaic GPU's CPU interpreter). "auto" does not pick it: on the one H200
+run (2026-12-04; figures in BENCHMARKS.md) the Triton kernel was faster in decode, with a bf16 and with an int8
+cache. Once `scripts/bench/kernel_bench.py` shows it ahead, "auto" routes
 to it on Hopper where `mosaic_gpu.supports(...)` holds (bf16/f16 and int8 caches), and to the Triton kernel
 elsewhere (f32, other head dims). MLA's latent cache (`mla/dispatch.py`) has no Mosaic GPU kernel yet: its score
 is two parts (latent 512 + rope 64 lanes) and its value is the latent itself, so a 64-row f32 accumulator of 512
@@ -59,7 +58,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            interpret=False, max_q_len: int | None = None,
                            kv_scales: jax.Array | None = None) -> jax.Array:
     """See `ragged_paged_attention_reference` for the contract. `interpret` goes to the Pallas kernels only."""
-    impl = resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_cache/layout.py)
+    requested, impl = impl, resolve_impl(impl, kv_pages.shape[2], q.shape[-1])  # page_size (kv_cache/layout.py)
+    if requested == "auto" and impl == "cpu" and kv_pages.dtype not in cpu.KV_DTYPES:
+        impl = "reference"  # an fp8 cache: the C++ kernel does not read it yet
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
               v_scale=v_scale, max_q_len=max_q_len, kv_scales=kv_scales)
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)

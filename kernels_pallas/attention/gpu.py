@@ -62,7 +62,8 @@ Grid `(sequence, kv_head, query_block * num_kv_splits)`.
     for the FMA dot is erratic across neighbouring tile shapes (some spill tens of KB), so the f32 entries were
     picked by compiling each of them, like all the others.
 
-Block sizes: `BLOCK_SIZES` (per chip, decode / prefill, by dtype), chosen from deviceless compiles (`jax 0.12`,
+Block sizes: `gpu_tuning.BLOCK_SIZES` (per chip, decode / mixed / prefill, by dtype; each entry with the measurement
+it came from) and the split rule `gpu_tuning.SPLIT_RULES`, chosen from deviceless compiles (`jax 0.12`,
 `gpu_compile_report.py` parses ptxas): every table entry compiles for H100 and H200 without spills, at D 64/128,
 Hkv 3/8 (split-KV on and off). Shared memory per program, as measured, follows from the tiles: the 64+ row
 prefill tiles hold the q tile plus `num_stages` K+V blocks (bf16 D=128: 32 KiB q + 2 x 32 KiB = 96 KiB; 173
@@ -85,6 +86,7 @@ per page; no software pipelining beyond what Triton's `num_stages` does for the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -96,29 +98,13 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.backend import target_device_kind
 from kernels_pallas.kv_cache.layout import cache_dims
 from kernels_pallas.attention.reference import DEFAULT_MASK_VALUE, check_attention_inputs
+from kernels_pallas.attention.gpu_tuning import SPLIT_RULES, batch_kind, blocks
 
 MIN_DOT = 16  # tl.dot needs M, N, K >= 16
 
 # f32 dots (an f32 cache with f32 queries): see the module docstring.
 F32_PRECISION = lax.Precision.HIGHEST
 
-# Block sizes per GPU, for decode (max_q_len == 1) or anything else, by the tiles' dtype ("float32" when q or the
-# cache is f32): query rows per program (block_q * Gp), KV tokens per block (the largest power of two within
-# kv_tokens and within kv_bytes of K + V per block: the shared-memory buffer of one pipeline stage), Triton's
-# num_warps and num_stages. Chosen from ptxas's numbers in deviceless compiles (H100/H200, jax 0.12.0.1, Hq = 4 *
-# Hkv, D 64 and 128; see the module docstring): no spills, registers well under the 255 ceiling. H100 and H200
-# have the same SM (132 SMs, 227 KiB shared memory per block, 64K registers per SM), only HBM differs, so they
-# share one table until timings on hardware say otherwise.
-_KIB = 1024
-_HOPPER = {
-    ("decode", "bfloat16"): dict(rows=16, kv_tokens=256, kv_bytes=64 * _KIB, num_warps=8, num_stages=2),
-    ("decode", "int8"): dict(rows=16, kv_tokens=128, kv_bytes=16 * _KIB, num_warps=8, num_stages=2),
-    ("decode", "float32"): dict(rows=16, kv_tokens=32, kv_bytes=32 * _KIB, num_warps=8, num_stages=1),
-    ("prefill", "bfloat16"): dict(rows=128, kv_tokens=64, kv_bytes=32 * _KIB, num_warps=8, num_stages=2),
-    ("prefill", "int8"): dict(rows=128, kv_tokens=64, kv_bytes=8 * _KIB, num_warps=8, num_stages=2),
-    ("prefill", "float32"): dict(rows=64, kv_tokens=32, kv_bytes=16 * _KIB, num_warps=8, num_stages=1),
-}
-BLOCK_SIZES = {"h100": _HOPPER, "h200": _HOPPER, "default": _HOPPER}
 
 
 def _next_pow2(n: int) -> int:
@@ -198,7 +184,7 @@ def _kernel(kv_lens_ref, cu_q_lens_ref, num_seqs_ref, page_table_ref, *refs, num
                 at = [lax.broadcasted_iota(jnp.int32, shape, a) for a in (1, 2)]  # masked load needs it
                 at = (jnp.broadcast_to(pages[:, None, None], shape), *at)
                 rows_ok = jnp.broadcast_to(in_range.reshape(pages_per_block, page_size, 1), shape)
-                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=0).reshape(block_kv, -1)
+                v = plgpu.load(v_ref.at[at], mask=rows_ok, other=jnp.zeros((), v_ref.dtype)).reshape(block_kv, -1)
             scores = sum(plgpu.dot(q, k.astype(compute_dtype), trans_b=True, precision=dot_precision)
                          for q, k in zip(qs, ks)) * sm_scale  # [rows, block_kv] f32
             if quantized:  # the KV head's scales flattened: page p's K scales at p * 2 * page_size, V after them
@@ -265,12 +251,14 @@ def gpu_chip(device_kind: str | None = None) -> str:
 
 
 def block_config(chip: str | None, group: int, page_size: int, pages_per_seq: int, max_q_len: int,
-                 key_width: int, value_dim: int, dtype: str) -> dict:
-    """(block_q, pages_per_block, num_warps, num_stages) from `BLOCK_SIZES[chip]`. Rows = block_q * Gp: the entry's
-    `rows`, scaled down for value dims over 128 (the f32 accumulator is rows x value_dim), fewer for short queries,
-    at least 16 and at least Gp. KV block: see `BLOCK_SIZES`; `key_width` is the lanes of K (all parts) plus V
-    per token, and the block is not much longer than the longest sequence."""
-    entry = BLOCK_SIZES[gpu_chip() if chip is None else chip][("decode" if max_q_len == 1 else "prefill", dtype)]
+                 key_width: int, value_dim: int, dtype: str, kind: str | None = None) -> dict:
+    """(block_q, pages_per_block, num_warps, num_stages) from the `gpu_tuning` entry of (chip, kind, dtype); kind
+    None: decode for `max_q_len == 1`, else prefill. Rows = block_q * Gp: the entry's `rows`, scaled down for
+    value dims over 128 (the f32 accumulator is rows x value_dim), fewer for short queries, at least 16 and at
+    least Gp. KV block: the largest power of two within the entry's kv_tokens and kv_bytes; `key_width` is the
+    lanes of K (all parts) plus V per token, and the block is not much longer than the longest sequence."""
+    kind = kind or ("decode" if max_q_len == 1 else "prefill")
+    entry = dataclasses.asdict(blocks(gpu_chip() if chip is None else chip, kind, dtype))
     group_pad = _next_pow2(group)
     rows = min(entry["rows"], max(MIN_DOT, entry["rows"] * 128 // value_dim))
     block_q = max(MIN_DOT // group_pad, min(_next_pow2(max_q_len), rows // group_pad), 1)
@@ -281,12 +269,13 @@ def block_config(chip: str | None, group: int, page_size: int, pages_per_seq: in
                 num_stages=entry["num_stages"])
 
 
-def default_kv_splits(num_programs: int, num_kv_blocks: int, target_programs: int = 512) -> int:
+def default_kv_splits(num_programs: int, num_kv_blocks: int, target_programs: int = 512, max_splits: int = 16) -> int:
     """Split-KV count when the caller gives none: enough splits that the grid has ~`target_programs` programs
     (about 4 per SM on a 132-SM H100/H200, so that few long sequences still fill the GPU), a power of two, at most
-    16 and at most the number of KV blocks of the longest sequence. Untuned (no GPU was available)."""
+    `max_splits` and at most the number of KV blocks of the longest sequence (`gpu_tuning.SPLIT_RULES` per chip,
+    with what it was measured at)."""
     want = -(-target_programs // max(num_programs, 1))
-    return max(1, min(16, _next_pow2(want), num_kv_blocks))
+    return max(1, min(max_splits, _next_pow2(want), num_kv_blocks))
 
 
 def check_block_sizes(rows: int, block_kv: int) -> None:
@@ -337,7 +326,10 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
     key_width = sum(p.shape[-1] for p in q_parts) + (value_dim if value_operand is not None else 0)
     kv_dtype = jnp.dtype(key_operands[0][0].dtype)
     tiles = "float32" if jnp.dtype(jnp.float32) in (kv_dtype, jnp.dtype(q_parts[0].dtype)) else kv_dtype.name
-    config = block_config(chip, group, page_size, pages_per_seq, max_q_len, key_width, value_dim, tiles)
+    tiles = "int8" if kv_dtype == jnp.float8_e4m3fn else tiles  # an fp8 cache: 1 byte a value, int8's tiles
+    chip = gpu_chip() if chip is None else chip
+    config = block_config(chip, group, page_size, pages_per_seq, max_q_len, key_width, value_dim, tiles,
+                          kind=batch_kind(max_q_len, num_tokens, max_seqs))
     given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps, num_stages=num_stages)
     config |= {k: v for k, v in given.items() if v is not None}
     block_q, pages_per_block = config["block_q"], config["pages_per_block"]
@@ -349,7 +341,9 @@ def paged_flash_attention(q_parts, key_operands, value_operand, scale_operands, 
     padded_pages = _cdiv(pages_per_seq, pages_per_block) * pages_per_block
     page_table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, padded_pages - pages_per_seq)))
     num_q_blocks = _cdiv(max_q_len, block_q)
-    splits = num_kv_splits or default_kv_splits(max_seqs * num_kv_heads * num_q_blocks, padded_pages // pages_per_block)
+    rule = SPLIT_RULES.get(chip, SPLIT_RULES["default"])
+    splits = num_kv_splits or default_kv_splits(max_seqs * num_kv_heads * num_q_blocks, padded_pages // pages_per_block,
+                                                rule.target_programs, rule.max_splits)
     whole = pl.no_block_spec
     in_specs = [whole, whole, whole, pl.BlockSpec((None, padded_pages), lambda s, h, j: (s, 0))]
     operands = [kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), page_table]
@@ -415,8 +409,8 @@ def ragged_paged_attention_gpu(
     program's KV range into that many chunks on the grid, combined in a second pass, for long decode with few
     sequences; None picks `default_kv_splits` from the grid size. `block_q` (query tokens per program; block_q *
     next_pow2(group) must be a power of two >= 16), `pages_per_block` (pages per KV block; times page_size a
-    power of two >= 16), `num_warps` and `num_stages` (Triton's) override `BLOCK_SIZES[chip]` (`chip`: 'h100',
-    'h200'; default: the GPU this runs on, see `gpu_chip`).
+    power of two >= 16), `num_warps` and `num_stages` (Triton's) override the `gpu_tuning` entry of `chip` ('h100',
+    'h200'; default: the GPU this runs on, see `gpu_chip`) for the batch's kind (`gpu_tuning.batch_kind`).
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
     num_tokens, _, head_dim = q.shape

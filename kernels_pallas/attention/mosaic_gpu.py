@@ -3,7 +3,9 @@ multi-stage shared-memory pipeline, QK and PV on warpgroup MMA (wgmma), online s
 split-KV with a combine pass. Same signature and semantics as `ragged_paged_attention_reference`.
 
 Status: tested on CPU in Mosaic GPU's interpret mode against the reference; compiled deviceless for sm_90a in the
-tests where jax-cuda13-plugin is installed; never run on a GPU, so nothing here is a timing.
+tests where jax-cuda13-plugin is installed; run once on an H200 (2026-12-04; figures in BENCHMARKS.md): it matched
+the f32 reference and was slower than the Triton kernel in decode and with int8; its non-finite output on padded
+metadata there is fixed (`clean_metadata`).
 
 Design (why it is shaped this way):
   * One program (a CUDA block of one warpgroup, 128 threads) owns one 64-row query tile of one KV head. A tile's
@@ -14,7 +16,9 @@ Design (why it is shaped this way):
     consecutively; the static bound `cdiv(T, block_q) + S` tiles covers any split of T tokens into S sequences,
     so no program is spent on the empty query blocks of a `(S, max_q_blocks)` grid. The wrapper computes each
     tile's scalars (sequence, first query position, the key range, the KV-block range of each KV split) in
-    plain XLA (`mosaic_gpu_tiles.py`), and the kernel reads them from one small int32 array in GMEM.
+    plain XLA (`mosaic_gpu_tiles.py`), and the kernel reads them from one small int32 array in GMEM. That
+    bookkeeping first empties the slots past `num_seqs` (`clean_metadata`): callers pad them as they like (JAX's
+    tests pad `cu_q_lens` with zeros), and its binary searches need a non-decreasing `cu_q_lens`.
   * q and the output live in the tiles' layout `[Hkv, tiles * 64, D]` (a scatter of q before the kernel, a gather
     of the output after it, both plain XLA over T * Hq * D elements): a tile's rows start at `tile * 64`, because
     a TMA copy into (8, 64)-tiled shared memory needs a GMEM row offset that is a multiple of 8 (Mosaic's layout
@@ -68,13 +72,14 @@ Design (why it is shaped this way):
     the same shared-memory tiles (`OLD_INTERPRETER`). TMA copies, barriers, the pipeline, masking, the V fix-up,
     the tile bookkeeping and the split combine are the same code in both.
 
-What the compiler said (deviceless, sm_90a, `python -m kernels_pallas.attention.mosaic_gpu_compile h100|h200`;
-H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints no shared-memory figure):
+What the compiler said (deviceless, sm_90a, `scripts/tools/aot_compile.py --chips=h100 --what=mosaic_gpu`;
+H100 and H200 identical; jax 0.12.0.1, in parentheses jax 0.10.2, which prints no shared-memory figure; the same
+figures at the batch shapes of the harness's other kernel cases, recompiled 2026-12-04, as at the shapes below):
   * decode 64 seqs x 2048 tokens, Hq 32 / Hkv 8 / D 128 bf16, 16-token pages (4 stages of 64 tokens, no split):
     209 (219) registers, 0 spills, 149504 B shared memory (q tile 16 KiB + 4 x (K 16 + V 16) KiB + barriers);
   * the same with 4 KV splits: 225 (221) registers, 0 spills, 183296 B (+ the f32 output tile and lse);
-  * mixed 4 x 512-token prefills + 60 decodes: 209 (219) registers, 0 spills, 149504 B;
-  * D 64, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
+  * mixed 4 x 512-token prefills + 60 decodes (the harness: 2 x 256 + 32): 209 (219) registers, 0 spills, 149504 B;
+  * D 64, Hq 32 / Hkv 4, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
   * int8 cache, the decode shape: 226 (241) registers, 0 spills, 118784 B (q 16 KiB + 4 x (K 8 + V 8)
     KiB int8 stages + 4 x 512 B scales + the bf16 K and V tiles 2 x 16 KiB); the mixed batch: the same figures;
   * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B.
@@ -100,9 +105,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.attention.mosaic_gpu_tiles import (NUM_INFO, ROWS, combine_splits, default_block_kv,
-                                                       default_kv_splits, sanitize_pages, scales_by_sequence,
-                                                       tile_info, token_rows_of)
+from kernels_pallas.attention.mosaic_gpu_tiles import (NUM_INFO, ROWS, clean_metadata, combine_splits,
+                                                       default_block_kv, default_kv_splits, sanitize_pages,
+                                                       scales_by_sequence, tile_info, token_rows_of)
 from kernels_pallas.attention.reference import DEFAULT_MASK_VALUE, check_attention_inputs
 from kernels_pallas.kv_cache.layout import cache_dims
 
@@ -417,14 +422,15 @@ def ragged_paged_attention_mosaic_gpu(
     tile_bytes = block_kv * head_dim * kv_pages.dtype.itemsize
     stages = num_stages or max(2, min(4, (160 * 1024) // (2 * tile_bytes)))
 
-    info, tile_start = tile_info(kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
-                                 num_seqs.astype(jnp.int32), num_tokens=num_tokens, block_q=block_q,
+    num_seqs = num_seqs.astype(jnp.int32)
+    kv_lens, cu_q_lens = clean_metadata(kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32), num_seqs)
+    info, tile_start = tile_info(kv_lens, cu_q_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
                                  block_kv=block_kv, num_tiles=num_tiles, num_splits=splits,
                                  sliding_window=sliding_window)
-    pages = sanitize_pages(page_indices, kv_lens.astype(jnp.int32), page_size, num_kv_blocks * block_kv // page_size)
+    pages = sanitize_pages(page_indices, kv_lens, page_size, num_kv_blocks * block_kv // page_size)
     # q in the tiles' layout [Hkv, tiles * 64, D], the output's too: token t's group of query heads is rows
     # `token_rows[t]` of its tile (a scatter here, a gather after the kernel; rows of no valid token stay zero)
-    token_rows = token_rows_of(cu_q_lens.astype(jnp.int32), num_seqs, tile_start, num_tokens, block_q, group)
+    token_rows = token_rows_of(cu_q_lens, num_seqs, tile_start, num_tokens, block_q, group)
     out_rows = num_tiles * ROWS
     q_heads = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [Hkv, T, group, D]
     q_tiles = jnp.zeros((num_kv_heads, out_rows, head_dim), q.dtype).at[:, token_rows].set(q_heads, mode="drop")

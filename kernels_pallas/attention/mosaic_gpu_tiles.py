@@ -14,6 +14,18 @@ ROWS = 64  # query rows per tile: the M of one warpgroup MMA
 NUM_INFO = 8  # int32 scalars per (split, tile): see `tile_info`
 
 
+def clean_metadata(kv_lens, cu_q_lens, num_seqs):
+    """The ragged metadata with every slot past `num_seqs` made empty: `kv_lens` 0 and `cu_q_lens` held at
+    `cu_q_lens[num_seqs]`. Callers pad those slots as they like (the engine repeats the last offset, JAX's own RPA
+    tests pad `cu_q_lens` with zeros); the tile bookkeeping below binary-searches `cu_q_lens`, which must then be
+    non-decreasing over all slots, and a zero-padded one is not."""
+    num_slots = kv_lens.shape[0]
+    n = num_seqs[0]
+    kv_lens = jnp.where(jnp.arange(num_slots) < n, kv_lens, 0)
+    cu_q_lens = jnp.where(jnp.arange(num_slots + 1) <= n, cu_q_lens, cu_q_lens[n])
+    return kv_lens, cu_q_lens
+
+
 def default_block_kv(page_size: int) -> int:
     return max(64, page_size)
 

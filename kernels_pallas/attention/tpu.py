@@ -1,84 +1,68 @@
 """Ragged paged attention as a Pallas Mosaic (TPU) kernel, with the signature of the pure-JAX reference.
 
 Semantics are exactly those of `ragged_paged_attention_reference` (see that module); this docstring explains why
-the kernel is shaped the way it is.
+the kernel is shaped the way it is. Decode is bound by HBM bandwidth on the KV cache, so the design goal is one
+stream of KV DMAs per KV head that never drains.
 
-Grid `(kv_head, sequence, query_block)`.
-  * One grid point owns the `group = Hq // Hkv` query heads of one KV head for one block of `block_q` query tokens
-    of one sequence. Every K/V page is therefore fetched from HBM once per (sequence, KV head, query block) and
-    reused by all `group` query heads: decode is HBM-bandwidth bound on KV, and GQA's whole saving is lost if each
-    query head re-reads its pages.
-  * Looping over KV heads in the grid (rather than loading all `2*Hkv` combined heads of a page at once, as JAX's
-    in-tree op does) removes every tiling constraint on the head axis: the in-tree op needs `2*Hkv` to be
-    "XLA fully tiled" and `head_dim % 128 == 0`, so SmolLM2's 3 KV heads x 64 would need padding there.
-  * The KV-head axis comes first and is the only "parallel" one. On megacore chips (v4/v5p) Mosaic splits the
-    leading parallel axis across the two TensorCores; different KV heads write disjoint output columns, so that
-    split is race-free. The sequence and query-block axes must stay "arbitrary" (in order) because of the output
-    read-modify-write explained below.
+Grid `(kv_head,)`, "parallel"; inside a grid step a ragged loop over *work items*.
+  * A work item is one block of `block_q` query tokens of one valid sequence. XLA lists the items before the call
+    (`work_items`: `cdiv(q_len, block_q)` per sequence, in token order, and their count) and they reach SMEM as
+    scalar prefetch, so the kernel loops `for item < count`: padded sequence slots, sequences without queries and
+    the query blocks a short sequence lacks cost nothing (a grid `(Hkv, max_seqs, cdiv(max_q_len, block_q))` would
+    pay an empty step for each). Like tpu-inference's RPA v3 (`v3/kernel.py`: a loop over real sequences inside one
+    grid step), not JAX's in-tree op (a grid over query blocks).
+  * One grid step owns the `group = Hq // Hkv` query heads of one KV head: every K/V page is fetched from HBM once
+    per (item, KV head) and reused by all `group` heads (GQA's saving), and the head axis has no tiling
+    constraint (the in-tree op needs `2*Hkv` "XLA fully tiled" and `head_dim % 128 == 0`). On megacore chips
+    Mosaic splits the parallel KV-head axis over the TensorCores; heads write disjoint output columns.
 
-Scalar prefetch (`PrefetchScalarGridSpec`): `kv_lens`, `page_indices` (flattened, so SMEM pads one axis, not two),
-`cu_q_lens` and `num_seqs` are copied to SMEM before the grid runs. Everything that decides *which* bytes to move
-(the page ids, the sequence's token range, the causal/sliding-window KV range) is a scalar read from SMEM, so
-address generation never waits on a vector load.
+The pipeline, all `pltpu.make_async_copy` between HBM (`memory_space=pl.ANY`) and VMEM scratch:
+  * KV: double-buffered blocks of `pages_per_block` pages. While block b computes, block b + 1 is in flight; at
+    an item's last block the *next item's* first block is started (JAX's in-tree kernel prefetches the next
+    sequence's first block the same way, `kernel.py` "prefetch_first_kv_blk"/next_async_copy_kv; RPA v3 does it
+    across its sequence loop), so the stream restarts cold only once per grid step, not once per sequence.
+  * A block is `pages_per_block` page copies (one per page: pages are scattered) and **one wait**, on a descriptor
+    of the whole buffer slot: DMA semaphores count bytes in Mosaic and in the interpreter, so one wait of N pages'
+    bytes covers N copies (RPA v3's one wait per block; its wait descriptor is dynamically sized, ours is static:
+    pages past a sequence's end re-read its last page, masked, so every block is the same size and no copy sits
+    behind a `pl.when`). Only pages of the sequence are dereferenced: page-table tails are never read.
+  * q and out: double-buffered per item. The next item's q rows are started when an item begins; an item's output
+    is written asynchronously and waited on only after the next item computed (RPA v3's async `bo` send).
+  * Query windows: DMA sizes are static, so an item moves `block_q` rows from its first token (q and out are
+    padded by `block_q - 1` rows). Its rows past its own queries belong to the next items (or padding): items are
+    in token order and each item's write is waited on before the next one starts, so every row's last writer is
+    its owner; rows no item owns are zeroed by the wrapper. No read-modify-write of the output.
+  * q and out travel as f32 `[Tp, Hkv, group, D]`: one query head of one token is one 32-bit sublane row, the only
+    width at which a DMA can address single rows (bf16/int8 pack 2/4 rows per sublane); q is cast to the cache's
+    dtype in VMEM for the MXU. In VMEM q is head-major `[group * block_q, D]`, so the group's heads are rows of
+    one `[rows, D] x [D, block_kv]` matmul.
 
-All of q, kv_pages and the output stay in HBM (`memory_space=pl.ANY`) and are moved by hand with
-`pltpu.make_async_copy`. What the real Mosaic compiler allows shaped this (deviceless compiles,
-`scripts/tools/aot_compile.py`): a DMA may start a tiled (last two) axis only at a tile boundary, and bf16/int8 pack 2/4
-rows into one 32-bit sublane row, so single rows of a packed array cannot be addressed.
-  * KV (`kv_cache/layout.py`: `[Hkv, num_pages, page_size, 2 * D]`): one (KV head, page) is one contiguous
-    `[page_size, 2D]` block, copied whole by one DMA into slot `j` of a `[2, pages_per_block, page_size, 2D]`
-    buffer (leading axes only, so any page_size works for any dtype); K and V are lane slices of it.
-  * Double buffering: the copies for KV block `b + 1` are started before block `b` is computed and waited on only
-    when block `b + 1` is needed, so HBM latency hides behind the MXU/VPU work of the current block. Each buffer
-    slot has its own DMA semaphore.
-  * Only pages that hold tokens of this sequence are fetched (`page < cdiv(kv_len, page_size)`), so stale or
-    garbage entries at the end of a page-table row are never dereferenced, and blocks entirely beyond the causal
-    horizon or before the sliding window are never fetched or computed (the fori_loop bounds are computed from
-    SMEM scalars). Tokens inside a fetched block that no query may see are masked, and their V rows (and V
-    scales) are zeroed before `p @ V`: unfetched VMEM is uninitialised (NaN in the TPU interpreter), a freed page
-    keeps its last owner's data, and `0 * NaN` would poison the accumulator.
-  * q and out are packed ragged along tokens, so a sequence's rows start at an arbitrary token offset and a
-    query block is generally not aligned to any fixed tile of the token axis. DMA sizes must be static, so each
-    grid point moves a full `block_q`-row window that starts at `min(token_start, T - block_q)` (in bounds by
-    construction; the wrapper pads T up to `block_q` when T is smaller) and tracks which of the window's rows are
-    its own. Rows it does not own (the previous/next sequence's, or padding) are preserved by a
-    read-modify-write of the output window: read the current window, `where`-merge the owned rows, write back.
-    This needs the grid points that touch neighbouring windows to run in order (hence "arbitrary"), and the
-    output is aliased to a zero-initialised input so rows owned by no valid sequence come out as zeros without a
-    separate pass.
-  * q and out travel as float32 `[T, Hq, D]`: one query head of a window is one sublane row per token, which a
-    DMA can address only in a 32-bit array. q is cast to the cache's dtype in VMEM for the MXU, so bf16 still
-    runs bf16 matmuls; q and out are a small fraction of the bytes a step moves (the cache is the rest). In VMEM
-    q is head-major `[group * block_q, D]` (one strided DMA per query head into a static row range), so the
-    `group` heads of the KV head are rows of a single `[group*block_q, D] x [D, block_kv]` MXU matmul.
+Decode variant (static `max_q_len == 1`, `block_q = 1`): one copy moves a token's `group` heads (contiguous), the
+query sits at `kv_len - 1` so the causal mask is just `k < kv_len` (and the window), and there is no padding row:
+RPA v3's separate decode compile, here a static branch of the same kernel.
 
-Online softmax (flash-attention style) over KV blocks with the running max `m`, sum `l` and accumulator as
-fori_loop carries in f32: the full `[rows, kv_len]` score matrix never exists, so VMEM use is independent of the
-context length. The first block a row sees may be fully masked (sliding window); then `m` is the mask value and
-the garbage it accumulates is wiped by `alpha = exp(mask - m_new) = 0` as soon as the row's first visible key
-(its own position, always visible) arrives. Scores are computed with f32 accumulation
-(`preferred_element_type`); for bf16 inputs the probabilities are cast to bf16 for the second matmul (the MXU's
-native path), which costs ~3 significant digits and is why bf16 is tested at ~2e-2.
+Masking: tokens inside a fetched block that no query may see are masked, and their V rows (and V scales) are
+zeroed before `p @ V`: unfetched VMEM is uninitialised (NaN in the TPU interpreter), a freed page keeps its last
+owner's data, and `0 * NaN` would poison the accumulator. Blocks entirely beyond the causal horizon or before the
+sliding window are never fetched (the loop bounds are SMEM scalars).
+
+Online softmax (flash-attention style) over KV blocks with the running max, sum and accumulator as loop carries in
+f32; the first block a row sees may be fully masked (sliding window), and the garbage it accumulates is wiped by
+`alpha = exp(mask - m_new) = 0` when the row's first visible key arrives. bf16 probabilities feed the second
+matmul (the MXU's native path), which is why bf16 is tested at ~2e-2.
 
 int8 KV cache (`kv_scales`, `[Hkv, scale_rows, 128]`): the 128-lane row(s) holding a page's K and V scales are
-DMA'd with the page; a dynamic lane rotation brings the page's scales to lane 0, and the pages' scales are joined
-into one `[1, block_kv]` row each for K and V. int8 values are exact in bf16, so K and V enter the MXU as bf16
-(f32 for f32 queries) and the scales multiply score columns (K) and probability columns (V), the same product
-with `block_kv` instead of `block_kv * D` multiplies. HBM traffic per token and head is D int8 values + 4 bytes of
-scale each for K and V.
+DMA'd with the page (same semaphore, same single wait); a lane rotation brings the page's scales to lane 0; K and
+V enter the MXU as bf16 (int8 is exact there) and the scales multiply score and probability columns.
 
-Block sizes come from `BLOCK_SIZES` (per chip generation: KV tokens per block, query rows per block), sized so the
-double-buffered KV block stays far inside the default scoped VMEM; `scripts/tools/aot_compile.py` compiles them for
-each chip. They are not yet tuned on hardware.
-
-Known costs of this design (deliberate simplicity, not correctness issues): KV for the next grid point is not
-prefetched across grid points, so every grid point pays one exposed DMA latency; a decode query block of
-`block_q` rows uses one row.
+Block sizes and `vmem_limit_bytes` come from the table in `tpu_block_sizes.py` (chip, head_dim, dtype, page size,
+case). `schedule_params` is the static schedule the kernel and the schedule report share.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,30 +70,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.backend import target_device_kind
 from kernels_pallas.kv_cache.layout import SCALE_LANES
 from kernels_pallas.attention.reference import DEFAULT_MASK_VALUE, check_attention_inputs
+from kernels_pallas.attention.tpu_block_sizes import block_sizes, chip_generation
 
-# Per TPU generation: KV tokens per block (rounded to whole pages) and query rows per block. The double-buffered
-# KV block is 2 * kv_tokens * 2D * itemsize bytes (1 MiB for 512 bf16 tokens at D = 256), far inside the default
-# scoped VMEM (16 MiB on v5e, 32 MiB on v6e); larger blocks amortise the per-block DMA and loop overhead.
-BLOCK_SIZES = {
-    "v5e": dict(kv_tokens=256, block_q=8),
-    "v6e": dict(kv_tokens=512, block_q=8),
-    "v5p": dict(kv_tokens=512, block_q=8),
-    "default": dict(kv_tokens=256, block_q=8),
-}
-
-
-def chip_generation(device_kind: str | None = None) -> str:
-    """'v5e', 'v6e', 'v5p' or 'default' from a device kind ("TPU v5 lite", "TPU v6 lite", "TPU v5"); None: the
-    chip being compiled for (`backend.target_device_kind`)."""
-    kind = (device_kind or target_device_kind("tpu") or "").lower()
-    if "v6" in kind:
-        return "v6e"
-    if "v5" in kind:
-        return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-    return "default"
+__all__ = ["ragged_paged_attention_tpu", "work_items", "chip_generation"]
 
 
 def _div(a, b):
@@ -123,139 +88,166 @@ def _cdiv(a, b):
     return _div(a + b - 1, b)
 
 
+class WorkItems(NamedTuple):
+    """The ragged loop's work list: item i is query block `qb[i]` of sequence `seq[i]`, in token order; only the
+    first `count[0]` are real (the rest repeat the last sequence and are never read)."""
+
+    seq: jax.Array  # i32[max_items]
+    qb: jax.Array  # i32[max_items]
+    count: jax.Array  # i32[1]
+
+
+def work_items(cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num_tokens: int) -> WorkItems:
+    """One item per query block of each valid sequence (`cdiv(q_len, block_q)` of them), computed by XLA before the
+    kernel so the kernel loops over real work only. At most `cdiv(T, block_q) + S` items exist (each sequence wastes
+    less than one block), which is the static size."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    max_items = _cdiv(num_tokens, block_q) + max_seqs
+    q_lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = jnp.where(jnp.arange(max_seqs) < num_seqs[0], (q_lens + block_q - 1) // block_q, 0)
+    ends = jnp.cumsum(blocks)
+    item = jnp.arange(max_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), max_seqs - 1).astype(jnp.int32)
+    qb = item - (ends[seq] - blocks[seq])
+    return WorkItems(seq, qb.astype(jnp.int32), jnp.minimum(ends[-1:], max_items).astype(jnp.int32))
+
+
+class _Item(NamedTuple):
+    """SMEM scalars of one work item: its sequence, first token, first query's position, its causal/window KV range
+    in blocks, and the sequence's page count."""
+
+    seq: jax.Array
+    tok: jax.Array
+    kv_len: jax.Array
+    first_pos: jax.Array
+    kv_lo: jax.Array
+    b_start: jax.Array
+    b_end: jax.Array
+    seq_pages: jax.Array
+
+
 def _kernel(
     # scalar prefetch (SMEM)
-    kv_lens_ref, page_indices_ref, cu_q_lens_ref, num_seqs_ref,
-    # inputs (HBM): q_hbm, kv_hbm, [scales_hbm,] out_init_hbm; output (HBM, aliased to out_init_hbm): out_hbm;
-    # scratch: q_vmem, o_vmem, kv_vmem, [s_vmem,] kv_sems, io_sems  ([...] only for an int8 cache)
+    kv_lens_ref, page_indices_ref, cu_q_lens_ref, item_seq_ref, item_qb_ref, num_items_ref,
+    # inputs (HBM): q_hbm, kv_hbm, [scales_hbm]; output (HBM): out_hbm; scratch: q_vmem, o_vmem, kv_vmem,
+    # [s_vmem,] kv_sems, q_sems, o_sems  ([...] only for an int8 cache)
     *refs,
-    block_q, group, page_size, pages_per_block, pages_per_seq, num_tokens, sm_scale, sliding_window, soft_cap,
+    decode, block_q, group, page_size, pages_per_block, pages_per_seq, sm_scale, sliding_window, soft_cap,
     mask_value, k_scale, v_scale, quantized, compute_dtype,
 ):
     if quantized:
-        q_hbm, kv_hbm, scales_hbm, _, out_hbm, q_vmem, o_vmem, kv_vmem, s_vmem, kv_sems, io_sems = refs
+        q_hbm, kv_hbm, scales_hbm, out_hbm, q_vmem, o_vmem, kv_vmem, s_vmem, kv_sems, q_sems, o_sems = refs
     else:
-        q_hbm, kv_hbm, _, out_hbm, q_vmem, o_vmem, kv_vmem, kv_sems, io_sems = refs
+        q_hbm, kv_hbm, out_hbm, q_vmem, o_vmem, kv_vmem, kv_sems, q_sems, o_sems = refs
         scales_hbm = s_vmem = None
     h = pl.program_id(0)
-    s = pl.program_id(1)
-    qb = pl.program_id(2)
+    num_items = num_items_ref[0]
     block_kv = pages_per_block * page_size
     rows = group * block_q
     head_dim = kv_vmem.shape[-1] // 2
     scale_span = 2 * page_size  # a page's K then V scales, in its head's flattened scales
     rows_per_page = max(1, scale_span // SCALE_LANES)
 
-    q_start = cu_q_lens_ref[s]
-    q_len = cu_q_lens_ref[s + 1] - q_start
-    kv_len = kv_lens_ref[s]
-    block_first = qb * block_q  # index within the sequence of the block's first query
-    n_valid = jnp.minimum(block_q, q_len - block_first)
-
-    @pl.when((s < num_seqs_ref[0]) & (n_valid > 0))
-    def _():
-        tok_start = q_start + block_first
-        win_start = jnp.minimum(tok_start, num_tokens - block_q)
-        shift = tok_start - win_start  # window row `shift` is this block's first query
-
-        def q_copy(g):
-            return pltpu.make_async_copy(q_hbm.at[pl.ds(win_start, block_q), h * group + g],
-                                         q_vmem.at[pl.ds(g * block_q, block_q)], io_sems.at[0])
-
-        def out_read(g):
-            return pltpu.make_async_copy(out_hbm.at[pl.ds(win_start, block_q), h * group + g],
-                                         o_vmem.at[pl.ds(g * block_q, block_q)], io_sems.at[1])
-
-        def out_write(g):
-            return pltpu.make_async_copy(o_vmem.at[pl.ds(g * block_q, block_q)],
-                                         out_hbm.at[pl.ds(win_start, block_q), h * group + g], io_sems.at[2])
-
-        # Causal / sliding-window KV range of the block's valid queries, in tokens, then in KV blocks.
+    def item(i) -> _Item:
+        s = item_seq_ref[i]
+        q_start = cu_q_lens_ref[s]
+        q_len = cu_q_lens_ref[s + 1] - q_start
+        kv_len = kv_lens_ref[s]
+        block_first = item_qb_ref[i] * block_q
         first_pos = kv_len - q_len + block_first
-        last_pos = first_pos + n_valid - 1
-        kv_hi = last_pos + 1
+        kv_hi = first_pos + jnp.minimum(block_q, q_len - block_first)
         kv_lo = 0 if sliding_window is None else jnp.maximum(0, first_pos - sliding_window + 1)
         b_start = _div(kv_lo, block_kv)
-        b_end = _cdiv(kv_hi, block_kv)
-        seq_pages = jnp.minimum(_cdiv(kv_len, page_size), pages_per_seq)
+        # At least one block, so a prefetched block is always waited on (malformed kv_len < q_len included).
+        b_end = jnp.maximum(_cdiv(kv_hi, block_kv), b_start + 1)
+        seq_pages = jnp.maximum(jnp.minimum(_cdiv(kv_len, page_size), pages_per_seq), 1)
+        return _Item(s, q_start + block_first, kv_len, first_pos, kv_lo, b_start, b_end, seq_pages)
 
-        def page_of(b, j):
-            page_no = b * pages_per_block + j
-            return page_no, page_indices_ref[s * pages_per_seq + jnp.minimum(page_no, pages_per_seq - 1)]
+    def page_of(it, b, j):
+        """Page j of KV block b; pages past the sequence's last re-read its last page (masked), so every block is
+        the same `pages_per_block` copies and one wait of the whole buffer covers them (RPA v3's one wait per
+        block, with a static size: Mosaic and the interpreter both count the semaphore in bytes)."""
+        page_no = jnp.minimum(b * pages_per_block + j, it.seq_pages - 1)
+        return page_indices_ref[it.seq * pages_per_seq + page_no]
 
-        def kv_copies(b, slot):
-            """(condition, copies) for each page of KV block b into buffer slot `slot`: its [page_size, 2D] rows
-            of this KV head and, for an int8 cache, the 128-lane scale row(s) holding the page's scales."""
-            out = []
-            for j in range(pages_per_block):
-                page_no, page = page_of(b, j)
-                copies = [pltpu.make_async_copy(kv_hbm.at[h, page], kv_vmem.at[slot, j], kv_sems.at[slot])]
-                if quantized:
-                    row = _div(page * scale_span, SCALE_LANES)
-                    copies.append(pltpu.make_async_copy(
-                        scales_hbm.at[h, pl.ds(row, rows_per_page)],
-                        s_vmem.at[slot, pl.ds(j * rows_per_page, rows_per_page)], kv_sems.at[slot]))
-                out.append((page_no < seq_pages, copies))
-            return out
+    def start_kv(it, b, slot):
+        for j in range(pages_per_block):
+            page = page_of(it, b, j)
+            pltpu.make_async_copy(kv_hbm.at[h, page], kv_vmem.at[slot, j], kv_sems.at[slot]).start()
+            if quantized:
+                row = _div(page * scale_span, SCALE_LANES)
+                pltpu.make_async_copy(scales_hbm.at[h, pl.ds(row, rows_per_page)],
+                                      s_vmem.at[slot, pl.ds(j * rows_per_page, rows_per_page)],
+                                      kv_sems.at[slot]).start()
 
-        def start_kv(b, slot):
-            for cond, copies in kv_copies(b, slot):
-                @pl.when(cond)
-                def _():
-                    for cp in copies:
-                        cp.start()
+    def wait_all(buf, sem):
+        """One wait for every copy into `buf` (a descriptor of the whole buffer: same byte count)."""
+        pltpu.make_async_copy(buf, buf, sem).wait()
 
-        def wait_kv(b, slot):
-            for cond, copies in kv_copies(b, slot):
-                @pl.when(cond)
-                def _():
-                    for cp in copies:
-                        cp.wait()
+    def wait_kv(slot):
+        wait_all(kv_vmem.at[slot], kv_sems.at[slot])
+        if quantized:
+            wait_all(s_vmem.at[slot], kv_sems.at[slot])
 
-        def block_scales(b, slot):
-            """([1, block_kv] K scales, [1, block_kv] V scales) of KV block b's keys."""
-            k_parts, v_parts = [], []
-            for j in range(pages_per_block):
-                if rows_per_page == 1:
-                    _, page = page_of(b, j)
-                    lane = lax.rem(page * scale_span, SCALE_LANES)
-                    row = pltpu.roll(s_vmem[slot, pl.ds(j, 1), :], lax.rem(SCALE_LANES - lane, SCALE_LANES), 1)
-                    k_parts.append(row[:, :page_size])
-                    v_parts.append(row[:, page_size:scale_span])
-                else:  # a page's scales fill whole rows: K rows, then V rows
-                    half = rows_per_page // 2
-                    for r in range(half):
-                        k_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + r, 1), :])
-                        v_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + half + r, 1), :])
-            return jnp.concatenate(k_parts, axis=1), jnp.concatenate(v_parts, axis=1)
+    def q_copies(it, slot, src, dst, to_hbm):
+        """The DMAs moving item `it`'s query rows between HBM ([Tp, Hkv, group, D]) and VMEM slot `slot`:
+        decode: one copy of the KV head's `group` rows of one token; else one per query head (head-major rows)."""
+        if decode:
+            pairs = [(src.at[it.tok, h], dst.at[slot])] if not to_hbm else [(src.at[slot], dst.at[it.tok, h])]
+        elif not to_hbm:
+            pairs = [(src.at[pl.ds(it.tok, block_q), h, g], dst.at[slot, pl.ds(g * block_q, block_q)])
+                     for g in range(group)]
+        else:
+            pairs = [(src.at[slot, pl.ds(g * block_q, block_q)], dst.at[pl.ds(it.tok, block_q), h, g])
+                     for g in range(group)]
+        sems = o_sems if to_hbm else q_sems
+        return [pltpu.make_async_copy(a, b, sems.at[slot]) for a, b in pairs]
 
-        for g in range(group):
-            q_copy(g).start()
-            out_read(g).start()
+    def block_scales(it, b, slot):
+        """([1, block_kv] K scales, [1, block_kv] V scales) of KV block b's keys."""
+        k_parts, v_parts = [], []
+        for j in range(pages_per_block):
+            if rows_per_page == 1:
+                lane = lax.rem(page_of(it, b, j) * scale_span, SCALE_LANES)
+                row = pltpu.roll(s_vmem[slot, pl.ds(j, 1), :], lax.rem(SCALE_LANES - lane, SCALE_LANES), 1)
+                k_parts.append(row[:, :page_size])
+                v_parts.append(row[:, page_size:scale_span])
+            else:  # a page's scales fill whole rows: K rows, then V rows
+                half = rows_per_page // 2
+                for r in range(half):
+                    k_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + r, 1), :])
+                    v_parts.append(s_vmem[slot, pl.ds(j * rows_per_page + half + r, 1), :])
+        return jnp.concatenate(k_parts, axis=1), jnp.concatenate(v_parts, axis=1)
 
-        @pl.when(b_start < b_end)
+    def item_body(i, kv_slot):
+        it = item(i)
+        qs = lax.rem(i, 2)
+        has_next = i + 1 < num_items
+        nxt = item(jnp.minimum(i + 1, num_items - 1))
+        wait_all(q_vmem.at[qs], q_sems.at[qs])
+
+        @pl.when(has_next)
         def _():
-            start_kv(b_start, 0)
+            for cp in q_copies(nxt, 1 - qs, q_hbm, q_vmem, False):
+                cp.start()
 
-        for g in range(group):
-            q_copy(g).wait()
-
-        # Per-row bookkeeping: row r is query head r // block_q, window row r % block_q.
-        win_row = lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), block_q)
-        q_idx = block_first + win_row - shift  # index within the sequence
-        row_valid = (q_idx >= 0) & (q_idx < block_first + n_valid)
-        q_pos = kv_len - q_len + q_idx  # [rows, 1]
-        q = q_vmem[...].astype(compute_dtype)
+        q = q_vmem[qs].astype(compute_dtype)  # [rows, D]
+        # Row r is query head r // block_q at query (r % block_q) of the block: its cache position.
+        q_pos = it.first_pos + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), block_q)
 
         def body(b, carry):
-            m_prev, l_prev, acc_prev = carry
-            slot = lax.rem(b - b_start, 2)
+            slot, m_prev, l_prev, acc_prev = carry
+            last = b + 1 >= it.b_end
 
-            @pl.when(b + 1 < b_end)
+            @pl.when(jnp.logical_not(last))
             def _():
-                start_kv(b + 1, 1 - slot)
+                start_kv(it, b + 1, 1 - slot)
 
-            wait_kv(b, slot)
+            @pl.when(last & has_next)  # the next item's (usually the next sequence's) first block
+            def _():
+                start_kv(nxt, nxt.b_start, 1 - slot)
+
+            wait_kv(slot)
             kv = kv_vmem[slot]  # [pages_per_block, page_size, 2D]
             if quantized:  # int8 values are exact in bf16; the scales multiply columns below
                 kv = kv.astype(jnp.float32)
@@ -264,19 +256,22 @@ def _kernel(
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             scale = sm_scale if k_scale is None else sm_scale * k_scale
             k_pos = b * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            key_seen = (k_pos >= kv_lo) & (k_pos < kv_len)  # keys some query of the block may see
+            key_seen = (k_pos >= it.kv_lo) & (k_pos < it.kv_len)  # keys some query of the block may see
             if quantized:
-                k_sc, v_sc = block_scales(b, slot)
+                k_sc, v_sc = block_scales(it, b, slot)
                 scores = scores * k_sc
             scores = scores * scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            visible = (k_pos <= q_pos) & key_seen
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
+            if decode:  # the one query sits at kv_len - 1: causality and the window are `key_seen`
+                visible = key_seen
+            else:
+                visible = (k_pos <= q_pos) & key_seen
+                if sliding_window is not None:
+                    visible &= k_pos > q_pos - sliding_window
             scores = jnp.where(visible, scores, mask_value)
             k_col = b * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
-            v = jnp.where((k_col >= kv_lo) & (k_col < kv_len), v, jnp.zeros_like(v))  # stale / unfetched rows
+            v = jnp.where((k_col >= it.kv_lo) & (k_col < it.kv_len), v, jnp.zeros_like(v))  # stale / unfetched
 
             m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_new)
@@ -286,22 +281,36 @@ def _kernel(
                 p = p * jnp.where(key_seen, v_sc, 0.0)
             pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-            return m_new, l_new, alpha * acc_prev + pv
+            return 1 - slot, m_new, l_new, alpha * acc_prev + pv
 
-        init = (jnp.full((rows, 1), mask_value, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+        init = (kv_slot, jnp.full((rows, 1), mask_value, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
                 jnp.zeros((rows, head_dim), jnp.float32))
-        _, l_fin, acc = lax.fori_loop(b_start, b_end, body, init)
+        kv_slot, _, l_fin, acc = lax.fori_loop(it.b_start, it.b_end, body, init)
         result = acc / jnp.where(l_fin > 0, l_fin, 1.0)
         if v_scale is not None:
             result = result * v_scale
 
-        for g in range(group):
-            out_read(g).wait()
-        o_vmem[...] = jnp.where(row_valid, result, o_vmem[...])
-        for g in range(group):
-            out_write(g).start()
-        for g in range(group):
-            out_write(g).wait()
+        # The previous item's output write must land first: its window's rows past its own queries are the next
+        # items' rows, which their (later) writes overwrite. Waiting here keeps that write behind this item's
+        # compute; slot 1 - qs is then free for the next item.
+        @pl.when(i > 0)
+        def _():
+            wait_all(o_vmem.at[1 - qs], o_sems.at[1 - qs])
+
+        o_vmem[qs] = result
+        for cp in q_copies(it, qs, o_vmem, out_hbm, True):
+            cp.start()
+        return kv_slot
+
+    @pl.when(num_items > 0)
+    def _():
+        first = item(0)
+        for cp in q_copies(first, 0, q_hbm, q_vmem, False):
+            cp.start()
+        start_kv(first, first.b_start, 0)
+        lax.fori_loop(0, num_items, item_body, 0)
+        last = lax.rem(num_items - 1, 2)
+        wait_all(o_vmem.at[last], o_sems.at[last])
 
 
 def ragged_paged_attention_tpu(
@@ -324,69 +333,99 @@ def ragged_paged_attention_tpu(
     pages_per_block: int | None = None,
     kv_scales: jax.Array | None = None,
     chip: str | None = None,
+    vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_attention_reference`; returns `[T, Hq, D]` in q's dtype.
 
-    `max_q_len` (static) bounds any valid sequence's query length and sets the number of query blocks per
-    sequence (default: T). `interpret` is passed to `pl.pallas_call` (e.g. `pltpu.InterpretParams()` on CPU).
-    `block_q` and `pages_per_block` override `BLOCK_SIZES[chip]` (`chip`: 'v5e', 'v6e', 'v5p'; default: the
-    TPU this runs on, see `chip_generation`). `kv_scales`: an int8 cache's scales (kv_cache/layout.py); page_size must
-    then divide 64 or be a multiple of 64, so a page's scales never straddle a 128-lane row.
+    `max_q_len` (static) bounds any valid sequence's query length (default: T); 1 selects the decode variant.
+    `interpret` is passed to `pl.pallas_call` (e.g. `pltpu.InterpretParams()` on CPU). `block_q`,
+    `pages_per_block` and `vmem_limit_bytes` override the table (`tpu_block_sizes.block_sizes`; `chip`: 'v5e',
+    'v6e', 'v5p'; default: the TPU this runs on). `kv_scales`: an int8 cache's scales (kv_cache/layout.py);
+    page_size must then divide 64 or be a multiple of 64, so a page's scales never straddle a 128-lane row.
     """
     num_kv_heads, group = check_attention_inputs(q, kv_pages, kv_scales, sliding_window)
+    plan = schedule_params(q.shape, kv_pages.shape, kv_pages.dtype, page_indices.shape, max_q_len=max_q_len,
+                           block_q=block_q, pages_per_block=pages_per_block, chip=chip,
+                           vmem_limit_bytes=vmem_limit_bytes)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = kv_pages.shape[2]
     quantized = kv_scales is not None
     if quantized and SCALE_LANES % (2 * page_size) and (2 * page_size) % SCALE_LANES:
         raise ValueError(f"an int8 cache on TPU needs page_size dividing 64 or a multiple of 64, got {page_size}")
     max_seqs, pages_per_seq = page_indices.shape
-    sizes = BLOCK_SIZES[chip_generation() if chip is None else chip]
-    block_q = sizes["block_q"] if block_q is None else block_q
-    if pages_per_block is None:
-        pages_per_block = max(1, min(pages_per_seq, sizes["kv_tokens"] // page_size))
-    max_q_len = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
-    num_q_blocks = max(1, _cdiv(max_q_len, block_q))
+    block_q, pages_per_block, decode = plan["block_q"], plan["pages_per_block"], plan["decode"]
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
     # bf16 (or f32) matmuls as the cache is stored; an int8 cache computes in q's dtype.
     compute_dtype = q.dtype if quantized or kv_pages.dtype == q.dtype else jnp.float32
 
-    padded_tokens = max(num_tokens, block_q)  # every grid point moves a full block_q-row window
-    q32 = q.astype(jnp.float32)  # one head of a window is one row per token: addressable only at 32 bits
+    # q and out travel as f32 [Tp, Hkv, group, D]: one query head of a token is one 32-bit sublane row (a DMA can
+    # address single rows only at 32 bits), and a decode token's `group` heads are one contiguous copy. Tp: room
+    # for a full block_q window at the last token.
+    padded_tokens = num_tokens + block_q - 1
+    q32 = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     if padded_tokens != num_tokens:
-        q32 = jnp.pad(q32, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
-    out_init = jnp.zeros((padded_tokens, num_q_heads, head_dim), jnp.float32)
+        q32 = jnp.pad(q32, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    items = work_items(cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), block_q, num_tokens)
+    rows = group * block_q
     rows_per_page = max(1, 2 * page_size // SCALE_LANES)
 
     kernel = functools.partial(
-        _kernel, block_q=block_q, group=group, page_size=page_size, pages_per_block=pages_per_block,
-        pages_per_seq=pages_per_seq, num_tokens=padded_tokens, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, quantized=quantized,
-        compute_dtype=compute_dtype)
+        _kernel, decode=decode, block_q=block_q, group=group, page_size=page_size, pages_per_block=pages_per_block,
+        pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        mask_value=mask_value, k_scale=k_scale, v_scale=v_scale, quantized=quantized, compute_dtype=compute_dtype)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    q_rows = (2, group, head_dim) if decode else (2, rows, head_dim)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
-        grid=(num_kv_heads, max_seqs, num_q_blocks),
-        in_specs=[any_spec] * (4 if quantized else 3),
+        num_scalar_prefetch=6,
+        grid=(num_kv_heads,),
+        in_specs=[any_spec] * (3 if quantized else 2),
         out_specs=any_spec,
         scratch_shapes=[
-            pltpu.VMEM((group * block_q, head_dim), jnp.float32),  # q rows, head-major
-            pltpu.VMEM((group * block_q, head_dim), jnp.float32),  # output window (read-modify-write)
+            pltpu.VMEM(q_rows, jnp.float32),  # q rows, head-major, double-buffered across items
+            pltpu.VMEM(q_rows, jnp.float32),  # output rows, double-buffered (written asynchronously)
             pltpu.VMEM((2, pages_per_block, page_size, 2 * head_dim), kv_pages.dtype),  # KV double buffer
             *([pltpu.VMEM((2, pages_per_block * rows_per_page, SCALE_LANES), jnp.float32)] if quantized else []),
-            pltpu.SemaphoreType.DMA((2,)),  # one per KV buffer slot
-            pltpu.SemaphoreType.DMA((3,)),  # q read, out read, out write
+            pltpu.SemaphoreType.DMA((2,)),  # KV (and scales), per buffer slot
+            pltpu.SemaphoreType.DMA((2,)),  # q, per slot
+            pltpu.SemaphoreType.DMA((2,)),  # out, per slot
         ],
     )
     scales_in = (kv_scales.astype(jnp.float32),) if quantized else ()
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), jnp.float32),
-        # Operand indices count the scalar-prefetch operands: 4 prefetch + q, kv_pages, [kv_scales,] out_init.
-        input_output_aliases={7 if quantized else 6: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct(q32.shape, jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=plan["vmem_limit_bytes"]),
         interpret=interpret,
-        name="ragged_paged_attention_tpu",
+        name="ragged_paged_attention_tpu_decode" if decode else "ragged_paged_attention_tpu",
     )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu_q_lens.astype(jnp.int32),
-      num_seqs.astype(jnp.int32), q32, kv_pages, *scales_in, out_init)
-    return out[:num_tokens].astype(q.dtype)
+      items.seq, items.qb, items.count, q32, kv_pages, *scales_in)
+    out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    # Rows of no work item (padding tokens) were never written, or hold a window's spill-over: zeros, per contract.
+    owned = jnp.arange(num_tokens) < cu_q_lens[jnp.minimum(num_seqs[0], max_seqs)]
+    return jnp.where(owned[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def schedule_params(q_shape, kv_shape, kv_dtype, page_indices_shape, *, max_q_len=None, block_q=None,
+                    pages_per_block=None, chip=None, vmem_limit_bytes=None) -> dict:
+    """The kernel's static schedule for these shapes: variant, block sizes, VMEM scratch bytes and limit. The
+    schedule report (`scripts/tools/tpu_schedule.py`) and the kernel read the same answer."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_kv_heads, _, page_size, _ = kv_shape
+    _, pages_per_seq = page_indices_shape
+    group = num_q_heads // num_kv_heads
+    max_q_len = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
+    blocks = block_sizes(chip_generation() if chip is None else chip, head_dim, jnp.dtype(kv_dtype).name,
+                         page_size, max_q_len)
+    decode = max_q_len == 1
+    block_q = 1 if decode else (blocks.block_q if block_q is None else block_q)
+    if pages_per_block is None:
+        pages_per_block = max(1, min(pages_per_seq, blocks.kv_tokens // page_size))
+    rows = group * block_q
+    kv_bytes = 2 * pages_per_block * page_size * 2 * head_dim * jnp.dtype(kv_dtype).itemsize
+    vmem = kv_bytes + 2 * 2 * rows * head_dim * 4
+    if jnp.dtype(kv_dtype) == jnp.int8:
+        vmem += 2 * pages_per_block * max(1, 2 * page_size // SCALE_LANES) * SCALE_LANES * 4
+    return dict(decode=decode, block_q=block_q, pages_per_block=pages_per_block, vmem_scratch_bytes=vmem,
+                vmem_limit_bytes=blocks.vmem_limit_bytes if vmem_limit_bytes is None else vmem_limit_bytes)

@@ -15,7 +15,7 @@ compiler, deviceless, `scripts/tools/aot_compile.py`):
   * One (head, page) is one contiguous `[page_size, 2 * D]` block: one DMA per page on TPU/GPU, one contiguous
     read on CPU. Tensor parallelism splits axis 0, whole KV heads per device.
 
-An int8 cache (`dtype=int8`) also has per-token float32 scales (see `writes.py` for the quantization):
+An int8 or fp8 cache (`dtype=int8` or `float8_e4m3fn`: `SCALED_DTYPES`) also has per-token float32 scales (see `writes.py` for the quantization):
 `[num_kv_heads, scale_rows, 128]`, where head h's scales flattened are, page after page, the page's `page_size`
 K scales then its `page_size` V scales (`scale_rows`: ceil(num_pages * 2 * page_size / 128) rounded up to 8;
 the tail is padding). Why not `[..., page_size, 2]`: a minor axis of 2 (or of page_size) is 64x (or 8x) padding
@@ -30,7 +30,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SCALE_LANES = 128  # the width of an int8 cache's scale rows (one TPU lane tile of float32)
+SCALE_LANES = 128  # the width of an int8 / fp8 cache's scale rows (one TPU lane tile of float32)
+#: Cache dtypes stored as codes with per-token-per-head scales (writes.py): int8 and float8_e4m3fn.
+SCALED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def has_scales(dtype) -> bool:
+    """Whether a cache of `dtype` keeps per-token scales beside its pages (int8, fp8)."""
+    return jnp.dtype(dtype) in SCALED_DTYPES
 
 
 def scale_rows(num_pages: int, page_size: int) -> int:
@@ -41,13 +48,13 @@ def scale_rows(num_pages: int, page_size: int) -> int:
 
 
 def kv_cache_spec(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
-    """The `ShapeDtypeStruct` of one layer's paged KV cache, or `(cache, scales)` for an int8 cache."""
+    """The `ShapeDtypeStruct` of one layer's paged KV cache, or `(cache, scales)` for an int8 or fp8 cache."""
     if min(num_pages, page_size, num_kv_heads, head_dim) < 1:
         raise ValueError(f"every KV cache dimension must be >= 1, got num_pages={num_pages}, page_size={page_size}, "
                          f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
     dtype = jnp.dtype(dtype)
     cache = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, 2 * head_dim), dtype)
-    if dtype != jnp.int8:
+    if not has_scales(dtype):
         return cache
     return cache, jax.ShapeDtypeStruct((num_kv_heads, scale_rows(num_pages, page_size), SCALE_LANES), jnp.float32)
 
@@ -62,7 +69,7 @@ def cache_dims(kv_pages: jax.Array) -> tuple[int, int, int, int]:
 
 
 def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
-    """Shared validation of an int8 cache's scales (every impl calls it)."""
+    """Shared validation of an int8 / fp8 cache's scales (every impl calls it)."""
     if kv_scales is None:
         return
     num_kv_heads, num_pages, page_size, _ = cache_dims(kv_pages)
@@ -70,8 +77,9 @@ def check_kv_scales(kv_pages: jax.Array, kv_scales: jax.Array | None) -> None:
     if tuple(kv_scales.shape) != want:
         raise ValueError(f"kv_scales shape {kv_scales.shape} must be {want} for a cache of shape {kv_pages.shape} "
                          "(build caches with kernels_pallas.kv_cache_spec)")
-    if kv_pages.dtype != jnp.int8:
-        raise ValueError(f"kv_scales given with {kv_pages.dtype} kv_pages; per-token scales are for an int8 cache")
+    if not has_scales(kv_pages.dtype):
+        raise ValueError(f"kv_scales given with {kv_pages.dtype} kv_pages; per-token scales are for an int8 or "
+                         "float8_e4m3fn cache")
 
 
 def scales_by_page(kv_scales: jax.Array, num_pages: int, page_size: int) -> jax.Array:

@@ -8,8 +8,8 @@ so a padded batch never writes outside its own pages.
 (`write_latent`, below) all go through it, in the form each backend keeps in place:
   * CPU: a loop of `dynamic_update_slice`, not one scatter: on XLA CPU a scatter whose result is read again in the
     same computation (attention reads the pages right after the write) made XLA copy the whole cache, every
-    layer, every step (BENCHMARKS.md); a while loop with a traced trip count updates in place, at a small cost per
-    token (and the C++ kernel below does it with one memcpy per token and head).
+    layer, every step (BENCHMARKS_HISTORY.md); a while loop with a traced trip count updates in place, at a small cost
+    per token (and the C++ kernel below does it with one memcpy per token and head).
   * TPU and GPU: scatters, one index per (head, token). The loop made XLA:TPU lay the cache out heads-minor and
     copy it whole around the attention kernel in every layer (deviceless compiles, `scripts/tools/aot_compile.py`).
 Each update addresses the array in its own shape, so no reshape of a tiled TPU array (which would copy it) occurs.
@@ -22,6 +22,11 @@ known when it is written, so no calibration pass is needed and one outlier token
 the rest of the cache. Byte cost per token and KV head: D int8 values plus one f32 scale for each of K and V,
 i.e. `(D + 4) / (2 * D)` of a bf16 cache (0.516 at D=128, 0.531 at D=64). The static
 `k_scale`/`v_scale` floats stay available and compose with the per-token scales (both multiply).
+
+fp8 KV cache (float8_e4m3fn pages, vLLM's `kv_cache_dtype="fp8"`): the same per-token-per-head scales and layout,
+`scale = max|x| / 448`, the stored value `x / scale` rounded to e4m3 (`quantize_kv`), read as `fp8 * scale`: every
+reader's int8 dequantization (`pages.astype(f32) * scale`) reads it unchanged. MLA's latent cache has no scales: an
+fp8 latent cache is a saturating cast (per-tensor scale 1, vLLM's default), in `write_latent`.
 """
 
 from __future__ import annotations
@@ -39,21 +44,37 @@ from kernels_pallas.kv_cache.latent_layout import latent_page_size
 from kernels_pallas.native import gate
 
 INT8_MAX = 127.0
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 WRITE_KERNEL = gate.CpuKernel("pagejax_write_rows_cpu", "PagejaxWriteRowsCpu")  # csrc/write_rows_cpu.cc
 
 Write = tuple[jax.Array, jax.Array]  # (rows [T, H, W], offsets i32[T]): see write_rows
 
 
-def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 over the last axis: x[..., D] -> (int8[..., D], f32 scale[...]) with x ~= q * scale.
+def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """Symmetric over the last axis: x[..., D] -> (codes[..., D] of `dtype`, f32 scale[...]) with x ~= q * scale.
+    int8: round to [-127, 127]; float8_e4m3fn: round to e4m3 in [-448, 448].
 
     Zero-safe: an all-zero row gets scale 0 and stores zeros (no division by zero, dequantizes to exactly 0).
     """
+    fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
+    qmax = FP8_MAX if fp8 else INT8_MAX
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / INT8_MAX
+    scale = jnp.max(jnp.abs(x), axis=-1) / qmax
     safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(x / safe[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return q, scale
+    y = jnp.clip(x / safe[..., None], -qmax, qmax)
+    return (y if fp8 else jnp.round(y)).astype(dtype), scale
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`quantize_kv` to int8."""
+    return quantize_kv(x, jnp.int8)
+
+
+def to_cache_dtype(rows: jax.Array, dtype) -> jax.Array:
+    """Rows cast to a cache's dtype; to float8_e4m3fn saturating (a plain cast makes |x| > 448 NaN)."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        rows = jnp.clip(rows.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return rows.astype(dtype)
 
 
 def _block_start(offset: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -122,7 +143,10 @@ def _scatter_rows(array: jax.Array, writes: Sequence[Write]) -> jax.Array:
         idx[0] = jnp.where(inside, idx[0], array.shape[1])  # out of bounds: dropped
         head = jnp.repeat(jnp.arange(heads, dtype=jnp.int32), count)  # head-major, as `values`
         idx = [jnp.tile(i, heads) for i in idx]
-        values = rows.astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
+        # The rows arrive computed: nothing that makes them (a projection XLA:GPU strength-reduced to a reduce,
+        # RoPE, int8 quantization) may fuse into the scatter, whose threads each write one element and would each
+        # redo that work (issue 33; `scripts/tools/hlo_checks.py` and tests/scripts/test_step_hlo.py check it).
+        values = jax.lax.optimization_barrier(rows).astype(array.dtype).swapaxes(0, 1).reshape(heads * count, width)
         if width == array.shape[-1]:
             array = array.at[(head, *idx[:-1])].set(values, mode="drop")
         elif width == 1:
@@ -149,7 +173,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
              kv_scales: jax.Array | None = None, *, sharded: bool = False):
     """Write the new K/V `[T, Hkv, D]` of T tokens into their slots; slots < 0 are padding and are skipped.
 
-    Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (int8 `kv_pages`, both from
+    Without `kv_scales` returns the new `kv_pages`. With `kv_scales` (int8 or fp8 `kv_pages`, both from
     `layout.kv_cache_spec`) K and V are quantized per token and head on write and `(kv_pages, kv_scales)` is
     returned. `sharded`: the cache is partitioned over a mesh (see `write_rows`).
     """
@@ -161,7 +185,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
         (kv_pages,) = write_rows((kv_pages,), (((pack_kv(k, v), row_offsets),),), sharded=sharded)
         return kv_pages
     check_kv_scales(kv_pages, kv_scales)
-    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv_pages.dtype), quantize_kv(v, kv_pages.dtype)
     k_at, v_at = _scale_offsets(slots, valid, page_size)
     return write_rows((kv_pages, kv_scales),
                       (((pack_kv(kq, vq), row_offsets),), ((ks[..., None], k_at), (vs[..., None], v_at))),
@@ -195,10 +219,10 @@ def copy_pages(kv_pages: jax.Array, src: jax.Array, dst: jax.Array, kv_scales: j
     return out[0] if kv_scales is None else out
 
 
-def quantize_cache(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A float cache quantized whole, as `write_kv` would have stored its tokens: `(int8 pages, scales)` (tests,
-    benchmarks and tools that build an int8 cache from random data)."""
-    (kq, ks), (vq, vs) = (quantize_int8(x) for x in split_kv(kv_pages))
+def quantize_cache(kv_pages: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """A float cache quantized whole, as `write_kv` would have stored its tokens: `(int8 or fp8 pages, scales)`
+    (tests, benchmarks and tools that build a quantized cache from random data)."""
+    (kq, ks), (vq, vs) = (quantize_kv(x, dtype) for x in split_kv(kv_pages))
     return pack_kv(kq, vq), scales_from_pages(jnp.stack([ks, vs], axis=2))
 
 
@@ -227,5 +251,6 @@ def write_latent(latent_pages: jax.Array, latent: jax.Array, slot_mapping: jax.A
     slots = slot_mapping.astype(jnp.int32)
     offsets = jnp.where(slots >= 0, slots * latent.shape[-1], -1)
     # The latent has no head axis: one "head" (a leading axis of 1 is free on every backend).
-    (latent_pages,) = write_rows((latent_pages[None],), (((latent[:, None], offsets),),), sharded=sharded)
+    rows = to_cache_dtype(latent[:, None], latent_pages.dtype)
+    (latent_pages,) = write_rows((latent_pages[None],), (((rows, offsets),),), sharded=sharded)
     return latent_pages[0]

@@ -42,7 +42,7 @@ def ragged_paged_mla_attention_gpu(
     num_stages: int | None = None,
 ) -> jax.Array:
     """Same contract as `ragged_paged_mla_attention_reference`; Dl and Dr must be powers of two with Dr <= Dl.
-    The keyword tuning knobs mean what they mean for `ragged_paged_attention_gpu` (None: its `BLOCK_SIZES`; for
+    The keyword tuning knobs mean what they mean for `ragged_paged_attention_gpu` (None: its `gpu_tuning` entry; for
     DeepSeek-V2-Lite shapes in bf16 that is 8 warps: 195 / 211 registers for decode / prefill on sm_90a, no
     spills, where the former fixed 4 warps took 250 / 255 and spilled in prefill)."""
     latent_dim, rope_dim = check_mla_shapes(q_latent, q_rope, latent_pages)

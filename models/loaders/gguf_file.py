@@ -19,13 +19,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 
 from models.config import ModelConfig, RopeScaling
+from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
 from models.quantization.gguf_blocks import SUPPORTED_QUANT_TYPES as BLOCK_QUANT_TYPES, from_reader_tensor
 from models.weights import check_weights
+
+_gguf = require("gguf", "Reading a GGUF file")
+Q = _gguf.GGMLQuantizationType
+GGUFReader = _gguf.GGUFReader
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # llama.cpp's converter permutes Q/K rows for these architectures only (LlamaModel.permute); Qwen2 keeps HF order.

@@ -17,6 +17,8 @@ import numpy as np
 from safetensors import safe_open
 
 from models.config import ModelConfig, RopeScaling
+from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors, fp8_layout, take_fp8_weights
+from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2")
@@ -221,6 +223,9 @@ _DEEPSEEK_LAYER_NAMES = {
 _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "q_a_proj",
             "q_b_proj", "kv_a_proj", "kv_b_proj", "router"}
+# What an FP8 checkpoint's codes stay as (the projections `quantize_decoder` quantizes); other FP8 tensors (routed
+# experts, MLA's low-rank projections) the model keeps float, so they are dequantized on load.
+_FP8_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer old checkpoints saved; recomputed from config
 
@@ -260,7 +265,8 @@ def hf_name(canonical: str, model_type: str = "llama") -> str:
 # --------------------------------------------------------------------------------------------------------------------
 # safetensors reading.
 
-_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+_RAW_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+               "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def read_safetensors_raw(path: str, name: str) -> np.ndarray:
@@ -290,7 +296,7 @@ def _read_file(path: str, names: list[str] | None = None) -> dict[str, np.ndarra
         for name in names if names is not None else list(f.keys()):
             try:
                 out[name] = f.get_tensor(name)
-            except (TypeError, ValueError):  # older safetensors: no numpy bf16
+            except (TypeError, ValueError, AttributeError):  # no numpy bf16 (older safetensors) or fp8 (numpy)
                 out[name] = read_safetensors_raw(path, name)
     return out
 
@@ -353,7 +359,8 @@ def _stack_experts(weights: dict[str, np.ndarray], config: ModelConfig) -> dict[
 def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
                    ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a llama/mistral/qwen2/qwen3/gemma2/gemma3_text HF folder. `dtype=None` keeps the stored dtype (e.g.
-    bf16) instead of float32."""
+    bf16) instead of float32. An FP8 checkpoint (models/loaders/fp8_checkpoint.py) gives its projections as
+    float8_e4m3fn `QuantizedWeight`s ([in, out], never a float copy), which `load_weights` keeps."""
     folder = os.fspath(folder)
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
@@ -363,10 +370,15 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
     if os.path.isfile(gen_path):  # chat models list their end-of-turn ids here (Llama 3: 128001, 128008, 128009)
         extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
         config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
-    weights: dict[str, np.ndarray] = {}
-    for name, w in _read_tensors(folder).items():
+    weights: dict[str, Any] = {}
+    tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(_read_json(cfg_path), cfg_path), folder)
+    for name, w in tensors.items():
         canonical = canonical_name(name, config.family)
         if canonical is None or (canonical == "lm_head" and config.tie_word_embeddings):
+            continue
+        if isinstance(w, QuantizedWeight):  # FP8, already [in, out]; what the model keeps float is dequantized
+            keeps = ".experts." not in canonical and canonical.rsplit(".", 1)[-1] in _FP8_LINEARS
+            weights[canonical] = w if keeps else np.asarray(w.dequantize(), dtype or np.float32)
             continue
         if canonical.rsplit(".", 1)[-1] in _LINEARS:
             w = w.T
@@ -379,3 +391,30 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
                          "is the download complete and does config.json match the weights?")
     check_weights(config, weights, folder)
     return config, weights
+
+
+def save_fp8_folder(folder: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
+    """Write `folder` (a dense HF model, e.g. bf16) as a compressed-tensors FP8 folder at `output` (new): per-channel
+    e4m3 layer projections, everything else as stored, config.json with its quantization_config, the tokenizer and
+    generation files copied. Returns the bytes of tensors written."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    folder, output = os.fspath(folder), os.fspath(output)
+    config, weights = load_hf_folder(folder, dtype=None)
+    if config.num_experts:
+        raise ValueError(f"{folder}: writing FP8 checkpoints of mixtures of experts is not supported")
+    cfg = _read_json(os.path.join(folder, "config.json"))
+    if cfg.get("quantization_config") and fp8_layout(cfg) != "compressed-tensors":
+        raise ValueError(f"{folder} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
+                         "convert a float checkpoint")
+    tensors = fp8_hf_tensors(weights, _FP8_LINEARS, _LINEARS, lambda n: hf_name(n, config.family))
+    os.makedirs(output, exist_ok=False)
+    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg | {"quantization_config": COMPRESSED_TENSORS_FP8}, f, indent=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy(os.path.join(folder, name), os.path.join(output, name))
+    return sum(t.nbytes for t in tensors.values())

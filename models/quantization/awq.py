@@ -40,15 +40,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.optional_deps import require
 from models.quantization.modes import fake_quant_int4, int4_group_size, is_quantized
+
+if TYPE_CHECKING:
+    import grain
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ def calibration_dataset(token_ids: Sequence[int], seq_len: int, batch_size: int)
     num_chunks = len(ids) // seq_len
     if num_chunks < 1:
         raise ValueError(f"{len(ids)} calibration tokens fill no chunk of seq_len={seq_len}; pass more text")
+    grain = require("grain", "AWQ calibration")
     return (grain.MapDataset.range(num_chunks)
             .map(lambda i: ids[i * seq_len:(i + 1) * seq_len])
             .batch(batch_size))

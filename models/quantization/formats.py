@@ -42,6 +42,18 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
     "grouped"  float per-group partial dots over [in/g, g, out] then scale and sum; exact to float rounding, but
                the unpacked weight is still converted to float32 in memory.
 
+FP8 weights (`quantize_fp8`, `fp8_weight`): q is float8_e4m3fn [in, out] (bits=8, no zero point or offset), x̂ = scale
+* q with float32 scales per output channel (group_size == in), per tensor (the same [1, out] row repeated) or per
+128x128 block (a checkpoint's [in/128, out/128] block scales repeated over each block's 128 columns, so the layout
+stays [in/g, out] with g=128: exact, at 4 bytes per 128 weights). Its methods:
+
+    "fp8"      dynamic per-token activation quantization to e4m3 (scale amax/448 per row and weight group), then
+               FP8 x FP8 dots with a float32 accumulator, the float scales after: the matmul Hopper's tensor cores
+               run (`fp8_matmul_supported`). XLA:CPU and TPU v5e/v6e have no FP8 units.
+    "dequant"  weight-only: the e4m3 codes converted to the activation's float type (bf16 or f32; e4m3 values are
+               exact in both) inside the dot, the per-channel scale applied to the output columns (per group:
+               partial dots scaled then summed). The path on chips without FP8.
+
 Measured with scripts/bench/quant_bench.py on the contended 2-core CPU (time relative to the f32 matmul, 1x576x1536 /
 32x576x1536 / 1x576x49152): per-channel int8 "int8" 0.9 / 0.7 / 1.1 (the only variant without a weight-sized
 float, int32 or int8 temporary); grouped (g=32/64) "int8" 1.8-2.1 / 2.9-4.1 / 2.2-4.3; "dequant" 1.0-1.4 / 0.9-1.3 /
@@ -59,12 +71,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.backend import target_backend, target_device_kind
 from kernels_pallas.matmul import grouped_cpu, int8_cpu
 from kernels_pallas.native import gate
 
 SUPPORTED_BITS = (4, 8)
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_BLOCK = 128  # the block of block-wise FP8 checkpoints (DeepSeek-V3, Qwen3-FP8): 128 x 128 weights per scale
+#: Device kinds whose GPUs have FP8 tensor cores (Ada sm_89, Hopper sm_90, Blackwell).
+FP8_GPU_KINDS = ("H100", "H200", "H800", "H20", "GH200", "L4", "L40", "B100", "B200", "GB200", "RTX 40", "RTX 50")
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-MATMUL_METHODS = ("dequant", "int8", "grouped")
+MATMUL_METHODS = ("dequant", "int8", "grouped", "fp8")
 
 
 def _check_bits(bits: int) -> None:
@@ -151,6 +169,11 @@ class QuantizedWeight:
         return self.shape[0] // self.group_size
 
     @property
+    def is_fp8(self) -> bool:
+        """float8_e4m3fn codes (x̂ = scale * q) rather than integer ones."""
+        return np.dtype(self.q.dtype) == np.dtype(FP8_DTYPE)
+
+    @property
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                    for a in (self.q, self.scale, self.zero_point, self.offset) if a is not None)
@@ -164,8 +187,12 @@ class QuantizedWeight:
         if tuple(self.q.shape) != q_shape:
             raise ValueError(f"q has shape {tuple(self.q.shape)}, expected {q_shape} for bits={self.bits}, "
                              f"shape={self.shape}")
-        if np.dtype(self.q.dtype) != np.dtype(_int_dtype(self.bits)):
-            raise ValueError(f"q has dtype {self.q.dtype}, expected {np.dtype(_int_dtype(self.bits))}")
+        if self.is_fp8:
+            if self.zero_point is not None or self.offset is not None:
+                raise ValueError("an FP8 weight (float8_e4m3fn q) is symmetric: no zero_point or offset")
+        elif np.dtype(self.q.dtype) != np.dtype(_int_dtype(self.bits)):
+            raise ValueError(f"q has dtype {self.q.dtype}, expected {np.dtype(_int_dtype(self.bits))} "
+                             f"(or float8_e4m3fn for an FP8 weight)")
         g_shape = (k // self.group_size, n)
         for name in ("scale", "zero_point", "offset"):
             a = getattr(self, name)
@@ -176,7 +203,7 @@ class QuantizedWeight:
         return self
 
     def int_values(self) -> jax.Array:
-        """Unpacked integer codes [in, out] (int8, or uint8 0..15)."""
+        """Unpacked codes [in, out] (int8, uint8 0..15, or float8_e4m3fn)."""
         return jnp.asarray(self.q) if self.bits == 8 else unpack_int4(self.q, self.group_size)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
@@ -184,7 +211,9 @@ class QuantizedWeight:
         k, n = self.shape
         z = self.int_values().reshape(self.num_groups, self.group_size, n)
         per_group = lambda a: None if a is None else jnp.asarray(a)[:, None, :]  # noqa: E731
-        if self.offset is not None:
+        if self.is_fp8:
+            w = z.astype(jnp.float32) * per_group(self.scale)
+        elif self.offset is not None:
             w = dequantize(z, per_group(self.scale), offset=per_group(self.offset))
         else:
             w = dequantize(z, per_group(self.scale), 0 if self.zero_point is None else per_group(self.zero_point))
@@ -212,8 +241,8 @@ def _check_group_size(group_size: int | None, k: int) -> int:
     return group_size
 
 
-def quantize_int8(w: Any, group_size: int | None = None) -> QuantizedWeight:
-    """Symmetric int8, scale = max|w| / 127 per output channel (group_size=None) or per group of input rows."""
+def _symmetric(w: Any, group_size: int | None, qmax: float, codes) -> QuantizedWeight:
+    """scale = max|w| / qmax per output channel (group_size=None) or per group of input rows; q = codes(w / scale)."""
     w = jnp.asarray(w, jnp.float32)
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D [in, out] weight, got shape {w.shape}")
@@ -221,9 +250,14 @@ def quantize_int8(w: Any, group_size: int | None = None) -> QuantizedWeight:
     g = _check_group_size(group_size, k)
     wg = w.reshape(k // g, g, n)
     amax = jnp.max(jnp.abs(wg), axis=1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
-    q = quantize(wg, scale[:, None, :], 0, bits=8).reshape(k, n)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+    q = codes(wg / scale[:, None, :]).reshape(k, n)
     return QuantizedWeight(q=q, scale=scale, bits=8, group_size=g, shape=(k, n)).validate()
+
+
+def quantize_int8(w: Any, group_size: int | None = None) -> QuantizedWeight:
+    """Symmetric int8, scale = max|w| / 127 per output channel (group_size=None) or per group of input rows."""
+    return _symmetric(w, group_size, 127.0, lambda x: quantize(x, 1.0, 0, bits=8))
 
 
 def quantize_int4(w: Any, group_size: int = 32) -> QuantizedWeight:
@@ -253,6 +287,54 @@ def quantize_weight(w: Any, bits: int = 8, group_size: int | None = None) -> Qua
     """int8 symmetric (per channel when group_size is None) or int4 asymmetric grouped (group_size default 32)."""
     _check_bits(bits)
     return quantize_int8(w, group_size) if bits == 8 else quantize_int4(w, 32 if group_size is None else group_size)
+
+
+def quantize_fp8(w: Any, group_size: int | None = None) -> QuantizedWeight:
+    """float8_e4m3fn codes, scale = max|w| / 448 per output channel (group_size=None) or per group of input rows
+    (round to nearest even, as a cast does; |w / scale| <= 448 by construction)."""
+    return _symmetric(w, group_size, FP8_MAX, to_fp8)
+
+
+def to_fp8(x: Any) -> jax.Array:
+    """Saturating cast to float8_e4m3fn (a plain cast turns |x| > 448 into NaN: e4m3fn has no infinity)."""
+    return jnp.clip(jnp.asarray(x, jnp.float32), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def fp8_weight(q: Any, scale: Any, *, name: str = "weight") -> QuantizedWeight:
+    """An FP8 [in, out] weight from stored codes and scales, without a float copy: `scale` a scalar or [1] (per
+    tensor), [out] or [1, out] (per output channel) or [ceil(in/128), ceil(out/128)] (128x128 blocks, the block-wise
+    checkpoints' `weight_scale_inv`). Errors name `name` (the checkpoint tensor)."""
+    q = jnp.asarray(q)
+    if q.ndim != 2 or np.dtype(q.dtype) != np.dtype(FP8_DTYPE):
+        raise ValueError(f"{name}: FP8 codes must be a 2-D float8_e4m3fn array, got {q.dtype} {tuple(q.shape)}")
+    k, n = q.shape
+    scale = jnp.asarray(scale)
+    if not jnp.issubdtype(scale.dtype, jnp.floating) or np.dtype(scale.dtype) == np.dtype(FP8_DTYPE):
+        raise ValueError(f"{name}: its scale must be float32/bfloat16/float16, got {scale.dtype}")
+    scale = scale.astype(jnp.float32)
+    blocks = (-(-k // FP8_BLOCK), -(-n // FP8_BLOCK))
+    if scale.size == 1:
+        return QuantizedWeight(q=q, scale=jnp.broadcast_to(scale.reshape(1, 1), (1, n)), bits=8, group_size=k,
+                               shape=(k, n)).validate()
+    if scale.shape in ((n,), (1, n)):
+        return QuantizedWeight(q=q, scale=scale.reshape(1, n), bits=8, group_size=k, shape=(k, n)).validate()
+    if scale.shape == blocks:
+        if k % FP8_BLOCK and blocks[0] > 1:
+            raise ValueError(f"{name}: 128x128 block scales need an input dimension divisible by 128 (or below "
+                             f"it), got {k}")
+        per_column = jnp.repeat(scale, FP8_BLOCK, axis=1)[:, :n]  # [in/128, out]: each block's scale per column
+        return QuantizedWeight(q=q, scale=per_column, bits=8, group_size=min(k, FP8_BLOCK), shape=(k, n)).validate()
+    raise ValueError(f"{name}: scale shape {tuple(scale.shape)} fits none of the FP8 layouts for a weight of "
+                     f"[in, out] = {(k, n)}: per tensor (), per channel ({n},) or 128x128 blocks {blocks}")
+
+
+def fp8_matmul_supported() -> bool:
+    """Whether the chip the program is traced for has FP8 matmuls (a GPU of a kind in FP8_GPU_KINDS; an unknown
+    GPU kind counts as one). XLA:CPU and TPU v5e/v6e have none: `pick_method` then dequantizes."""
+    if target_backend() != "gpu":
+        return False
+    kind = target_device_kind("gpu")
+    return kind is None or any(k in kind for k in FP8_GPU_KINDS)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -324,6 +406,29 @@ def _matmul_grouped(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     return jnp.sum(y, axis=0)
 
 
+def _matmul_fp8(x2: jax.Array, qw: QuantizedWeight, compute_dtype) -> jax.Array:
+    """FP8 weights: "fp8" (activations quantized per row and group, FP8 x FP8 -> f32) when compute_dtype is e4m3,
+    else weight-only (codes cast to compute_dtype, exact). Per channel one 2-D dot, the scales on its output."""
+    m = x2.shape[0]
+    k, n = qw.shape
+    gsz, ng = qw.group_size, qw.num_groups
+    xg = x2.reshape(m, ng, gsz).transpose(1, 0, 2)  # [G, M, g]
+    if compute_dtype == FP8_DTYPE:
+        amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
+        sx = jnp.where(amax > 0, amax / FP8_MAX, 1.0)  # [G, M, 1]
+        xq = to_fp8(xg / sx)
+    else:
+        sx, xq = None, xg.astype(compute_dtype)
+    w = jnp.asarray(qw.q).astype(compute_dtype)
+    if ng == 1:
+        acc = jax.lax.dot_general(xq[0], w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)[None]
+    else:
+        acc = jax.lax.dot_general(xq, w.reshape(ng, gsz, n), (((2,), (1,)), ((0,), (0,))),
+                                  preferred_element_type=jnp.float32)  # [G, M, N]
+    acc = acc * _per_group(qw.scale) if sx is None else acc * sx * _per_group(qw.scale)
+    return acc[0] if ng == 1 else jnp.sum(acc, axis=0)
+
+
 def matmul(x: Any, qw: QuantizedWeight, method: str = "dequant") -> jax.Array:
     """x[..., in] @ W -> [..., out] in x's dtype (float32 math). See the module docstring for the methods."""
     if method not in MATMUL_METHODS:
@@ -332,6 +437,16 @@ def matmul(x: Any, qw: QuantizedWeight, method: str = "dequant") -> jax.Array:
     k, n = qw.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects {k}")
+    if qw.is_fp8:
+        if method not in ("fp8", "dequant"):
+            raise ValueError(f"an FP8 weight runs method 'fp8' or 'dequant', not {method!r}")
+        # bf16 activations stay bf16 for the weight-only dot (e4m3 codes are exact in bf16): TPU's MXU dtype.
+        compute = FP8_DTYPE if method == "fp8" else (jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32)
+        x2 = x.reshape(-1, k).astype(jnp.bfloat16 if compute == jnp.bfloat16 else jnp.float32)
+        y = _matmul_fp8(x2, qw, compute)
+        return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+    if method == "fp8":
+        raise ValueError("method 'fp8' is for FP8 weights (float8_e4m3fn codes)")
     x2 = x.reshape(-1, k).astype(jnp.float32)
     if (method == "dequant" and grouped_kernel_runs(x2.shape[0])
             and (qw.zero_point is None or np.dtype(qw.zero_point.dtype) == np.int8)):  # what the kernel reads

@@ -23,9 +23,11 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
+from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
+
+Q = require("gguf", "Reading a GGUF file").GGMLQuantizationType
 
 GGUF_BLOCK = 32
 _BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}

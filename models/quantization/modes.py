@@ -23,6 +23,14 @@ Modes (`LLM(quantization=...)`, `models.decoder.quantize_decoder`):
             calibration activations and folded into the float weights (norms, v_proj / up_proj columns) before
             quantizing, so the quantized model has exactly the "int4" structure and matmuls. `LLM` calibrates on the
             shipped calibration text at load time.
+    "fp8"   every linear weight, the LM head and the embedding float8_e4m3fn per output channel (per token row for
+            the embedding), as "int8" is laid out; an FP8 checkpoint (models/loaders/fp8_checkpoint.py) keeps its
+            own codes and per-tensor / per-channel / 128x128 block scales. Matmuls run `matmul(method="fp8")` where
+            the chip has FP8 (Hopper, Ada, Blackwell GPUs: activations quantized to e4m3 per token, FP8 x FP8 with a
+            float32 accumulator) and weight-only "dequant" on TPU v5e/v6e (the codes converted to bf16 inside the
+            dot, exact). XLA:CPU has no FP8 units and would write a float32 copy of every weight every call, so on
+            CPU `quantize_decoder` holds the e4m3-rounded values as float32 (same numbers, float32 speed and
+            memory). Both are logged once at load.
     "gguf"  a .gguf model keeps the blocks it ships (Q8_0 / Q4_0 / Q4_1, via `models.quantization.gguf_blocks`, codes
             copied, never decoded to float; Q/K rows un-permuted on the blocks). Tensors of other types stay float.
             For the default SmolLM2 that is Q4_1 layer linears (group 32, the "min" form s * q + m) and a Q8_0 tied
@@ -44,10 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.quantization.formats import (QuantizedWeight, dequantize, grouped_kernel_runs, matmul, pack_int4, quantize,
-                                         quantize_int8)
+from models.quantization.formats import (QuantizedWeight, dequantize, fp8_matmul_supported, grouped_kernel_runs,
+                                         matmul, pack_int4, quantize, quantize_fp8, quantize_int8)
 
-QUANTIZATION_MODES = ("int8", "int4", "int4-awq", "gguf")
+QUANTIZATION_MODES = ("int8", "int4", "int4-awq", "gguf", "fp8")
 #: Grouped weights with more elements than this use the "int8" matmul instead of "dequant" (see the module docstring).
 DEQUANT_MAX_ELEMENTS = 8 << 20
 
@@ -72,6 +80,8 @@ def is_quantized(value: Any) -> bool:
 
 def pick_method(qw: QuantizedWeight, rows: int) -> str:
     """The `quantization.matmul` method for `rows` activation rows (static at trace time)."""
+    if qw.is_fp8:
+        return "fp8" if fp8_matmul_supported() else "dequant"
     if qw.bits == 8 and qw.group_size == qw.shape[0]:
         return "int8"  # per channel: W8A8, no float weight
     if qw.shape[0] * qw.shape[1] > DEQUANT_MAX_ELEMENTS and not grouped_kernel_runs(rows):
@@ -139,17 +149,21 @@ def fake_quant_int4(w: Any, group_size: int) -> jax.Array:
 
 
 def quantize_linear(w: Any, mode: str, group_size: int | None = None) -> QuantizedWeight:
-    """A float [in, out] weight -> QuantizedWeight for `mode` "int8" (per channel) or "int4" (grouped)."""
+    """A float [in, out] weight -> QuantizedWeight for `mode` "int8" / "fp8" (per channel) or "int4" (grouped)."""
     if mode == "int8":
         return quantize_int8(w, group_size)
+    if mode == "fp8":
+        return quantize_fp8(w, group_size)
     if mode == "int4":
         return quantize_int4_minmax(w, group_size or int4_group_size([np.shape(w)[0]]))
-    raise ValueError(f"mode must be 'int8' or 'int4' to quantize a float weight, got {mode!r}")
+    raise ValueError(f"mode must be 'int8', 'fp8' or 'int4' to quantize a float weight, got {mode!r}")
 
 
-def quantize_embedding(embedding: Any) -> QuantizedWeight:
-    """[vocab, hidden] float -> int8 QuantizedWeight of the [hidden, vocab] view, one scale per token row."""
-    return quantize_int8(jnp.asarray(embedding, jnp.float32).T)
+def quantize_embedding(embedding: Any, mode: str = "int8") -> QuantizedWeight:
+    """[vocab, hidden] float -> int8 (or, mode "fp8", e4m3) QuantizedWeight of the [hidden, vocab] view, one scale
+    per token row."""
+    w = jnp.asarray(embedding, jnp.float32).T
+    return quantize_fp8(w) if mode == "fp8" else quantize_int8(w)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -3,11 +3,15 @@ time them side by side.
 
     python scripts/bench/kernel_bench.py --out=kernel_bench.json            # on a GPU; one run, a few minutes
     python scripts/bench/kernel_bench.py --smoke --out=/tmp/smoke.json      # anywhere: tiny shapes, interpret mode
+    python scripts/bench/kernel_bench.py --sweep --out=sweep.json           # + the Triton tuning sweep (gpu_tuning.py)
+    python scripts/bench/kernel_bench.py --out=tpu_ab.json                  # on a TPU: the A/B of tpu_kernel_ab.py
 
 Cases (bf16 on the device; `--smoke` shrinks every dimension and uses f32 with `interpret=True`):
   * decode: 64 sequences x 2048 cached tokens, 32 query / 8 KV heads, head_dim 128, page 16 (512 MiB of KV),
     the kernel with several split-KV counts, and the same with an int8 cache (per-token scales);
   * mixed: 16 decode sequences at 2048 tokens + 2 prefill chunks of 512 queries (contexts 1024 and 2048);
+  * basic_padded: JAX's `basic` RPA case (q 192 / 128 / 64 over kv 328 / 180 / 255) with metadata for 8 sequence
+    slots, the 5 past num_seqs zero-padded as JAX's tests pad them (the engine repeats the last offset instead);
   * the Mosaic GPU kernel (`attention/mosaic_gpu.py`, Hopper, bf16 queries over a bf16 or int8 cache) beside the
     Triton one in decode (same split counts), decode_int8 and mixed; `--smoke` runs it on small bf16 decode cases
     ("decode_bf16", and "decode_bf16_int8" over an int8 cache) in its interpreter.
@@ -49,6 +53,10 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes in interpret mode (runs on CPU; c
 flags.DEFINE_integer("rounds", 5, "Timed rounds per variant (median reported).")
 flags.DEFINE_integer("calls", 10, "Back-to-back calls per timed round.")
 flags.DEFINE_list("splits", ["1", "4", "8"], "Split-KV counts to time for decode.")
+flags.DEFINE_bool("sweep", False, "Also time the Triton kernel over `sweep_variants` in decode, decode_int8 and "
+                  "mixed: the runs that tune kernels_pallas/attention/gpu_tuning.py's entries.")
+flags.DEFINE_bool("tpu", False, "The TPU A/B (scripts/bench/tpu_kernel_ab.py): pagejax's TPU kernel beside JAX's "
+                  "in-tree one; the default on a TPU; with --smoke, in interpret mode on CPU.")
 
 
 def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
@@ -63,6 +71,14 @@ def make_batch(key, q_lens, kv_lens, *, num_q_heads, num_kv_heads, head_dim, pag
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = tuple(map(jnp.asarray, (np.array(kv_lens, np.int32), perm, cu, np.array([len(q_lens)], np.int32))))
     return q, kv, meta
+
+
+def pad_slots(batch, slots: int):
+    """`batch` with metadata for `slots` sequence slots: kv_lens, page-table rows and cu_q_lens zero-padded."""
+    q, kv, (kv_lens, pages, cu, num_seqs) = batch
+    extra = slots - kv_lens.shape[0]
+    return q, kv, (jnp.pad(kv_lens, (0, extra)), jnp.pad(pages, ((0, extra), (0, 0))), jnp.pad(cu, (0, extra)),
+                   num_seqs)
 
 
 def bytes_read(q, kv_lens, kv_pages, kv_scales=None) -> int:
@@ -94,6 +110,21 @@ def copy_bandwidth(num_bytes: int, rounds: int, calls: int) -> float:
     return 2 * num_bytes / timed(jax.jit(lambda x: x * 2), (x,), rounds, calls)
 
 
+def check_and_time(label, fn, args, want, *, nbytes, copy_bw, rounds, calls, tol) -> dict:
+    """One variant's row: max abs error against `want`, median time, bandwidth, and its fraction of copy_bw."""
+    try:  # one failing variant (e.g. a compile error) must not cost the rest of a single device run
+        got = np.asarray(fn(*args), np.float32)
+        err = float(np.max(np.abs(got - want)))
+        seconds = timed(fn, args, rounds, calls)
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON and fails the run's exit status
+        print(f"{label} FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
+    print(f"{label} err {err:.2e}  {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e9:8.1f} GB/s "
+          f"({nbytes / seconds / copy_bw:.0%} of copy)", flush=True)
+    return {"max_err": err, "tol": tol, "ok": bool(err <= tol), "time_ms": seconds * 1e3,
+            "GBps": nbytes / seconds / 1e9, "fraction_of_copy_bw": nbytes / seconds / copy_bw}
+
+
 def run_case(name, batch, variants, *, kv_scales, max_q_len, copy_bw, rounds, calls, tol) -> dict:
     q, kv, (kv_lens, page_indices, cu, num_seqs) = batch
     args = (q, kv, kv_lens, page_indices, cu, num_seqs)
@@ -108,19 +139,8 @@ def run_case(name, batch, variants, *, kv_scales, max_q_len, copy_bw, rounds, ca
               "kv_dtype": str(kv.dtype), "q_dtype": str(q.dtype), "bytes_read": nbytes, "variants": {}}
     for vname, fn in variants.items():
         jitted = jax.jit(functools.partial(fn, sm_scale=sm_scale, max_q_len=max_q_len, kv_scales=kv_scales))
-        try:  # one failing variant (e.g. a Triton compile error) must not cost the rest of a single device run
-            got = np.asarray(jitted(*args), np.float32)
-            err = float(np.max(np.abs(got - want)))
-            seconds = timed(jitted, args, rounds, calls)
-        except Exception as e:  # noqa: BLE001 - recorded in the JSON and fails the run's exit status
-            result["variants"][vname] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:4000]}
-            print(f"{name:12s} {vname:16s} FAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
-            continue
-        result["variants"][vname] = {
-            "max_err": err, "tol": tol, "ok": bool(err <= tol), "time_ms": seconds * 1e3,
-            "GBps": nbytes / seconds / 1e9, "fraction_of_copy_bw": nbytes / seconds / copy_bw}
-        print(f"{name:12s} {vname:16s} err {err:.2e}  {seconds * 1e3:8.3f} ms  {nbytes / seconds / 1e9:8.1f} GB/s "
-              f"({nbytes / seconds / copy_bw:.0%} of copy)", flush=True)
+        result["variants"][vname] = check_and_time(f"{name:12s} {vname:16s}", jitted, args, want, nbytes=nbytes,
+                                                   copy_bw=copy_bw, rounds=rounds, calls=calls, tol=tol)
     ref_time = result["variants"].get("xla_reference", {}).get("time_ms")
     for v in result["variants"].values():
         if ref_time and "time_ms" in v:
@@ -136,11 +156,27 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(argv):
-    del argv
-    smoke = FLAGS.smoke
-    if not smoke and jax.default_backend() != "gpu":
-        raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
+CASES = ("decode", "decode_bf16", "decode_bf16_int8", "decode_int8", "mixed", "basic_padded")
+
+
+def sweep_variants(gpu, case: str, smoke: bool) -> dict:
+    """Triton kernel variants around its tuning entries (`gpu_tuning.py`): KV block (pages per block), warps and
+    pipeline depth for decode and int8 decode; query rows (block_q at group 4) and KV block for mixed batches.
+    --smoke: one variant each (the flow, not a sweep)."""
+    import itertools
+
+    if case == "mixed":
+        grid = [(4, 4), (16, 4), (32, 8)] if not smoke else [(8, 2)]
+        return {f"pallas_bq{q}_ppb{p}": functools.partial(gpu, block_q=q, pages_per_block=p) for q, p in grid}
+    grid = list(itertools.product((4, 8, 16), (4, 8), (2, 3))) if not smoke else [(2, 4, 2)]
+    return {f"pallas_ppb{p}_w{w}_s{s}": functools.partial(gpu, pages_per_block=p, num_warps=w, num_stages=s)
+            for p, w, s in grid}
+
+
+def bench(smoke: bool, splits: list[int], rounds: int, calls: int, only: tuple[str, ...] = CASES,
+          sweep: bool = False) -> dict:
+    """The checks and timings of the cases in `only` (the module docstring; decode_bf16 and decode_bf16_int8 are
+    --smoke's); `scripts/bench/gpu_report.py` runs this too."""
     if smoke:  # tiny and f32 so the interpreter is quick; the checks use the f32 tolerance
         dims = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
         decode_lens, mixed = ([1] * 3, [40, 64, 17]), ([1, 1, 8], [64, 30, 20])
@@ -148,7 +184,6 @@ def main(argv):
     else:
         dims = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
         decode_lens, mixed = ([1] * 64, [2048] * 64), ([1] * 16 + [512, 512], [2048] * 16 + [1024, 2048])
-        splits, rounds, calls = [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls
         tol, copy_bytes = 2e-2, 1 << 30
     copy_bw = copy_bandwidth(copy_bytes, rounds, calls)
     print(f"device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", flush=True)
@@ -163,11 +198,12 @@ def main(argv):
 
     cases = {}
     decode = make_batch(key, *decode_lens, **dims)
-    cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
-        f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits} | ({
-        f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {}),
-        kv_scales=None, max_q_len=1, **common)
-    if smoke:
+    if "decode" in only:
+        cases["decode"] = run_case("decode", decode, {"xla_reference": reference} | {
+            f"pallas_splits{s}": functools.partial(gpu, num_kv_splits=s) for s in splits} | ({
+            f"mosaic_splits{s}": functools.partial(mosaic, num_kv_splits=s) for s in splits} if with_mosaic else {})
+            | (sweep_variants(gpu, "decode", smoke) if sweep else {}), kv_scales=None, max_q_len=1, **common)
+    if smoke and "decode_bf16" in only:
         bf16 = make_batch(key, *decode_lens, **(dims | dict(dtype=jnp.bfloat16)))
         cases["decode_bf16"] = run_case("decode_bf16", bf16, {"xla_reference": reference, "pallas": gpu,
                                                               "mosaic": mosaic},
@@ -176,22 +212,59 @@ def main(argv):
         cases["decode_bf16_int8"] = run_case("decode_bf16_int8", (bf16[0], bf16_int8, bf16[2]), {
             "xla_reference": reference, "pallas": gpu, "mosaic": mosaic}, kv_scales=bf16_scales, max_q_len=1,
             **(common | dict(tol=2e-2)))
-    kv_int8, scales = quantize_cache(decode[1])
-    cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
-        "xla_reference": reference, f"pallas_splits{splits[-1]}": functools.partial(gpu, num_kv_splits=splits[-1])} | ({
-        f"mosaic_splits{splits[-1]}": functools.partial(mosaic, num_kv_splits=splits[-1])} if with_mosaic else {}),
-        kv_scales=scales, max_q_len=1, **common)
-    del decode, kv_int8, scales
-    cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,
-                                                                         "pallas": gpu} | (
-                                  {"mosaic": mosaic} if with_mosaic else {}),
-                              kv_scales=None, max_q_len=max(mixed[0]), **common)
+    if "decode_int8" in only:
+        kv_int8, scales = quantize_cache(decode[1])
+        last = splits[-1]
+        cases["decode_int8"] = run_case("decode_int8", (decode[0], kv_int8, decode[2]), {
+            "xla_reference": reference, f"pallas_splits{last}": functools.partial(gpu, num_kv_splits=last)} | ({
+            f"mosaic_splits{last}": functools.partial(mosaic, num_kv_splits=last)} if with_mosaic else {})
+            | (sweep_variants(gpu, "decode_int8", smoke) if sweep else {}), kv_scales=scales, max_q_len=1, **common)
+        del kv_int8, scales
+    del decode
+    if "mixed" in only:
+        cases["mixed"] = run_case("mixed", make_batch(key, *mixed, **dims), {"xla_reference": reference,
+                                                                             "pallas": gpu} | (
+            {"mosaic": mosaic} if with_mosaic else {}) | (sweep_variants(gpu, "mixed", smoke) if sweep else {}),
+            kv_scales=None, max_q_len=max(mixed[0]), **common)
+    if "basic_padded" in only:
+        basic = pad_slots(make_batch(key, [192, 128, 64], [328, 180, 255], **dims), 8)
+        cases["basic_padded"] = run_case("basic_padded", basic, {"xla_reference": reference, "pallas": gpu} | (
+            {"mosaic": mosaic} if with_mosaic else {}), kv_scales=None, max_q_len=192, **common)
 
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "smoke": smoke, "shapes": {k: str(v) for k, v in dims.items()},
               "copy_bandwidth_GBps": copy_bw / 1e9, "cases": cases}
     result["all_ok"] = all(v["ok"] for c in cases.values() for v in c["variants"].values())
+    return result
+
+
+def main(argv):
+    del argv
+    if FLAGS.tpu or (not FLAGS.smoke and jax.default_backend() == "tpu"):
+        return tpu_main(FLAGS.smoke)
+    if not FLAGS.smoke and jax.default_backend() != "gpu":
+        raise app.UsageError(f"no GPU (backend {jax.default_backend()!r}); use --smoke to check the script on CPU")
+    result = bench(FLAGS.smoke, [int(s) for s in FLAGS.splits], FLAGS.rounds, FLAGS.calls, sweep=FLAGS.sweep)
+    with open(FLAGS.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")
+    if not result["all_ok"]:
+        sys.exit(1)
+
+
+def tpu_main(smoke: bool) -> None:
+    """The TPU A/B (`tpu_kernel_ab.py`), written like the GPU run: JSON with date, commit, device."""
+    from scripts.bench import tpu_kernel_ab
+
+    if not smoke and jax.default_backend() != "tpu":
+        raise app.UsageError(f"no TPU (backend {jax.default_backend()!r}); use --tpu --smoke to check it on CPU")
+    rounds, calls = (1, 1) if smoke else (FLAGS.rounds, FLAGS.calls)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "smoke": smoke,
+              **tpu_kernel_ab.run(sys.modules[__name__], smoke=smoke, rounds=rounds, calls=calls)}
+    result["all_ok"] = all(v["ok"] for c in result["cases"].values() for v in c["variants"].values())
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {FLAGS.out}; all checks ok: {result['all_ok']}")

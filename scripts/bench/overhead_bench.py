@@ -2,6 +2,7 @@
 
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
+    python scripts/bench/overhead_bench.py --seqs=8,64,256 --baseline=<commit> --json=out/ab.json   # before/after
 
 A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
 and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
@@ -20,6 +21,10 @@ turn for every size: "sync" steps one at a time, "async" dispatches each step be
 fetched (inference/engine/async_scheduling.py), so its phases run while the device computes: there "wait_readback"
 is what is left of the wait once the host's work is done, and steps/s and the device-busy fraction are the
 comparison.
+
+Each row also has the gaps between a request's tokens over the whole measured run (all requests arrive at once, so
+prompts are prefilled while the first ones decode): ITL p50 and p99, under `--policy`. `--baseline` measures
+another checkout's engine beside this one's in the same run, each size in a fresh process of each tree.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +43,9 @@ from typing import Any, Callable
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# --baseline runs this script against another checkout's engine: OVERHEAD_BENCH_TREE names it.
+sys.path.insert(0, os.environ.get("OVERHEAD_BENCH_TREE")
+                or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,6 +66,10 @@ def define_flags() -> None:
     flags.DEFINE_list("modes", ["async"], "Engine scheduling per measurement, in this order for each size: sync "
                       "(one step at a time), async (the default: each step dispatched before the last one's tokens "
                       "are fetched).")
+    flags.DEFINE_string("policy", None, "The scheduling policy (prefill_first or mixed; default: the engine's).")
+    flags.DEFINE_string("baseline", None, "A git commit (or a checkout's path) whose engine is measured beside this "
+                        "tree's in the same run: each size runs in a fresh process of that tree, then of this one, "
+                        "alternating, with this script (rows tagged tree=base / tree=this).")
     flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
                       "out of the collector's generations), to see whether collections cause the dispatch spikes.")
 
@@ -173,6 +185,9 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(llm_engine, "needs_penalties", "batch_build")
     profiler.patch(llm_engine, "needs_filters", "batch_build")
     profiler.patch(SamplingTensors, "from_params", "batch_build")
+    if hasattr(engine, "persistent"):  # the kept decode batch (inference/engine/persistent_batch.py)
+        profiler.patch(engine.persistent, "next_step", "batch_build")
+        profiler.patch(engine.persistent, "keep", "batch_build")
     profiler.patch(runner, "decode_step", "dispatch")
     profiler.patch(runner, "prefill_step", "dispatch")
     profiler.patch(llm_engine, "feed_pending_tokens", "batch_build")
@@ -201,7 +216,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         engine.reset_stats()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{num_seqs}-{i}", p, sp)
-        steps = []
+        steps, gaps = [], []
         while engine.has_unfinished_requests():
             decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
                 not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
@@ -218,8 +233,9 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
                 outs = engine.step()
             for out in outs:
                 if out.finished:
+                    gaps.extend(out.metrics.inter_token_latencies)
                     engine.pop_finished(out.request_id)
-        return {"steps": steps}
+        return {"steps": steps, "gaps": gaps}
 
     run(None)  # compiles every shape of this workload
     if FLAGS.gc_freeze:
@@ -251,6 +267,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
     device_ms = replay_ms(runner, capture["step"], repeats)
+    gaps = np.asarray(result["gaps"]) * 1e3  # every request's gaps between tokens, the whole run (prefill too)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
     return {"seqs": num_seqs, "async_scheduling": engine.async_scheduling, "measured_steps": len(walls),
@@ -261,27 +278,89 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
-            "gc_frozen": FLAGS.gc_freeze}
+            "gc_frozen": FLAGS.gc_freeze, "policy": engine.scheduler.config.policy,
+            "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
+            "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
 
 def replay_ms(runner, captured, repeats: int) -> float:
     """Median ms of the captured decode step alone, inputs already on the device (the KV cache is donated, so each
     replay feeds the previous one's cache back)."""
     inp, sampling, kwargs = captured
+    if hasattr(runner, "noop_feed") and inp.feed is None:  # the variant the engine runs: every step carries a feed
+        inp = inp.replace(feed=runner.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0]))
     inp, sampling = jax.device_put((inp, sampling))
     times = []
     for _ in range(repeats + 2):
         t0 = time.perf_counter()
-        sampled, _, runner.kv_caches = runner.decode_step(runner.param_leaves, runner.kv_caches, inp, sampling,
-                                                          **kwargs)
+        sampled, _, runner.kv_caches, *_ = runner.decode_step(runner.param_leaves, runner.kv_caches, inp, sampling,
+                                                              **kwargs)
         jax.block_until_ready(sampled)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[2:]) * 1e3)
 
 
+def _tree_of(baseline: str) -> str:
+    """A checkout of `baseline`: the path itself, or a detached git worktree of that commit made for this run."""
+    if os.path.isdir(baseline):
+        return os.path.abspath(baseline)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tree = tempfile.mkdtemp(prefix="overhead_baseline_")
+    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, baseline], check=True,
+                   capture_output=True)
+    return tree
+
+
+def _run_in(tree: str, script: str, size: int) -> list[dict]:
+    """One size measured by `script` in a fresh process whose imports come from `tree`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        args = [sys.executable, script, f"--seqs={size}", f"--json={out.name}",
+                *(f"--{k}={v}" for k, v in _forwarded().items())]
+        env = {**os.environ, "OVERHEAD_BENCH_TREE": tree}
+        subprocess.run(args, cwd=tree, env=env, check=True)
+        with open(out.name) as f:
+            return json.load(f)["rows"]
+
+
+def _forwarded() -> dict[str, str]:
+    """The flags a side-by-side run hands to each of its processes."""
+    return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
+            "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze,
+            **({"policy": FLAGS.policy} if FLAGS.policy else {})}
+
+
+def side_by_side(baseline: str) -> list[dict]:
+    """Every size measured with the baseline tree's engine and this tree's, alternating, each in its own process
+    running this script (so both use the same timers and workload)."""
+    base = _tree_of(baseline)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.abspath(__file__)
+    rows = []
+    for n in [int(s) for s in FLAGS.seqs]:
+        for name, tree in (("base", base), ("this", here)):
+            for row in _run_in(tree, script, n):
+                rows.append({**row, "tree": name})
+    for n in [int(s) for s in FLAGS.seqs]:
+        pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"]}
+        if len(pair) == 2:
+            b, t = pair["base"], pair["this"]
+            print(f"seqs={n:4d}  host ms {b['host_ms']:.2f} -> {t['host_ms']:.2f} ({t['host_ms'] / b['host_ms']:.2f}x)"
+                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}", flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.baseline:
+        rows = side_by_side(FLAGS.baseline)
+        if FLAGS.json:
+            os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+            with open(FLAGS.json, "w") as f:
+                json.dump({"benchmark": "overhead", "jax": jax.__version__, "baseline": FLAGS.baseline,
+                           "decode_steps": FLAGS.decode_steps, "temperature": FLAGS.temperature,
+                           "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
+        return
     from inference import LLM
     from inference.engine.llm_engine import Engine
 
@@ -294,6 +373,8 @@ def main(argv: list[str]) -> None:
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
         config = llm.engine.scheduler.config
+        if FLAGS.policy:
+            config = dataclasses.replace(config, policy=FLAGS.policy)
         engines = {mode: Engine(llm.runner, llm.tokenizer,
                                 dataclasses.replace(config, async_scheduling=mode == "async")) for mode in FLAGS.modes}
         for n in sizes:
@@ -306,7 +387,8 @@ def main(argv: list[str]) -> None:
                       f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
-                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}",
+                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}  "
+                      f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})",
                       flush=True)
     result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
               "temperature": FLAGS.temperature, "rows": rows}

@@ -48,7 +48,7 @@ from tests.reference_fixtures import load_reference  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")
 flags.DEFINE_list("rows", ["f32", "int8", "int4", "int4-awq", "gguf", "int4-g64", "int4-awq-g64", "kv-int8",
-                                  "int8+kv-int8"],
+                                  "int8+kv-int8", "fp8", "kv-fp8", "fp8+kv-fp8"],
                   "Rows to measure (see ROWS); f32 always runs first.")
 flags.DEFINE_integer("steps", 16, "Decode steps per timed run.")
 flags.DEFINE_list("batch", ["1", "32"], "Batch sizes for decode tok/s.")
@@ -67,6 +67,9 @@ ROWS = {
     "int4-awq-g64": {"quantization": "int4-awq", "quantization_group_size": 64},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "int8+kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},  # the fastest CPU configuration
+    "fp8": {"quantization": "fp8"},  # on CPU: weight-only dots of the e4m3 codes (no FP8 units)
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
+    "fp8+kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
 
 #: 16 prompts for the greedy comparison: chat questions and plain-text openings, short and long.

@@ -3,16 +3,18 @@
 Interpret mode runs a kernel's semantics, not the compilers' rules (Mosaic tiling, VMEM, shared memory,
 registers). This script builds devices of chips that are not there (`jax.experimental.topologies`), gives every
 input as a `ShapeDtypeStruct` (so real-size models cost no memory) and compiles:
-  (a) each attention kernel over a sweep of shapes and dtypes (`kernel_cases`), and
+  (a) each attention kernel over a sweep of shapes and dtypes (`kernel_cases`; the Mosaic GPU kernel's cases,
+      `mosaic_gpu_cases`, with `--what=mosaic_gpu`), and
   (b) the engine's jitted prefill and decode steps of real-size presets at TP 1 and 8 (`step_cases`).
 Per case it records the compiler's verdict (or its message), `memory_analysis()` bytes (beside the cost model's
 weight + KV bytes for steps), the custom calls and whole-cache copies in the optimized HLO, and on GPU ptxas's
-registers / spills and Triton's shared memory. JSON out; `docs/accelerators.md` holds the table.
+registers / spills and the Triton or Mosaic GPU kernel's shared memory. JSON out; `docs/accelerators.md` holds
+the table.
 
 Needs libtpu (TPU) and jax-cuda13-plugin + jax-cuda13-pjrt (GPU) of the installed jax's version; chips whose
 compiler is missing are reported as such. GPU register counts need `TF_CPP_MIN_LOG_LEVEL=0` and
-`TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start; this script
-re-executes itself with them.
+`TF_CPP_VMODULE=subprocess_compilation=2,xtile_compiler=2` in the environment at process start (Mosaic GPU's,
+`gpu_compile_report.MOSAIC_GPU_ENV`); this script re-executes itself with them.
 
     JAX_PLATFORMS=cpu python scripts/tools/aot_compile.py --chips=v5e,h100 --what=kernels,steps --out=aot.json
 """
@@ -94,7 +96,20 @@ def hlo_report(compiled, cache_shapes: tuple[tuple[int, ...], ...] = ()) -> dict
     copies = [f"{m.group(1)}[{m.group(2)}]" for m in re.finditer(r"= (\w+)\[([\d,]*)\][^ ]* copy\(", text)
               if m.group(2) and int(np.prod([int(d) for d in m.group(2).split(",")])) in wanted]
     return {"custom_calls": targets, "cpu_only_calls": [t for t in targets if t.startswith(CPU_ONLY_CALLS)],
-            "cache_copies": copies}
+            "cache_copies": copies, "gemm_operands": dot_operand_dtypes(text)}
+
+
+def dot_operand_dtypes(text: str) -> dict[str, int]:
+    """How many GEMMs (dots, cuBLAS / Triton gemm calls) of the optimized HLO `text` take which operand dtypes, e.g.
+    {"f8e4m3fn x f8e4m3fn": 224, "bf16 x bf16": 65}: FP8 weights must reach the GEMM as FP8, not converted first."""
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"= \w+\[[^\n]*? (?:dot|custom-call)\(%([\w.\-]+), %([\w.\-]+)[,)]([^\n]*)", text):
+        if " dot(" not in m.group(0) and not re.search(r'custom_call_target="[^"]*(gemm|matmul)', m.group(3)):
+            continue
+        key = f"{dtypes.get(m.group(1), '?')} x {dtypes.get(m.group(2), '?')}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def memory_report(compiled) -> dict:
@@ -106,10 +121,12 @@ def memory_report(compiled) -> dict:
 
 
 def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
-                 cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = ()) -> dict:
+                 cache_shapes: tuple[tuple[int, ...], ...] = (), donate_argnums: tuple[int, ...] = (),
+                 hlo_path: str | None = None) -> dict:
     """Lower and compile `fn(*args)` for `chip` (args already abstract); the verdict and what the compiler said.
-    `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates."""
-    from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
+    `donate_argnums`: as the engine donates them (the KV cache), or XLA must copy what the step updates.
+    `hlo_path`: where to write the optimized HLO text (the HLO guard, `tests/scripts/test_step_hlo.py`)."""
+    from kernels_pallas.gpu_compile_report import capture_compiler_logs, parse_compile_log
 
     backend = CHIPS[chip][0]
     start = time.time()
@@ -117,9 +134,9 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
     try:
         # The abstract mesh names the chip: kernels read their block sizes by it, Pallas-Triton lowers for it.
         with compiling_for(backend), jax.sharding.use_abstract_mesh(_mesh(chip, num_chips).abstract_mesh), \
-                capture_native_stderr() as log:
+                capture_compiler_logs() as log:
             lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*args)
-        with capture_native_stderr() as log2:
+        with capture_compiler_logs() as log2:
             compiled = lowered.compile()
         log = log + log2
     except Exception as e:  # noqa: BLE001 - the compiler's message is the result
@@ -129,6 +146,9 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
         row.update(status="does_not_fit" if oom else "failed", error=" ".join(msg[k:k + 600].split()))
         return row | {"seconds": round(time.time() - start, 1)}
     row.update(status="compiled", memory=memory_report(compiled), **hlo_report(compiled, cache_shapes))
+    if hlo_path:
+        with open(hlo_path, "w") as f:
+            f.write(compiled.as_text())
     if backend == "gpu":
         row["ptxas"] = parse_compile_log("".join(log))
     if row["cpu_only_calls"]:
@@ -150,11 +170,15 @@ class KernelCase:
     page_size: int = 16
     context: int = 2048  # tokens per sequence
     window: bool = False  # a 1024-token sliding window and a soft cap of 50 (Gemma 2/3)
+    impl: str = "gpu"  # on GPU chips: "gpu" (Pallas Triton) or "mosaic_gpu" (Pallas Mosaic GPU, Hopper)
+    num_kv_splits: int | None = None  # None: the kernel's default
 
     @property
     def name(self) -> str:
         return (f"{self.kind}_{self.dtype}_d{self.head_dim}_kv{self.num_kv_heads}_g{self.group}"
-                f"_p{self.page_size}" + ("_window_softcap" if self.window else ""))
+                f"_p{self.page_size}" + ("_window_softcap" if self.window else "")
+                + (f"_split{self.num_kv_splits}" if self.num_kv_splits else "")
+                + ("_mosaic_gpu" if self.impl == "mosaic_gpu" else ""))
 
     @property
     def batch(self) -> tuple[int, int]:
@@ -178,18 +202,34 @@ class KernelCase:
 
 
 def kernel_cases(quick: bool = False) -> list[KernelCase]:
-    """quick: the CI grid (dtypes x head_dim {64, 128} x KV heads {3, 8} x decode/prefill). Full: head_dim up to
+    """quick: the CI grid (dtypes x head_dim {64, 128} x KV heads {3, 8} x decode/prefill, and mixed at D 128 /
+    Hkv 8). Full: head_dim up to
     256, KV heads 1-16, and for bf16 / int8 page sizes 32 and 64, GQA ratios 1, 2 and 8, mixed batches and a
     sliding window with a soft cap."""
     head_dims, kv_heads = ((64, 128), (3, 8)) if quick else ((64, 128, 256), (1, 3, 5, 8, 16))
     cases = [KernelCase(kind, dtype, d, h) for kind, dtype, d, h in
              itertools.product(("decode", "prefill"), ("bfloat16", "float32", "int8"), head_dims, kv_heads)]
+    # the mixed batch at D 128 / Hkv 8: with decode and prefill above, every entry of the Triton kernel's tuning
+    # table (kernels_pallas/attention/gpu_tuning.py) for each GPU chip
+    cases += [KernelCase("mixed", dtype, 128, 8) for dtype in ("bfloat16", "float32", "int8")]
     if not quick:
         for kind, dtype in itertools.product(("decode", "prefill", "mixed"), ("bfloat16", "int8")):
             cases += [KernelCase(kind, dtype, 128, 8, page_size=p) for p in (32, 64)]
             cases += [KernelCase(kind, dtype, 128, 8, group=g) for g in (1, 2, 8)]
             cases += [KernelCase(kind, dtype, 128, 8, window=True)]
     return cases
+
+
+def mosaic_gpu_cases() -> list[KernelCase]:
+    """The Mosaic GPU kernel (bf16 / f16 queries, a cache of that dtype or int8; no f32): decode with and without
+    split-KV, a mixed batch, head_dim 64 over 64-token pages with window and soft cap, an int8 cache at D 128 and
+    at D 64 over 32-token pages with split-KV. The Triton kernel's twin of each is in `kernel_cases`, or is one
+    `KernelCase` away. The CUDA plugin compiles a Mosaic GPU kernel once per process, so ptxas reports it for the
+    first chip of a run only: one GPU chip per run for its figures."""
+    m = functools.partial(KernelCase, impl="mosaic_gpu")
+    return [m("decode", "bfloat16", 128, 8), m("decode", "bfloat16", 128, 8, num_kv_splits=4),
+            m("mixed", "bfloat16", 128, 8), m("decode", "bfloat16", 64, 4, group=8, page_size=64, window=True),
+            m("decode", "int8", 128, 8), m("decode", "int8", 64, 4, group=8, page_size=32, num_kv_splits=4)]
 
 
 def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
@@ -199,12 +239,22 @@ def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:
 
     backend = CHIPS[chip][0]
     args, q_len = case.inputs(NamedSharding(_mesh(chip, 1), P()))
+    if case.num_kv_splits:
+        kernel_kw = {"num_kv_splits": case.num_kv_splits, **kernel_kw}
     if backend == "tpu":
         from kernels_pallas.attention.tpu import ragged_paged_attention_tpu
 
         kernel = functools.partial(ragged_paged_attention_tpu, **kernel_kw)
+    elif case.impl == "mosaic_gpu":
+        from kernels_pallas.attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+
+        kernel = functools.partial(ragged_paged_attention_mosaic_gpu, **kernel_kw)
+    elif kernel_kw:
+        from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
+
+        kernel = functools.partial(ragged_paged_attention_gpu, **kernel_kw)
     else:
-        kernel = functools.partial(ragged_paged_attention, impl="gpu", **kernel_kw)
+        kernel = functools.partial(ragged_paged_attention, impl="gpu")
 
     extra = dict(sliding_window=1024, soft_cap=50.0) if case.window else {}
 
@@ -252,45 +302,59 @@ class StepCase:
     num_chips: int  # tensor-parallel size
     context: int = 4096  # tokens of cache per sequence
     page_size: int = 16
+    decode_batch: int = 64  # sequences of a decode step
+    layers: int | None = None  # the preset's layer count when None; fewer keep its widths (a cheaper compile)
+    dtype: str = "bfloat16"  # of the weights and the KV cache
 
     @property
     def name(self) -> str:
-        return f"{self.preset}_{self.kind}_tp{self.num_chips}"
+        batch = f"_b{self.decode_batch}" if self.kind == "decode" and self.decode_batch != 64 else ""
+        layers = f"_l{self.layers}" if self.layers else ""
+        dtype = "" if self.dtype == "bfloat16" else f"_{self.dtype}"
+        return f"{self.preset}{layers}_{self.kind}{batch}{dtype}_tp{self.num_chips}"
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(tokens, sequences, longest query) of the step's bucket."""
-        return (2048, 4, 512) if self.kind == "prefill" else (64, 64, 1)
+        return (2048, 4, 512) if self.kind == "prefill" else (self.decode_batch, self.decode_batch, 1)
 
 
-def step_cases(presets=STEP_PRESETS) -> list[StepCase]:
-    return [StepCase(p, kind, tp) for p, kind, tp in itertools.product(presets, ("prefill", "decode"), (1, 8))]
+def step_cases(presets=STEP_PRESETS, decode_batches=(64,), layers: int | None = None,
+               kinds=("prefill", "decode"), dtype: str = "bfloat16") -> list[StepCase]:
+    """Prefill and decode (one case per decode batch) at TP 1 and 8."""
+    return [StepCase(p, kind, tp, decode_batch=b, layers=layers, dtype=dtype)
+            for p, kind, tp in itertools.product(presets, kinds, (1, 8))
+            for b in (decode_batches if kind == "decode" else (64,))]
 
 
-def cost_model_bytes(config, case: StepCase, num_pages: int) -> dict:
-    """What the cost model says the step holds: bf16 weights and the KV cache (per device under TP)."""
+def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float | None = None) -> dict:
+    """What the cost model says the step holds: the weights (in the case's dtype, or `weight_bytes` a weight: 1 for
+    fp8 / int8) and the KV cache in the case's dtype (per device under TP)."""
     from inference.tools import cost_model
 
-    weights = cost_model.weight_bytes(config, 2)
-    kv = config.kv_cache_bytes(num_pages, case.page_size, jnp.bfloat16)
+    weights = cost_model.weight_bytes(config, weight_bytes or jnp.dtype(case.dtype).itemsize)
+    kv = config.kv_cache_bytes(num_pages, case.page_size, case.dtype)
     per = case.num_chips
     kv_per_device = kv if config.is_mla else kv / per  # MLA's latent cache is replicated
     return {"weights": int(weights / per), "kv": int(kv_per_device), "total": int(weights / per + kv_per_device)}
 
 
-def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int) -> int:
+def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_bytes: float | None = None) -> int:
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
     from configs.chips import CHIP_PRESETS
     from inference.tools import cost_model
 
-    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(config, 2)
-    per_page = config.kv_cache_bytes(1, case.page_size, jnp.bfloat16)
+    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(
+        config, weight_bytes or jnp.dtype(case.dtype).itemsize)
+    per_page = config.kv_cache_bytes(1, case.page_size, case.dtype)
     return int(max(case.shape[1], min(wanted, free // per_page)))
 
 
-def compile_step(chip: str, case: StepCase) -> dict:
-    """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs."""
+def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantization: str | None = None) -> dict:
+    """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs;
+    with `hlo_dir`, its optimized HLO goes to `hlo_dir/<chip>_<case>.hlo`; `quantization` ("fp8", "int8"): the
+    weights as `LLM(quantization=...)` holds them, with the GEMMs' operand dtypes reported (`dot_operand_dtypes`)."""
     from flax import nnx
 
     from configs import get_model_config
@@ -298,19 +362,26 @@ def compile_step(chip: str, case: StepCase) -> dict:
     from inference.runtime.runner import StepLayout, jit_step
     from inference.sampling.sampler import SamplingTensors
     from inference.sampling.params import SamplingParams
-    from models.decoder import Decoder
+    from models.decoder import Decoder, quantize_decoder
     from sharding.partition import kv_cache_sharding, needs_padding, param_shardings, replicated
 
     config = get_model_config(case.preset)
+    if case.layers:
+        config = config.replace(num_layers=case.layers, name=f"{config.name}-{case.layers}-layers")
     if case.num_chips > 1 and needs_padding(config, case.num_chips):
         return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
                 "error": f"{case.preset} needs head padding for TP {case.num_chips}"}
     mesh = _mesh(chip, case.num_chips)
     rep = replicated(mesh)
     backend = CHIPS[chip][0]
+
+    def build():
+        model = Decoder(config, dtype=jnp.dtype(case.dtype), attn_impl="auto",
+                        mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0))
+        return model if quantization is None else quantize_decoder(model, quantization)
+
     with compiling_for(backend):
-        model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.bfloat16, attn_impl="auto",
-                                               mesh=mesh if case.num_chips > 1 else None, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(build)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     if case.num_chips > 1:
@@ -319,9 +390,10 @@ def compile_step(chip: str, case: StepCase) -> dict:
         leaves = abstract(leaves, rep)
     tokens, seqs, max_q = case.shape
     pages_per_seq = -(-case.context // case.page_size)
-    num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1)
+    per_weight = None if quantization is None else 1  # fp8 / int8: 1 byte a weight
+    num_pages = kv_pages_that_fit(config, chip, case, seqs * pages_per_seq + 1, per_weight)
     with compiling_for(backend):  # MLA's latent cache has a backend's shape (kernels_pallas/kv_cache/latent_layout.py)
-        spec = config.kv_cache_spec(num_pages, case.page_size, jnp.bfloat16)
+        spec = config.kv_cache_spec(num_pages, case.page_size, case.dtype)
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
               for _ in range(config.num_kv_layers)]
@@ -336,8 +408,11 @@ def compile_step(chip: str, case: StepCase) -> dict:
     fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
     row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local,),
-                       donate_argnums=(1,))
-    row["cost_model"] = cost_model_bytes(config, case, num_pages)
+                       donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
+    row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
+    row["cache_shape"] = list(local)
+    if quantization is not None and row.get("status") == "compiled":
+        row["quantization"] = quantization
     if row.get("memory"):
         m = row["memory"]
         row["argument_vs_cost_model"] = round(m["argument"] / row["cost_model"]["total"], 3)
@@ -383,11 +458,19 @@ def main(argv) -> None:
             for kind in ("decode", "prefill"):
                 rows.append(compile_mla(chip, kind))
                 print(json.dumps(rows[-1])[:300], flush=True)
+        if "mosaic_gpu" in flags.what and CHIPS[chip][0] == "gpu":
+            for case in mosaic_gpu_cases():
+                rows.append(compile_kernel(chip, case))
+                print(json.dumps(rows[-1])[:300], flush=True)
         if "steps" in flags.what:
-            for case in step_cases(flags.presets):
+            if flags.hlo_dir:
+                os.makedirs(flags.hlo_dir, exist_ok=True)
+            batches = tuple(int(b) for b in flags.decode_batches)
+            kinds = ("decode",) if flags.decode_only else ("prefill", "decode")
+            for case in step_cases(flags.presets, batches, flags.layers, kinds, flags.dtype):
                 if str(case.num_chips) not in flags.tp:
                     continue
-                rows.append(compile_step(chip, case))
+                rows.append(compile_step(chip, case, flags.hlo_dir, flags.quantization))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "ptxas"})[:400], flush=True)
     with open(flags.out, "w") as f:
         json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)
@@ -395,17 +478,24 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2",
-                JAX_PLATFORMS="cpu")
+    from kernels_pallas.gpu_compile_report import LOG_VMODULE, MOSAIC_GPU_ENV
+
+    want = dict(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_VMODULE, JAX_PLATFORMS="cpu", **MOSAIC_GPU_ENV)
     if any(os.environ.get(k) != v for k, v in want.items()):  # XLA reads its log settings once, at start-up
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
     from absl import app, flags as absl_flags
 
     absl_flags.DEFINE_list("chips", ["v5e", "v6e", "h100", "h200"], "Chips to compile for.")
-    absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels and/or steps.")
+    absl_flags.DEFINE_list("what", ["kernels", "steps"], "kernels, steps and/or mosaic_gpu (its kernel cases).")
     absl_flags.DEFINE_list("presets", list(STEP_PRESETS), "Real-size presets for the steps.")
     absl_flags.DEFINE_list("tp", ["1", "8"], "Tensor-parallel sizes for the steps.")
+    absl_flags.DEFINE_list("decode_batches", ["64"], "Sequences of each decode step compiled.")
+    absl_flags.DEFINE_bool("decode_only", False, "Steps: the decode steps only.")
+    absl_flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Steps: weights' and KV cache's dtype.")
+    absl_flags.DEFINE_integer("layers", None, "Steps: this many layers of the preset (its widths kept).")
+    absl_flags.DEFINE_string("hlo_dir", None, "Steps: write each optimized HLO as DIR/<chip>_<case>.hlo.")
     absl_flags.DEFINE_bool("quick", False, "The small kernel grid CI compiles.")
+    absl_flags.DEFINE_enum("quantization", None, ["fp8", "int8"], "Steps with quantized weights (LLM(quantization=)).")
     absl_flags.DEFINE_string("out", "aot_compile.json", "JSON output path.")
     FLAGS = absl_flags.FLAGS
     app.run(main)

@@ -3,6 +3,7 @@
     python scripts/tools/cost_model.py --model=llama-2-13b --batch=1,64,256 --context=1024 --bandwidth=3.35e12
     python scripts/tools/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
     python scripts/tools/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
+    python scripts/tools/cost_model.py --model=llama-3-8b --batch=1,64,256 --formats=bf16,fp8   # H100/H200 bounds
 
 The logic lives in `inference.tools.cost_model`; this file only reads flags and prints.
 """
@@ -23,6 +24,8 @@ _CONTEXT = flags.DEFINE_integer("context", 1024, "Cached tokens per sequence (S)
 _KV_HEADS = flags.DEFINE_list("kv_heads", None, "Comma-separated KV-head counts for hypothetical GQA variants "
                               "(default: the model's own).")
 _BYTES = flags.DEFINE_float("bytes_per_element", 2.0, "Bytes per weight and cache element (2 = bf16).")
+_FORMATS = flags.DEFINE_list("formats", None, "Storage formats (bf16, fp8, int8, float32): print the H100/H200 "
+                             "decode bounds of each side by side instead of the single-chip report.")
 _CHIP = flags.DEFINE_string("chip", "h100", "Chip preset: h100, h200, v5e, v6e.")
 _FLOPS = flags.DEFINE_float("flops", None, "Peak FLOP/s, overriding the chip preset.")
 _BANDWIDTH = flags.DEFINE_float("bandwidth", None, "Memory bandwidth in bytes/s, overriding the chip preset.")
@@ -35,6 +38,10 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
         config = cost_model.load_model_config(_MODEL.value)
+        if _FORMATS.value:
+            print(cost_model.bounds_table(config, cost_model.parse_int_list(_BATCH.value, "--batch"),
+                                          _CONTEXT.value, _FORMATS.value))
+            return
         chip = cost_model.resolve_chip(_CHIP.value, _FLOPS.value, _BANDWIDTH.value)
         report = cost_model.cost_report(
             config, cost_model.parse_int_list(_BATCH.value, "--batch"), _CONTEXT.value, chip, _BYTES.value,

@@ -251,8 +251,8 @@ def op_profile(llm: LLM, captured, repeats: int = 5, top: int = 12) -> list[dict
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(repeats):
-                sampled, _, runner.kv_caches = runner.decode_step(runner.param_leaves, runner.kv_caches, inp,
-                                                                  sampling, **kwargs)
+                sampled, _, runner.kv_caches, *_ = runner.decode_step(runner.param_leaves, runner.kv_caches, inp,
+                                                                      sampling, **kwargs)  # + the feed's tokens
                 np.asarray(sampled.tokens)
         (path,) = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
         data = _profile_data.ProfileData.from_file(path)

@@ -182,7 +182,7 @@ def test_warmed_up_engines_compile_nothing(tmp_path):
     llm = LLM(str(folder), max_num_batched_tokens=8, max_num_seqs=2, page_size=8, max_model_len=32,
               kv_cache_memory_bytes=1 << 18, seed=0, compilation_cache_dir=None)
     expected = count_variants(llm.engine)
-    assert set(expected) == {"decode", "prefill", "copy_pages", "token_feed"}  # token_feed: async scheduling
+    assert set(expected) == {"decode", "prefill", "copy_pages"}  # async scheduling's token feed is in the step
     budget = count_before_after(llm.engine)  # what scripts/tools/compile_budget.py reports
     assert budget["total_after"] == sum(expected.values()) < budget["before_without_penalty_lengths"]
     compiled = llm.warmup()

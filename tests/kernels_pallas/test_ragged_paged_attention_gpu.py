@@ -1,7 +1,7 @@
 """The Pallas Triton (GPU) ragged paged attention kernel, run in Pallas' generic interpreter on CPU, against the
 pure-JAX reference, an independent numpy loop and JAX's in-tree reference; a pool poisoned with NaN/Inf wherever
-no query may look; plus the Triton lowering and, where jax-cuda13-plugin is installed, the real compiler (Triton and
-ptxas, deviceless, for H100) with its registers, spills and shared memory.
+no query may look; plus the Triton lowering, the compile-log parser and the tuning table. The real compiler (Triton
+and ptxas, deviceless, H100 and H200) runs in tests/scripts/test_aot_compile.py, through the one compile harness.
 
 Interpreted cases cost seconds each (mostly compiling the interpreter's grid loop), so the sweep is pairwise:
 every value of each factor (batch kind, page size 8/16/64, GQA ratio 1/3/8, head_dim 64/128, window, soft cap,
@@ -10,12 +10,6 @@ Caches are in kv_cache/layout.py's layout (`make_case`, `writes.quantize_cache`)
 """
 
 from __future__ import annotations
-
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +23,6 @@ from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
 from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
 from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison, poisoned_pool_case
 from tests.kernels_pallas.test_ragged_paged_attention_tpu import assert_close, run_reference
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name: q_lens, kv_lens, (Hq, Hkv), head_dim, page_size, pages_per_seq, max_seqs, dtype, kw
 CASES = {
@@ -205,73 +197,6 @@ def test_lowers_to_triton():
     assert "xla.gpu.triton" in export_for_cuda(fn, *args, s=scales).mlir_module()
 
 
-GPU_TARGET = os.path.join(REPO, "configs", "gpu_targets", "h100.txtpb")
-
-
-def _have_cuda_compiler() -> bool:
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-    except ModuleNotFoundError:  # no jax_plugins namespace at all
-        return False
-
-
-_COMPILE_SCRIPT = """
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from kernels_pallas.gpu_compile_report import capture_native_stderr, parse_compile_log
-from kernels_pallas.kv_cache.layout import kv_cache_spec
-from kernels_pallas.attention.gpu import ragged_paged_attention_gpu
-
-topo = topologies.get_topology_desc(platform="cuda", target_config=open(sys.argv[1]).read(), topology="1x1x1")
-mesh = Mesh(np.array(topo.devices), ("x",))
-rep = NamedSharding(mesh, PartitionSpec())
-for dtype, hkv, kind in json.loads(sys.argv[2]):
-    seqs, q_len, pages_per_seq = (64, 1, 16) if kind == "decode" else (4, 256, 16)
-    spec = kv_cache_spec(seqs * pages_per_seq + 1, 16, hkv, 128, dtype)
-    cache, scales = spec if isinstance(spec, tuple) else (spec, None)
-    q_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    shapes = [((seqs * q_len, 4 * hkv, 128), q_dtype), (cache.shape, cache.dtype), ((seqs,), jnp.int32),
-              ((seqs, pages_per_seq), jnp.int32), ((seqs + 1,), jnp.int32), ((1,), jnp.int32)]
-    shapes += [(scales.shape, scales.dtype)] if scales is not None else []
-    args = [jax.ShapeDtypeStruct(s, d, sharding=rep) for s, d in shapes]
-    fn = lambda *a: ragged_paged_attention_gpu(*a[:6], kv_scales=a[6] if len(a) > 6 else None, max_q_len=q_len)
-    with capture_native_stderr() as log:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            lowered = jax.jit(fn).lower(*args)
-        lowered.compile()
-    report = parse_compile_log(log[0])
-    print(json.dumps([dtype, hkv, kind, report["kernels"].get("ragged_paged_attention_gpu"),
-                      report["shared_memory"]]))
-"""
-
-
-@pytest.mark.skipif(not _have_cuda_compiler(),
-                    reason="the real GPU compiler (Triton, ptxas) needs jax-cuda13-plugin and jax-cuda13-pjrt of "
-                           "jax's version (jax >= 0.11, Python >= 3.12); see shared/ACCELERATOR_NOTES.md")
-@pytest.mark.skipif(not os.path.exists(GPU_TARGET), reason=f"no GPU target description at {GPU_TARGET}")
-def test_compiles_for_h100_without_spills():
-    """Deviceless compile for sm_90a with the kernel's own block sizes (`BLOCK_SIZES`): decode and prefill, bf16
-    (split-KV on at 3 KV heads, off at 8), int8 and f32: no ptxas spills, registers under the 255 ceiling, shared
-    memory within the 227 KiB a block may opt into. ptxas reports only with XLA's verbose log on from process
-    start, so the compile runs in a child process."""
-    cases = [("bfloat16", 3, "decode"), ("bfloat16", 8, "prefill"), ("int8", 3, "decode"), ("float32", 8, "prefill")]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0", PYTHONPATH=REPO,
-               TF_CPP_VMODULE="subprocess_compilation=2,xtile_compiler=2")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, GPU_TARGET, json.dumps(cases)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert len(rows) == len(cases)
-    for dtype, hkv, kind, ptxas, shared in rows:
-        where = f"{kind} {dtype} Hkv={hkv}: {ptxas}, shared memory {shared}"
-        assert ptxas is not None and ptxas["arch"] == "sm_90a", where
-        assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0, where
-        assert ptxas["registers"] < 255, where
-        assert len(shared) == 1 and 0 < shared[0] <= 232448, where
-
-
 def test_compile_report_parses_ptxas_and_triton_lines():
     from kernels_pallas.gpu_compile_report import parse_compile_log
 
@@ -291,7 +216,8 @@ ptxas info    : Used 10 registers, used 0 barriers"""
 
 
 def test_block_sizes_come_from_the_chip_table():
-    from kernels_pallas.attention.gpu import BLOCK_SIZES, block_config, gpu_chip
+    from kernels_pallas.attention.gpu import block_config, gpu_chip
+    from kernels_pallas.attention.gpu_tuning import BLOCK_SIZES
 
     assert gpu_chip("NVIDIA H100 80GB HBM3") == "h100" and gpu_chip("NVIDIA H200") == "h200"
     assert gpu_chip("NVIDIA A100-SXM4-80GB") == "default"
@@ -305,6 +231,26 @@ def test_block_sizes_come_from_the_chip_table():
     # a short sequence: the KV block is not much longer than it; MLA's 512-wide value: fewer rows
     assert block_config("h100", 4, 16, 2, 1, 256, 128, "bfloat16")["pages_per_block"] == 2
     assert block_config("h100", 16, 16, 32, 512, 576, 512, "bfloat16")["block_q"] == 2
+
+
+def test_tuning_is_data_with_its_measurement():
+    """Every (chip, kind, dtype) has an entry and the split rule; each says what it rests on: a timing (the run
+    named by chip and date) or "default"; mixed batches have entries of their own, reached from the static shape."""
+    from kernels_pallas.attention import gpu_tuning as t
+
+    for chip, table in t.BLOCK_SIZES.items():
+        assert set(table) == {(k, d) for k in t.KINDS for d in t.DTYPES}, chip
+        for key, entry in table.items():
+            assert entry.source.startswith(("default", "H200, 2026-12-04")), (chip, key, entry.source)
+        assert t.SPLIT_RULES[chip].source
+    timed = {k for k, e in t.BLOCK_SIZES["h200"].items() if not e.source.startswith("default")}
+    assert timed == {("decode", "bfloat16"), ("decode", "int8"), ("mixed", "bfloat16")}  # BENCHMARKS.md's H200 section
+    assert all(e.source.startswith("default") for e in t.BLOCK_SIZES["h100"].values())  # never run on an H100
+    assert t.batch_kind(1, 64, 64) == "decode"
+    assert t.batch_kind(512, 2048, 4) == "prefill"  # the engine's prefill bucket: every slot can be full
+    assert t.batch_kind(512, 1040, 18) == "mixed"  # kernel_bench's mixed case: 16 decodes + 2 x 512
+    with pytest.raises(ValueError, match="no Triton tuning entry"):
+        t.blocks("h200", "verify", "bfloat16")
 
 
 def test_auto_picks_gpu_kernel_on_gpu_only_where_it_tiles(monkeypatch):

@@ -1,25 +1,19 @@
 """The Mosaic GPU (Hopper) ragged paged attention kernel, run in Mosaic GPU's interpret mode on CPU against the
-pure-JAX reference and an independent numpy loop; a pool poisoned with NaN/Inf wherever no query may look; and,
-where jax-cuda13-plugin is installed, the real compiler (deviceless, sm_90a, H100 and H200) at real shapes with its
-registers, spills and shared memory.
+pure-JAX reference and an independent numpy loop; a pool poisoned with NaN/Inf wherever no query may look.
 
 Interpreted cases cost several seconds each (the interpreter simulates every thread, barrier and TMA), so the
 sweep is pairwise: each value of each factor (decode / prefill / mixed / chunked prefill, page size 16/32/64, GQA
 ratio 1/3/8, head_dim 64/128, window, soft cap, split-KV, fewer stages than KV blocks, bf16 / f16 / an int8
 cache with its scales under bf16 queries, empty /
 one-page / page-crossing sequences, num_seqs below the array size, garbage page-table tails) appears, not every
-combination. On jax 0.10 the interpreter cannot run a transposed wgmma operand, so there the two products are
-`dot_general`s on the same shared-memory tiles (see the kernel's `OLD_INTERPRETER`); jax >= 0.11 interprets the
-wgmmas themselves.
+combination. Padded metadata (slots past num_seqs zero-padded, as JAX's tests pad them) is in
+test_padded_metadata.py with every other impl; the deviceless sm_90a compile is in
+tests/scripts/test_aot_compile.py (`test_mosaic_gpu_compiles_for_hopper_without_spills`). On jax 0.10 the
+interpreter cannot run a transposed wgmma operand, so there the two products are `dot_general`s on the same
+shared-memory tiles (see the kernel's `OLD_INTERPRETER`); jax >= 0.11 interprets the wgmmas themselves.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +27,6 @@ from tests.kernels_pallas.test_ragged_paged_attention_gpu import build as build_
 from tests.kernels_pallas.test_ragged_paged_attention_cpu import poison, poisoned_pool_case
 from tests.kernels_pallas.test_ragged_paged_attention_tpu import assert_close, run_reference
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BF16_TOL = 2e-2
 
 # name: q_lens, kv_lens, (Hq, Hkv), head_dim, page_size, pages_per_seq, max_seqs, dtype, kw
@@ -175,40 +168,3 @@ def test_dispatcher_routes_mosaic_gpu():
     np.testing.assert_array_equal(np.asarray(via, np.float32), np.asarray(direct, np.float32))
     assert resolve_impl("mosaic_gpu", 16, 64) == "mosaic_gpu"
     assert resolve_impl("auto", 16, 64) != "mosaic_gpu"
-
-
-def _have_cuda_compiler() -> bool:
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _have_cuda_compiler(),
-                    reason="the real GPU compiler (Mosaic GPU, ptxas) needs jax-cuda13-plugin and jax-cuda13-pjrt of "
-                           "jax's version; see shared/ACCELERATOR_NOTES.md")
-@pytest.mark.parametrize("chip", ["h100", "h200"])
-def test_compiles_for_hopper_without_spills(chip):
-    """Deviceless compile for sm_90a at real shapes (`mosaic_gpu_compile.CASES`: decode 64 x 2048, Hq 32 / Hkv 8 /
-    D 128 bf16, with and without split-KV; a mixed prefill + decode batch; D 64 with window and soft cap): no
-    ptxas spills, registers under the 255 ceiling, shared memory within the 227 KiB a block may opt into. ptxas
-    reports only with Mosaic GPU's dump flags set at process start, so the compile runs in a child process.
-    The figures are in the kernel's docstring."""
-    from kernels_pallas.attention.mosaic_gpu_compile import CASES as COMPILE_CASES, SMEM_OPT_IN
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, MOSAIC_GPU_DUMP_PTXAS="1",
-               MOSAIC_GPU_DUMP_RESOURCES="1")
-    proc = subprocess.run([sys.executable, "-m", "kernels_pallas.attention.mosaic_gpu_compile", chip], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in rows] == list(COMPILE_CASES)
-    for r in rows:
-        ptxas, smem = r["ptxas"], r["shared_memory_bytes"]
-        where = f"{chip} {r['case']}: {ptxas}, shared memory {smem}"
-        assert ptxas is not None and ptxas["arch"] == "sm_90a", where
-        assert ptxas["spill_stores"] == ptxas["spill_loads"] == 0, where
-        assert ptxas["registers"] <= 255, where
-        # jax 0.10's Mosaic GPU prints no resources (MOSAIC_GPU_DUMP_RESOURCES is newer); it rejects shared memory
-        # over the limit at lowering, so there a successful compile is the check
-        assert (smem is None and jax.__version_info__ < (0, 11)) or 0 < smem <= SMEM_OPT_IN, where

@@ -230,3 +230,82 @@ def test_stale_pages_change_no_output(kv_dtype, page_size):
         got = run_kernel((q, jnp.asarray(bad, dtype), lens, pages, cu, ns), **kw)
     assert np.all(np.isfinite(want))
     np.testing.assert_array_equal(got, want)
+
+
+# JAX's own RPA test lists (jax tests/pallas/tpu_ragged_paged_attention_test.py): (q_len, kv_len) per sequence.
+JAX_DECODE = [(1, 18), (1, 129), (1, 597), (1, 122), (1, 64), (1, 322), (1, 463), (1, 181), (1, 1107), (1, 123),
+              (1, 31), (1, 18), (1, 1229), (1, 229), (1, 87), (1, 1328)]
+JAX_MIXED = [(5, 18), (1, 129), (120, 597), (1, 122), (1, 64), (32, 322), (251, 463), (1, 181), (1, 1107),
+             (99, 123), (1, 31), (5, 18), (3, 1229), (117, 229), (1, 87), (1, 1328)]
+JAX_PREFILL = [(5, 18), (15, 129), (120, 597), (100, 122), (21, 64), (32, 322), (251, 463), (40, 181), (64, 1107),
+               (99, 123), (10, 31), (5, 18), (3, 1229), (120, 229), (9, 87), (2, 1328)]
+
+
+def _jax_list_case(seq_lens, head_dim, page_size, hq, hkv, seed, max_seqs=None):
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = zip(*seq_lens)
+    pps = -(-max(kv_lens) // page_size)
+    return make_case(rng, list(q_lens), list(kv_lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                     page_size=page_size, pages_per_seq=pps, num_pages=pps * len(seq_lens) + 2,
+                     max_seqs=max_seqs)
+
+
+@pytest.mark.parametrize("head_dim,kw", [(128, dict(k_scale=0.5, v_scale=2.0)),
+                                         (256, dict(sliding_window=128, soft_cap=20.0))])
+def test_jax_decode_list_decode_variant(head_dim, kw):
+    """JAX's decode-only list through the decode variant (max_q_len 1: one query row per KV head and sequence,
+    no causal mask), padded metadata (max_seqs 20 > 16 sequences), the pipeline crossing 16 sequences."""
+    args = _jax_list_case(JAX_DECODE, head_dim, 64, 4, 2, head_dim, max_seqs=20)
+    kw = dict(sm_scale=head_dim ** -0.5, max_q_len=1, pages_per_block=4) | kw
+    assert_close(run_kernel(args, **kw), run_reference(args, **kw))
+
+
+@pytest.mark.parametrize("seq_lens", [JAX_MIXED, JAX_PREFILL], ids=["mixed", "prefill"])
+def test_jax_mixed_and_prefill_lists_window_soft_cap(seq_lens):
+    """JAX's mixed and prefill-only lists (queries of 1-251 tokens): several query blocks per sequence, each
+    item's window spilling into the next sequence's rows, which that sequence's later write must overwrite."""
+    args = _jax_list_case(seq_lens, 128, 64, 4, 1, 21)
+    kw = dict(sm_scale=0.08, sliding_window=200, soft_cap=30.0, block_q=32, pages_per_block=4)
+    assert_close(run_kernel(args, **kw), run_reference(args, **kw))
+
+
+def test_sequences_without_queries_and_no_sequences():
+    """A valid sequence with q_len 0 has no work item (and no rows); num_seqs 0 gives an all-zero output."""
+    rng = np.random.default_rng(14)
+    args = list(make_case(rng, [3, 0, 2, 0], [9, 5, 20, 4], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                          page_size=8, pages_per_seq=3, num_pages=14))
+    kw = dict(sm_scale=0.2, pages_per_block=2, block_q=2)
+    assert_close(run_kernel(args, **kw), run_reference(args, **kw))
+    args[5] = np.array([0], np.int32)
+    assert np.all(run_kernel(args, **kw) == 0)
+
+
+def test_work_items_list_real_blocks_only():
+    from kernels_pallas.attention.tpu import work_items
+
+    cu = jnp.array([0, 5, 5, 6, 23, 23, 23], jnp.int32)  # q_lens 5, 0, 1, 17 and two padding slots
+    items = work_items(cu, jnp.array([4], jnp.int32), block_q=8, num_tokens=24)
+    n = int(items.count[0])
+    assert n == 1 + 0 + 1 + 3
+    assert items.seq.shape == (3 + 6,)
+    assert list(np.asarray(items.seq[:n])) == [0, 2, 3, 3, 3]
+    assert list(np.asarray(items.qb[:n])) == [0, 0, 0, 1, 2]
+
+
+def test_block_size_table():
+    from kernels_pallas.attention.tpu import schedule_params
+    from kernels_pallas.attention.tpu_block_sizes import TUNED, block_sizes, chip_generation
+
+    assert chip_generation("TPU v6 lite") == "v6e" and chip_generation("TPU v5 lite") == "v5e"
+    assert chip_generation("TPU v5") == "v5p"
+    for (chip, head_dim, dtype, page_size, case), (kv_tokens, block_q) in TUNED.items():
+        got = block_sizes(chip, head_dim, dtype, page_size, 1 if case == "decode" else 64)
+        assert (got.kv_tokens, got.block_q) == (kv_tokens, block_q)
+        assert kv_tokens % page_size == 0
+    assert block_sizes("v6e", 128, "bfloat16", 16, 1).block_q == 1
+    assert block_sizes("v6e", 128, "bfloat16", 16, 3).block_q == 3  # never more rows than the longest query
+    with pytest.raises(ValueError, match="unknown TPU chip"):
+        block_sizes("v4", 128, "bfloat16", 16, 1)
+    plan = schedule_params((64, 32, 128), (8, 8193, 16, 256), jnp.bfloat16, (64, 128), max_q_len=1, chip="v6e")
+    assert plan["decode"] and plan["pages_per_block"] == 64 and plan["vmem_limit_bytes"] == 64 << 20
+    assert plan["vmem_scratch_bytes"] == 2 * 1024 * 256 * 2 + 2 * 2 * 4 * 128 * 4

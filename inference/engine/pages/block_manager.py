@@ -97,6 +97,9 @@ class BlockManager:
         self.prefix_queries_tokens = 0
         self._generation = 0  # bumped by reset_prefix_cache: older chains never register again
         self._chains: dict[Sequence, _Chain] = {}
+        # Sequences whose table changed other than by nothing (every change but the in-place decode write): the
+        # engine's persistent decode batch rewrites only their rows (`take_touched`).
+        self.touched: set[Sequence] = set()
 
     # ---- stats ------------------------------------------------------------------------------------------------
     @property
@@ -201,6 +204,20 @@ class BlockManager:
                 return False
         return True
 
+    def decode_in_place(self, seq: Sequence) -> bool:
+        """`_in_place(seq, seq.num_computed_tokens + 1)` for a steady decode row, without its general walk: the
+        one page written is the one holding the next slot, present, private and unregistered."""
+        if self.window is not None:
+            return False
+        table = self.table(seq)
+        k = seq.num_computed_tokens // self.page_size
+        return k < len(table) and self.ref_counts[table[k]] == 1 and table[k] not in self.page_hash
+
+    def take_touched(self) -> set[Sequence]:
+        """The sequences whose table changed since the last call (see `touched`)."""
+        touched, self.touched = self.touched, set()
+        return touched
+
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `grow(seq, num_tokens)` would succeed: new pages plus copy-on-write copies fit."""
         if self._in_place(seq, num_tokens):
@@ -221,6 +238,7 @@ class BlockManager:
         new, cow, behind = self._pages_to_take(seq, num_tokens)
         if new + len(cow) > self._room(seq, behind):
             raise OutOfPagesError(f"need {new + len(cow)} pages, {self._room(seq, behind)} free")
+        self.touched.add(seq)
         table = self.table(seq)
         self._drop([table[i] for i in behind])
         for i in behind:
@@ -252,6 +270,7 @@ class BlockManager:
         self._drop(table)
         table.clear()
         self._chains.pop(seq, None)
+        self.touched.add(seq)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the pages past the first `num_tokens` tokens (speculative tokens that were rejected)."""
@@ -259,6 +278,7 @@ class BlockManager:
         keep = self.pages_needed(num_tokens)
         self._drop(table[keep:])
         del table[keep:]
+        self.touched.add(seq)
 
     def _drop(self, pages: list[int]) -> None:
         """Release one reference to each page (null entries skipped). Cached pages are parked in the LRU in an
@@ -308,6 +328,7 @@ class BlockManager:
             if not self.is_null(page):
                 self.ref_counts[page] += 1
         self.table(child)[:] = table
+        self.touched.add(child)
         child.num_computed_tokens = same
         chain = self._chains.get(parent)
         if chain is not None:
@@ -358,6 +379,7 @@ class BlockManager:
     def attach(self, seq: Sequence, hashes: list[bytes], found: list[int | None], m: int) -> int:
         """Give `seq` its first m pages from the cache (null before the window) and return the tokens they cover."""
         table, chain = self.table(seq), self._chains[seq]
+        self.touched.add(seq)
         first = self.first_needed_page(m * self.page_size)
         for i in range(m):
             page = found[i]

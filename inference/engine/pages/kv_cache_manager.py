@@ -98,6 +98,15 @@ class KVCacheManager:
                                       f"{num_tokens} tokens of sequence {seq.seq_id}")
         return [g.grow(seq, num_tokens) for g in self.groups]
 
+    def decode_in_place(self, seq: Sequence) -> bool:
+        """Whether a steady decode row's next write needs no page work (`BlockManager.decode_in_place`): then
+        `can_grow` and `grow` of `seq.num_computed_tokens + 1` tokens would do nothing."""
+        return len(self.groups) == 1 and self.groups[0].decode_in_place(seq)
+
+    def take_touched(self) -> set[Sequence]:
+        """Sequences whose page tables changed since the last call (any group)."""
+        return set().union(*(g.take_touched() for g in self.groups))
+
     def take_copies(self) -> list[list[tuple[int, int]]]:
         """Each group's queued page copies; run them on device (on that group's layers) before the next step."""
         return [g.take_copies() for g in self.groups]

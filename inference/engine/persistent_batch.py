@@ -1,0 +1,116 @@
+"""The steady decode batch kept across steps (vLLM V1's persistent `InputBatch`, in pagejax's layers).
+
+Most steps of a busy engine are the same sequences decoding one token each, in the same order, as the step
+before. Rebuilding their ragged input from the `Sequence` objects (`build_model_input`) and their sampling rows
+from the `SamplingParams` (`SamplingTensors.from_params`) every step is per-sequence Python that grows with the
+batch. Here the last decode step's arrays are kept, and the next step's are derived from them with array
+operations: every position and KV length moves on by one, the step index of every row too, and only the page-table
+rows of sequences whose table changed (`KVCacheManager.take_touched`: a new page at a page boundary, a copy on
+write) are rewritten from their tables. The one walk of the batch reads each sequence's computed-token count (to
+check that every row really moved on by one) and last token.
+
+Anything else (a sequence joins, leaves or is reordered, a prompt chunk, drafts, LoRA, more than one KV cache
+group, or a row that needs a mask, penalties, sparse edits or logprobs, whose arrays depend on more than the
+row's parameters) takes the general path, whose result becomes the new kept batch when it qualifies. The arrays
+handed to a step are fresh each step: a dispatched step may still read the previous ones (async scheduling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from inference.engine.scheduler import ScheduledBatch
+from inference.engine.sequence import Sequence
+from inference.runtime.batch import ModelInput
+from inference.runtime.step_variants import StepFlags
+from inference.sampling.sampler import SamplingTensors
+
+
+@dataclasses.dataclass
+class _Kept:
+    seqs: list[Sequence]
+    inp: ModelInput
+    sampling: SamplingTensors
+    flags: StepFlags
+    starts: np.ndarray  # i64[n]: each row's computed tokens when the kept step was built
+    steps: np.ndarray  # i32[n]: each row's generated-token index in that step
+
+
+class PersistentDecodeBatch:
+    """The kept decode batch of one engine; `next_step` derives a step from it, `keep` replaces it."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._kept: _Kept | None = None
+        self.reused_steps = 0  # steps derived from the kept batch (tests and benchmarks)
+
+    def forget(self) -> None:
+        self._kept = None
+
+    def next_step(self, batch: ScheduledBatch, touched: set[Sequence]
+                  ) -> tuple[ModelInput, SamplingTensors, StepFlags] | None:
+        """The step of `batch` derived from the kept one, or None (then build it in general and `keep` it)."""
+        kept = self._kept
+        # The same rows (an identity compare, in C), each computing one token (no prompt chunk, no drafts).
+        if kept is None or batch.seqs != kept.seqs or sum(batch.num_new_tokens) != len(batch.seqs):
+            self._kept = None
+            return None
+        seqs, n = batch.seqs, len(batch.seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        if not np.array_equal(starts, kept.starts + 1):  # not every row moved on by exactly one token
+            self._kept = None
+            return None
+        ps, inp = self.page_size, kept.inp
+        pages = inp.attn.page_indices
+        padded_pages = pages.shape[1]
+        if touched:
+            rows = [i for i, s in enumerate(seqs) if s in touched]
+            if rows:
+                if max(len(seqs[i].pages) for i in rows) > padded_pages:  # a wider page bucket
+                    self._kept = None
+                    return None
+                pages = pages.copy()
+                for i in rows:
+                    table = seqs[i].pages
+                    pages[i, :len(table)] = table
+                    pages[i, len(table):] = 0
+        if int(starts.max()) // ps >= padded_pages:
+            self._kept = None
+            return None
+        size = inp.tokens.shape[0]
+        tokens = np.zeros(size, np.int32)
+        tokens[:n] = [s.token_ids[-1] for s in seqs]
+        positions = np.zeros(size, np.int32)
+        positions[:n] = starts
+        kv_lens = np.zeros(inp.attn.kv_lens.shape[0], np.int32)
+        kv_lens[:n] = starts + 1
+        slots = np.full(size, -1, np.int32)
+        slots[:n] = pages[np.arange(n), starts // ps] * ps + starts % ps
+        attn = inp.attn.replace(slot_mapping=slots, kv_lens=kv_lens, page_indices=pages)
+        new_inp = inp.replace(tokens=tokens, positions=positions, attn=attn)
+        steps = kept.steps + 1
+        step = np.zeros(size, np.int32)
+        step[:n] = steps
+        sampling = kept.sampling.replace(step=step)
+        self._kept = dataclasses.replace(kept, inp=new_inp, sampling=sampling, starts=starts, steps=steps)
+        self.reused_steps += 1
+        return new_inp, sampling, kept.flags
+
+    def keep(self, batch: ScheduledBatch, inp: ModelInput, sampling: SamplingTensors, flags: StepFlags,
+             lora: bool, num_groups: int) -> None:
+        """Keep a generally built step when the next one can be derived from it: a plain decode of sequences in
+        steady decode (their only uncomputed token is a generated one), one KV cache group, no LoRA, no drafts, and
+        no sampling part that changes with the tokens (extras: a mask, penalties, sparse edits, logprobs)."""
+        self._kept = None
+        if (not batch.is_decode or batch.speculative or lora or num_groups != 1 or flags.extras
+                or inp.spec is not None):
+            return
+        seqs = batch.seqs
+        if any(len(s.token_ids) != s.num_computed_tokens + 1 or s.num_computed_tokens < s.num_prompt_tokens
+               for s in seqs):
+            return
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        steps = np.asarray(sampling.step[:len(seqs)]).copy()
+        self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps)

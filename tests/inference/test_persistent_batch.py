@@ -1,0 +1,132 @@
+"""The persistent decode batch (inference/engine/persistent_batch.py): steps derived from the last decode step's
+arrays give exactly the outputs of steps built from the sequences, under random arrivals, aborts and stop strings,
+and the derived inputs equal the general path's array for array."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from inference import SamplingParams
+from inference.engine.llm_engine import Engine
+from inference.engine.persistent_batch import PersistentDecodeBatch
+from inference.runtime.batch import build_model_input
+
+
+class _NeverReuse(PersistentDecodeBatch):
+    """The general path for every step: each step's input built from the sequences (the engine before the kept
+    batch)."""
+
+    def next_step(self, batch, touched):
+        return None
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """The tiny random Llama with SmolLM2's tokenizer and vocabulary (so stop strings see real text)."""
+    from inference import LLM
+    from scripts.bench.overhead_bench import tiny_model_folder
+
+    folder = tiny_model_folder(os.path.join(tmp_path_factory.mktemp("tiny"), "tiny"))
+    return LLM(folder, dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, page_size=8,
+               kv_cache_memory_bytes=1 << 22, max_model_len=256, seed=0, compilation_cache_dir=None)
+
+
+def _workload(rng: np.random.Generator, vocab: int, count: int):
+    requests = []
+    for i in range(count):
+        prompt = rng.integers(1, vocab, int(rng.integers(3, 40))).tolist()
+        stop = [["e"], ["the", " a"], []][i % 3]
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(2, 20)),
+                                stop=stop, include_stop_str_in_output=i % 5 == 0, ignore_eos=i % 7 != 0)
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+def _drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int]) -> dict:
+    """Step to the end: `arrivals[k]` requests join before step k (the rest after the last), a request in `aborts`
+    is aborted once it has reported that many tokens."""
+    pending, finals, step = list(requests), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(arrivals[step] if step < len(arrivals) else len(pending)):
+            if pending:
+                engine.add_request(*pending.pop(0))
+        step += 1
+        for out in engine.step():
+            rid = out.request_id
+            if out.finished:
+                finals[rid] = out
+                engine.pop_finished(rid)
+            elif rid in aborts and len(out.outputs[0].token_ids) >= aborts[rid]:
+                engine.abort(rid)
+                finals[rid] = engine.output_of(rid)
+                engine.pop_finished(rid)
+    return finals
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_kept_batch_gives_the_general_paths_outputs(llm, async_scheduling):
+    """256 requests arriving at random steps (a Poisson count per step), a tenth aborted mid-generation, stop strings
+    on two thirds: every output (tokens, text, finish and stop reason) equals the general path's, and most decode
+    steps were derived from the kept batch."""
+    rng = np.random.default_rng(0)
+    requests = _workload(rng, llm.runner.config.vocab_size, 256)
+    arrivals = rng.poisson(6, 200).tolist()
+    aborts = {rid: int(rng.integers(1, 6)) for rid, _, _ in requests if rng.random() < 0.1}
+    config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
+    results = []
+    for persistent in (PersistentDecodeBatch, _NeverReuse):
+        llm.engine.reset_prefix_cache()
+        engine = Engine(llm.runner, llm.tokenizer, config)
+        engine.persistent = persistent(engine.page_size)
+        results.append((_drive(engine, requests, arrivals, dict(aborts)), engine))
+    (got, kept), (want, general) = results
+    assert got.keys() == want.keys() == {rid for rid, _, _ in requests}
+    for rid in want:
+        a, b = got[rid].outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason), rid
+    reasons = {out.outputs[0].finish_reason for out in want.values()}
+    assert {"stop", "length", "abort"} <= reasons  # the workload exercised every way to finish
+    assert any(isinstance(out.outputs[0].stop_reason, str) for out in want.values())
+    assert kept.persistent.reused_steps > 0 and general.persistent.reused_steps == 0
+    for engine in (kept, general):
+        assert not engine.requests
+        assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_a_derived_step_equals_the_built_one(llm):
+    """Each derived decode input equals what `build_model_input` makes from the sequences, across page boundaries
+    (new pages, rows rewritten from their tables)."""
+    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, async_scheduling=False))
+    rng = np.random.default_rng(1)
+    for i in range(12):
+        engine.add_request(f"d{i}", rng.integers(1, 500, int(rng.integers(3, 20))).tolist(),
+                           SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True))
+    checked = 0
+    original = engine.persistent.next_step
+
+    def checking(batch, touched):
+        derived = original(batch, touched)
+        if derived is not None:
+            inp, sampling, _ = derived
+            built, _ = build_model_input(batch, engine.page_size, engine.limits)
+            for name in ("tokens", "positions", "logits_indices", "target_ids"):
+                np.testing.assert_array_equal(getattr(inp, name), getattr(built, name), err_msg=name)
+            for name in ("slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"):
+                np.testing.assert_array_equal(getattr(inp.attn, name), getattr(built.attn, name), err_msg=name)
+            assert inp.attn.max_q_len == built.attn.max_q_len
+            np.testing.assert_array_equal(sampling.step[:len(batch.seqs)], [s.num_output_tokens for s in batch.seqs])
+            nonlocal checked
+            checked += 1
+        return derived
+
+    engine.persistent.next_step = checking
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                engine.pop_finished(out.request_id)
+    assert checked >= 20
