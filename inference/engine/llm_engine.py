@@ -123,7 +123,9 @@ class Engine:
         self.async_stats = AsyncStats()
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
-        runner.feed_width = self.limits.max_seqs  # every step returns its tokens this wide (`TokenFeed`)
+        # Every step returns its tokens this wide (`TokenFeed`). Engines built over one runner (an LLM rebuilt with
+        # other limits, the server's) share it: the width only grows, so no engine's steps outgrow another's feed.
+        runner.feed_width = max(runner.feed_width or 0, self.limits.max_seqs)
 
     # ---- submission -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

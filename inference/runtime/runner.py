@@ -88,7 +88,8 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
     if inp.feed is None:
         return sampled, prompt, kv_caches
     tokens = (sampled[0] if inp.spec is not None else sampled).tokens  # a verification step: (output, drafts...)
-    wide = jnp.zeros_like(inp.feed.prev).at[:tokens.shape[0]].set(tokens)
+    width = max(inp.feed.prev.shape[0], tokens.shape[0])  # static: a feed narrower than this step's rows widens
+    wide = jnp.zeros((width,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
     return sampled, prompt, kv_caches, wide
 
 

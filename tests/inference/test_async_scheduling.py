@@ -262,3 +262,18 @@ def test_a_step_that_fails_on_the_device_fails_its_requests_only(tiny_llama, mon
         final = next((o for o in engine.step() if o.finished), final)
     final = final or engine.output_of("c")
     assert final.error is None and len(final.outputs[0].token_ids) == 6
+
+
+def test_a_narrower_engine_over_the_same_runner_keeps_the_token_feed_wide_enough(tiny_llama):
+    """Engines built over one runner share its feed width: an engine of 2 sequences built after this LLM's must not
+    narrow the tokens its steps return, or the LLM's next async step of more rows could not widen the feed (a
+    server test failed so after a structured-outputs test built a 2-sequence engine over the shared model)."""
+    llm = tiny_llama
+    narrow = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
+    Engine(llm.runner, llm.tokenizer, narrow)
+    assert llm.runner.feed_width >= llm.engine.limits.max_seqs
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert [len(t) for t in together] == [6] * 6 and list(together[:2]) == list(alone)

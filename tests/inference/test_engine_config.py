@@ -32,7 +32,7 @@ def test_every_llm_keyword_maps_onto_the_config():
 
 @pytest.mark.parametrize("make, match", [
     (lambda: CacheConfig(page_size=0), "page_size must be an integer >= 1"),
-    (lambda: CacheConfig(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8' is not supported"),
+    (lambda: CacheConfig(kv_cache_dtype="fp4"), "kv_cache_dtype 'fp4' is not supported"),
     (lambda: CacheConfig(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes must be an integer >= 1"),
     (lambda: CacheConfig(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),

@@ -75,4 +75,5 @@ def test_fixture_script_reproduces_the_committed_tiny_reference(tmp_path):
     record = make_lora_fixtures.tiny_records(tmp_path)[0]
     committed = next(r for r in REFERENCE if r["adapter"] == "qwen2_r8")
     assert record["greedy_ids"] == committed["greedy_ids"]
-    assert np.abs(np.asarray(record["target_logprobs"]) - committed["target_logprobs"]).max() <= 1e-6
+    # Both sides are rounded to 6 decimals, so one unit of the last place (and its binary representation) may part them.
+    assert np.abs(np.asarray(record["target_logprobs"]) - committed["target_logprobs"]).max() <= 1.5e-6

@@ -6,6 +6,7 @@ are errors naming the tensor."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jax.numpy as jnp
@@ -19,19 +20,17 @@ from kernels_pallas.backend import compiling_for
 from inference import LLM, SamplingParams
 from models.decoder import build_decoder
 from models.loaders import hf_checkpoint as hf_loader
+from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8
 from models.loaders.hf_checkpoint import load_hf_folder
 from models.quantization.formats import QuantizedWeight
 from models.weights import expected_shapes
 
 F8 = ml_dtypes.float8_e4m3fn
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CT_CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-             "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
-                                           "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                                                       "symmetric": True, "dynamic": False},
-                                           "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                                 "symmetric": True, "dynamic": False}}},
-             "ignore": ["lm_head"]}
+# llm-compressor's FP8 scheme with a static per-tensor input scale (`input_scale` in the folder), the variant of the
+# written layout (`COMPRESSED_TENSORS_FP8`: dynamic per-token activations) that checkpoints also ship.
+CT_CONFIG = copy.deepcopy(COMPRESSED_TENSORS_FP8)
+CT_CONFIG["config_groups"]["group_0"]["input_activations"].update(strategy="tensor", dynamic=False)
 BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 

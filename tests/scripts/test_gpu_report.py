@@ -45,7 +45,7 @@ def _event(name, start, end):
 def test_trace_summary_of_gpu_shaped_events():
     """Two steps 10 ms apart on the "XLA Modules" line; kernels on a stream line: busy time is the union of the
     kernels inside each step (overlaps counted once), and kernel names lose their numeric suffix."""
-    from scripts.bench.gpu_report import summarize_trace
+    from scripts.bench.trace_summary import summarize_trace
 
     ms = 1_000_000
     modules = [_event("jit__step(7)", 0, 9 * ms), _event("jit__step(7)", 10 * ms, 19 * ms),
