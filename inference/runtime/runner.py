@@ -88,8 +88,7 @@ def _step(graphdef, treedef, layout: StepLayout, param_leaves, kv_caches, inp: M
     if inp.feed is None:
         return sampled, prompt, kv_caches
     tokens = (sampled[0] if inp.spec is not None else sampled).tokens  # a verification step: (output, drafts...)
-    width = max(inp.feed.prev.shape[0], tokens.shape[0])  # static: a feed narrower than this step's rows widens
-    wide = jnp.zeros((width,), tokens.dtype).at[:tokens.shape[0]].set(tokens)
+    wide = jnp.zeros_like(inp.feed.prev).at[:tokens.shape[0]].set(tokens)  # the feed is never narrower (engine)
     return sampled, prompt, kv_caches, wide
 
 
