@@ -10,6 +10,7 @@ script runs in a child process because XLA reads the settings that make ptxas re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,8 @@ import sys
 
 import pytest
 
+from configs.presets import MODEL_PRESETS
+from models.weights import num_params
 from scripts.tools.aot_compile import CHIPS, kernel_cases, mosaic_gpu_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,10 +104,10 @@ def test_real_size_step_compiles_with_the_cost_models_memory(chip, tp, kind, ste
 def fp8_step_rows(request, tmp_path_factory):
     rows = {}
     chips = _selected_chips(request)
-    for chip, extra in (("h200", ()), ("v5e", ("--layers=2",))):  # v5e: 2 of 32 layers, a cheaper compile
+    for chip in ("h200", "v5e"):  # 2 of the 32 layers at their real shapes: each layer compiles alike, and cheaper
         if chip in chips:
             rows |= _run(tmp_path_factory, f"--chips={chip}", "--what=steps", "--presets=llama-3-8b", "--tp=1",
-                         "--quantization=fp8", *extra)
+                         "--quantization=fp8", "--layers=2")
     return rows
 
 
@@ -114,13 +117,14 @@ def test_fp8_steps_compile_with_fp8_gemms_on_hopper(chip, kind, fp8_step_rows):
     """Llama-3-8B with quantization="fp8": on the H200 every GEMM of the step takes float8_e4m3fn operands (the
     weights reach the tensor cores as FP8, activations quantized per token) and the weights are ~8 GB (1 byte a
     weight: the compiled arguments are the cost model's 1-byte weights + the KV cache); on v5e (no FP8 units) the
-    same model (2 of its layers) compiles with weight-only dots."""
-    row = _row(fp8_step_rows, chip, f"llama-3-8b_{kind}_tp1" if chip == "h200" else f"llama-3-8b_l2_{kind}_tp1")
+    same model compiles with weight-only dots. Both compile 2 of the model's 32 layers (`--layers=2`)."""
+    row = _row(fp8_step_rows, chip, f"llama-3-8b_l2_{kind}_tp1")
     assert row["status"] == "compiled", row.get("error")
     assert not row["cache_copies"] and not row["cpu_only_calls"]
     assert abs(row["memory"]["argument"] / row["cost_model"]["total"] - 1) < STEP_TOLERANCE
     if CHIPS[chip][0] == "gpu":
-        assert abs(row["cost_model"]["weights"] / 8.03e9 - 1) < 0.01
+        two_layers = dataclasses.replace(MODEL_PRESETS["llama-3-8b"], num_layers=2)
+        assert abs(row["cost_model"]["weights"] / num_params(two_layers) - 1) < 0.01  # one byte a weight
         assert row["gemm_operands"] and set(row["gemm_operands"]) == {"f8e4m3fn x f8e4m3fn"}, row["gemm_operands"]
         kernels = row["ptxas"]["kernels"]
         assert all(v["spill_stores"] == 0 and v["spill_loads"] == 0 for v in kernels.values()), kernels
