@@ -2,9 +2,9 @@
 head_dim, KV dtype, page size and case, the way JAX's in-tree op (`ragged_paged_attention/tuned_block_sizes.py`)
 and tpu-inference's RPA v3 (`v3/tuned_block_sizes.py`) keep theirs.
 
-The entries are not tuned on hardware yet (no TPU was at hand): they are sized from VMEM arithmetic (the
-double-buffered KV block is `2 * heads * kv_tokens * 2D * itemsize`, heads: `kv_heads_per_step`) and the upstream tables' choices for the same shapes,
-and compiled with the real Mosaic compiler for each chip (`scripts/tools/aot_compile.py`). The first TPU sweep
+The entries are not tuned on hardware yet (no TPU was at hand): they are sized from VMEM arithmetic and the
+upstream tables' choices for the same shapes, and compiled with the real Mosaic compiler for each chip
+(`scripts/tools/aot_compile.py`). The first TPU sweep
 (`scripts/bench/kernel_bench.py --tpu_ab`) replaces them; a lookup falls back from the exact key to the chip's
 case default, so a new row changes nothing else.
 
