@@ -324,12 +324,11 @@ def test_block_size_table():
         schedule_params((64, 32, 128), (8, 8193, 16, 256), jnp.bfloat16, (64, 128), kv_heads_per_block=3, chip="v6e")
 
 
-@pytest.mark.parametrize("heads", [1, 2])
-def test_kv_heads_per_block_split_grid(heads):
-    """4 KV heads in grid steps of 1 or 2 (a megacore chip's split; the default takes all 4 in one step): each
-    step's page DMAs move only its own heads, and its q / out rows are its heads' columns."""
+def test_kv_heads_per_block_split_grid():
+    """4 KV heads in grid steps of 2 (a megacore chip's split; the default takes all 4 in one step, and the race
+    test steps of 1): each step's page DMAs move only its own heads, and its q / out rows are its heads' columns."""
     rng = np.random.default_rng(15)
     args = make_case(rng, [1, 9, 1, 4], [20, 9, 1, 30], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=8,
                      pages_per_seq=4, num_pages=19)
     kw = dict(sm_scale=0.125, pages_per_block=2, block_q=4, soft_cap=5.0)
-    assert_close(run_kernel(args, kv_heads_per_block=heads, **kw), run_reference(args, **kw))
+    assert_close(run_kernel(args, kv_heads_per_block=2, **kw), run_reference(args, **kw))
