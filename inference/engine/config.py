@@ -54,19 +54,39 @@ def check_speculative_budget(max_num_seqs: int, max_num_batched_tokens: int, num
                          "max_num_batched_tokens or lower max_num_seqs or num_speculative_tokens")
 
 
+#: Page sizes (tokens) on TPU: the bounds of `default_page_size`'s rule.
+TPU_PAGE_SIZE_RANGE = (16, 256)
+
+
+def default_page_size(backend: str, max_model_len: int) -> int:
+    """The KV page size when none is given. TPU: `next_pow2(max_model_len) / 16`, clamped to 16-256, the guidance
+    of JAX's in-tree ragged paged attention and tpu-inference (small pages mean small DMAs and more page-table
+    scalars for the kernel; `kernels_pallas/attention/tpu.py` moves one page of all KV heads per DMA); a power of
+    two, so an int8 / fp8 cache's scales tile its 128-lane rows. Elsewhere 16 (the GPU kernels' tuning and the CPU
+    kernels are measured at 16)."""
+    check_positive_int("max_model_len", max_model_len)
+    if backend != "tpu":
+        return 16
+    low, high = TPU_PAGE_SIZE_RANGE
+    return min(max((1 << (max_model_len - 1).bit_length()) // 16, low), high)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache. `kv_cache_dtype` None follows the model dtype; `kv_cache_memory_bytes` None takes
-    `memory_fraction` of the device's free memory (1 GiB where the device reports none)."""
+    """The paged KV cache. `page_size` None: the backend's default for the model length (`default_page_size`).
+    `kv_cache_dtype` None follows the model dtype; `kv_cache_memory_bytes` None takes `memory_fraction` of the
+    device's free memory (1 GiB where the device reports none)."""
 
-    page_size: int = 16
+    page_size: int | None = None
     kv_cache_dtype: str | None = None
     kv_cache_memory_bytes: int | None = None
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        check_positive_int("page_size", self.page_size, "tokens per KV page, e.g. 16")
+        if self.page_size is not None:
+            check_positive_int("page_size", self.page_size, "tokens per KV page, e.g. 16, or None for the backend's "
+                               "default")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; use one of "
                              f"{sorted(KV_CACHE_DTYPES)} or None (the model dtype)")
@@ -293,4 +313,4 @@ _KWARG_FIELDS = {
 
 __all__ = ["CacheConfig", "DTYPES", "EngineConfig", "KV_CACHE_DTYPES", "LoRAConfig", "ParallelConfig",
            "QuantizationConfig", "SchedulerConfig", "SpeculativeConfig", "check_batch_invariant", "check_positive_int",
-           "check_speculative_budget"]
+           "check_speculative_budget", "default_page_size"]

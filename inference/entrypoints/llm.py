@@ -29,7 +29,7 @@ from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.engine.client import EngineClient
 from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
-                                     check_dtype, QuantizationConfig, SpeculativeConfig)
+                                     check_dtype, default_page_size, QuantizationConfig, SpeculativeConfig)
 from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
 from inference.lora.slots import LoRASlots
@@ -84,7 +84,7 @@ def _num_pages(cache: CacheConfig, kv_dtype, configs: list) -> int:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", kv_cache_dtype: str | None = None,
-                 page_size: int = 16, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
+                 page_size: int | None = None, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
@@ -95,6 +95,10 @@ class LLM:
                  max_lora_rank: int = 16, batch_invariant: bool = False, async_scheduling: bool = True):
         """`dtype`: weights and compute ("float32", "bfloat16", "float16"); "auto" (vLLM's convention) is bfloat16 on
         TPU and GPU and float32 on CPU (`resolve_dtype`). `kv_cache_dtype` None follows it.
+
+        `page_size`: tokens per KV page; None picks the backend's default for the model length
+        (`inference/engine/config.py: default_page_size`: 16 on CPU and GPU; on TPU next_pow2(max_model_len) / 16
+        clamped to 16-256, the upstream TPU kernels' guidance: larger pages, larger KV DMAs).
 
         `compilation_cache_dir`: where JAX keeps compiled steps across runs. JAX's cache is process-wide
         configuration, so: None leaves jax.config untouched; a path points the cache there (overriding any earlier
@@ -153,9 +157,11 @@ class LLM:
             from inference.spec_decode.draft import load_draft
             draft = load_draft(spec.model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
                                seed=config.seed)
+        context = config.scheduler.max_model_len or loaded.config.max_position_embeddings
+        if cache.page_size is None:  # the backend's default for this model length (engine/config.py)
+            cache = dataclasses.replace(cache, page_size=default_page_size(target_backend(), context))
         num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []))
         page_size = cache.page_size
-        context = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
             context = min(context, num_pages * page_size)
         scheduler = dataclasses.replace(config.scheduler, max_model_len=context)

@@ -2,11 +2,14 @@
 head_dim, KV dtype, page size and case, the way JAX's in-tree op (`ragged_paged_attention/tuned_block_sizes.py`)
 and tpu-inference's RPA v3 (`v3/tuned_block_sizes.py`) keep theirs.
 
-The entries are not tuned on hardware yet (no TPU was at hand): they are sized from VMEM arithmetic (the
-double-buffered KV block is `2 * kv_tokens * 2D * itemsize`) and the upstream tables' choices for the same shapes,
-and compiled with the real Mosaic compiler for each chip (`scripts/tools/aot_compile.py`). The first TPU sweep
+The entries are not tuned on hardware yet (no TPU was at hand): they are sized from VMEM arithmetic and the
+upstream tables' choices for the same shapes, and compiled with the real Mosaic compiler for each chip
+(`scripts/tools/aot_compile.py`). The first TPU sweep
 (`scripts/bench/kernel_bench.py --tpu_ab`) replaces them; a lookup falls back from the exact key to the chip's
 case default, so a new row changes nothing else.
+
+KV moves one page of all a grid step's KV heads per DMA (`kv_heads_per_step`), so a block's VMEM is
+`2 * heads * kv_tokens * 2D * itemsize`; `KV_BUFFER_BYTES` caps it.
 
 Cases: "decode" (static `max_q_len == 1`: one query row per KV head and sequence, no causal mask) and "mixed"
 (any other `max_q_len`: prefill, chunked prefill and decodes in one ragged batch).
@@ -34,6 +37,14 @@ class TpuBlocks(NamedTuple):
 # scoped limit (16 / 32 / 16 MiB) is what the kernel gets without one. Half of physical leaves room for XLA's
 # own fusions around the call.
 VMEM_LIMIT = {"v5e": 64 * MiB, "v6e": 64 * MiB, "v5p": 48 * MiB, "default": None}
+
+# Budget of the double-buffered KV block (all of a grid step's KV heads): `pages_per_block` shrinks below
+# `kv_tokens / page_size` when the step's heads would exceed it (many KV heads, or a wide head_dim).
+KV_BUFFER_BYTES = {"v5e": 16 * MiB, "v6e": 16 * MiB, "v5p": 16 * MiB, "default": 8 * MiB}
+
+# TensorCores per chip: a megacore chip (v5p) splits the parallel grid axis over its two cores, so its KV heads
+# come in two steps; v5e and v6e have one core and take every KV head in one step (one DMA per page for all).
+CORES = {"v5e": 1, "v6e": 1, "v5p": 2, "default": 1}
 
 # (chip, case) -> (kv_tokens, block_q): the default of a chip and case.
 CASE_DEFAULTS = {
@@ -66,6 +77,14 @@ def chip_generation(device_kind: str | None = None) -> str:
     if "v5" in kind:
         return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
     return "default"
+
+
+def kv_heads_per_step(chip: str, num_kv_heads: int) -> int:
+    """KV heads per grid step (and per KV DMA): all of them on a one-core chip; on a megacore chip an even head
+    count is halved so both cores get a step (an odd one stays whole: one core idles rather than splitting a
+    page's DMA unevenly)."""
+    cores = CORES[chip]
+    return num_kv_heads // cores if num_kv_heads % cores == 0 else num_kv_heads
 
 
 def block_sizes(chip: str, head_dim: int, kv_dtype: str, page_size: int, max_q_len: int) -> TpuBlocks:

@@ -7,8 +7,8 @@ at combined head 2h, V at 2h + 1) is built from pagejax's (`[Hkv, pages, page_si
 the timed region holds only the kernel. Each kernel's output is checked against pagejax's f32 reference; time is
 the median of rounds of back-to-back calls; bandwidth = bytes the batch must read (`kernel_bench.bytes_read`) /
 time, also as a fraction of the measured device copy bandwidth (the HBM roofline a kernel can reach). Cases: the
-Llama-3-8B decode at 64 x 2048 (bf16 cache, page 16), and a mixed batch (16 decodes at 2048 + 2 prefill chunks of
-512). The in-tree kernel has no int8 cache path, so int8 is pagejax's alone (kernel_bench's decode_int8 case).
+Llama-3-8B decode at 64 x 2048 (bf16 cache, page 16, and again at the engine's TPU page for a 2048-token context,
+128), and a mixed batch (16 decodes at 2048 + 2 prefill chunks of 512). The in-tree kernel has no int8 cache path, so int8 is pagejax's alone (kernel_bench's decode_int8 case).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from inference.engine.config import default_page_size
 
 
 def jax_layout(kv_pages: jax.Array) -> jax.Array:
@@ -97,8 +99,16 @@ def run(bench, *, smoke: bool, rounds: int, calls: int) -> dict:
     print(f"device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", flush=True)
     common = dict(copy_bw=copy_bw, rounds=rounds, calls=calls, tol=tol, smoke=smoke)
     key = jax.random.PRNGKey(0)
+    # The decode again at the page size the engine picks on TPU for the case's context (engine/config.py:
+    # default_page_size: 128 for 2048 tokens): larger pages are larger DMAs for both kernels.
+    # (The smoke's short contexts get page 16 there: no second case.)
+    big_page = dict(dims, page_size=default_page_size("tpu", max(decode[1])))
     cases = {"tpu_ab_decode": run_ab(bench, "decode", bench.make_batch(key, *decode, **dims), max_q_len=1,
-                                     **common),
-             "tpu_ab_mixed": run_ab(bench, "mixed", bench.make_batch(key, *mixed, **dims), max_q_len=max(mixed[0]),
-                                    **common)}
+                                     **common)}
+    if big_page["page_size"] != dims["page_size"]:
+        cases[f"tpu_ab_decode_page{big_page['page_size']}"] = run_ab(
+            bench, f"decode p{big_page['page_size']}", bench.make_batch(key, *decode, **big_page), max_q_len=1,
+            **common)
+    cases["tpu_ab_mixed"] = run_ab(bench, "mixed", bench.make_batch(key, *mixed, **dims), max_q_len=max(mixed[0]),
+                                   **common)
     return {"copy_bandwidth_GBps": copy_bw / 1e9, "shapes": {k: str(v) for k, v in dims.items()}, "cases": cases}

@@ -9,8 +9,8 @@ kernel at git `main`, and the working tree's):
   * static facts of the compiled Mosaic module (libtpu, deviceless, `--xla_mosaic_dump_to`): grid, DMA-issue and
     DMA-wait sites in the final LLO, and the VMEM scratch the module allocates (tile-padded).
 JSON out; BENCHMARKS.md holds the table. The replay mirrors each kernel's loop bounds (`_old_kernel_counts`: the
-grid `(Hkv, S, cdiv(max_q_len, 8))` kernel; `_new_kernel_counts`: the work-item kernel); a kernel change that
-alters them must update its replay.
+grid `(Hkv, S, cdiv(max_q_len, 8))` kernel; `_item_kernel_counts`: the work-item kernel, with one DMA per page of
+one KV head (`210761d`) or of all a grid step's heads); a kernel change that alters them must update its replay.
 
     python scripts/tools/tpu_schedule.py --chip=v6e --out=tpu_schedule.json
 """
@@ -70,10 +70,11 @@ def _old_kernel_counts(q_lens, kv_lens, max_q_len, *, group, num_kv_heads, page_
                 cold_starts=active * h, block_q=block_q, pages_per_block=pages_per_block)
 
 
-def _new_kernel_counts(q_lens, kv_lens, max_q_len, *, group, num_kv_heads, page_size, block_q, pages_per_block,
-                       decode) -> dict:
-    """The work-item kernel: grid (Hkv,); per item one q and one out DMA (decode) or group of each; per KV block
-    pages_per_block DMAs and one wait; one cold start per grid step."""
+def _item_kernel_counts(q_lens, kv_lens, max_q_len, *, group, num_kv_heads, page_size, block_q, pages_per_block,
+                        decode, heads) -> dict:
+    """The work-item kernel: grid (Hkv / heads,); per item one q and one out DMA (decode) or heads * group of each;
+    per KV block pages_per_block DMAs (each one page of the step's `heads` KV heads) and one wait; one cold start
+    per grid step. `heads` 1 is the kernel of `210761d` (one DMA per (head, page))."""
     block_kv = pages_per_block * page_size
     items = kv = waits = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
@@ -83,10 +84,40 @@ def _new_kernel_counts(q_lens, kv_lens, max_q_len, *, group, num_kv_heads, page_
             items += 1
             kv += (b1 - b0) * pages_per_block
             waits += b1 - b0
-    h = num_kv_heads
-    io = items * 2 * (1 if decode else group)
-    return dict(grid_steps=h, working_steps=h, items=items * h, kv_dmas=kv * h, kv_waits=waits * h,
-                q_out_dmas=io * h, cold_starts=h, block_q=block_q, pages_per_block=pages_per_block)
+    steps = num_kv_heads // heads
+    io = items * 2 * (1 if decode else group * heads)
+    return dict(grid_steps=steps, working_steps=steps, items=items * steps, kv_dmas=kv * steps,
+                kv_waits=waits * steps, q_out_dmas=io * steps, cold_starts=steps, block_q=block_q,
+                pages_per_block=pages_per_block, kv_heads_per_dma=heads)
+
+
+def kernel_counts(module, chip: str, q_lens, kv_lens, max_q_len) -> dict:
+    """Replay `module`'s kernel (a `tpu.py`, this tree's or a revision's) over the workload: the grid kernel (its
+    `BLOCK_SIZES`, before `210761d`) or the work-item kernel (its `schedule_params`; KV heads per DMA: 1 unless
+    the plan says)."""
+    c = LLAMA3_8B
+    group = c["num_q_heads"] // c["num_kv_heads"]
+    page_bytes = c["page_size"] * 2 * c["head_dim"] * 2
+    pps = max(kv_lens) // c["page_size"]
+    shape = dict(group=group, num_kv_heads=c["num_kv_heads"], page_size=c["page_size"])
+    if hasattr(module, "BLOCK_SIZES"):
+        ppb = max(1, min(pps, module.BLOCK_SIZES[chip]["kv_tokens"] // c["page_size"]))
+        counts = _old_kernel_counts(q_lens, kv_lens, max_q_len, pages_per_block=ppb, **shape)
+        counts["kv_heads_per_dma"] = 1
+        counts["vmem_scratch_bytes_model"] = 2 * group * 8 * c["head_dim"] * 4 + 2 * ppb * page_bytes
+    else:
+        plan = module.schedule_params((sum(q_lens), c["num_q_heads"], c["head_dim"]),
+                                      (c["num_kv_heads"], 1, c["page_size"], 2 * c["head_dim"]), "bfloat16",
+                                      (len(q_lens), pps), max_q_len=max_q_len, chip=chip)
+        counts = _item_kernel_counts(q_lens, kv_lens, max_q_len, block_q=plan["block_q"],
+                                     pages_per_block=plan["pages_per_block"], decode=plan["decode"],
+                                     heads=plan.get("kv_heads_per_block", 1), **shape)
+        counts["vmem_scratch_bytes_model"] = plan["vmem_scratch_bytes"]
+        counts["vmem_limit_bytes"] = plan["vmem_limit_bytes"]
+    counts["bytes_per_kv_dma"] = counts["kv_heads_per_dma"] * page_bytes
+    counts["kv_bytes_moved"] = counts["kv_dmas"] * counts["bytes_per_kv_dma"]
+    counts["kv_bytes_needed"] = sum(_cdiv(k, c["page_size"]) for k in kv_lens) * c["num_kv_heads"] * page_bytes
+    return counts
 
 
 def _load(path: str, name: str):
@@ -164,28 +195,10 @@ def report(chip: str, before_path: str) -> list[dict]:
     from kernels_pallas.attention import tpu as after
 
     before = _load(before_path, "tpu_before")
-    c = LLAMA3_8B
-    group = c["num_q_heads"] // c["num_kv_heads"]
-    page_bytes = c["page_size"] * 2 * c["head_dim"] * 2
     rows = []
     for name, (q_lens, kv_lens, max_q_len) in WORKLOADS.items():
-        needed = sum(_cdiv(k, c["page_size"]) for k in kv_lens) * c["num_kv_heads"] * page_bytes
-        pps = max(kv_lens) // c["page_size"]
-        shape = dict(group=group, num_kv_heads=c["num_kv_heads"], page_size=c["page_size"])
-        old_ppb = max(1, min(pps, before.BLOCK_SIZES[chip]["kv_tokens"] // c["page_size"]))
-        old = _old_kernel_counts(q_lens, kv_lens, max_q_len, pages_per_block=old_ppb, **shape)
-        old["vmem_scratch_bytes_model"] = 2 * group * 8 * c["head_dim"] * 4 + 2 * old_ppb * page_bytes
-        plan = after.schedule_params((sum(q_lens), c["num_q_heads"], c["head_dim"]),
-                                     (c["num_kv_heads"], 1, c["page_size"], 2 * c["head_dim"]), "bfloat16",
-                                     (len(q_lens), pps), max_q_len=max_q_len, chip=chip)
-        new = _new_kernel_counts(q_lens, kv_lens, max_q_len, block_q=plan["block_q"],
-                                 pages_per_block=plan["pages_per_block"], decode=plan["decode"], **shape)
-        new["vmem_scratch_bytes_model"] = plan["vmem_scratch_bytes"]
-        new["vmem_limit_bytes"] = plan["vmem_limit_bytes"]
-        for kernel, counts, module in (("before", old, before), ("after", new, after)):
-            counts["bytes_per_kv_dma"] = page_bytes
-            counts["kv_bytes_moved"] = counts["kv_dmas"] * page_bytes
-            counts["kv_bytes_needed"] = needed
+        for kernel, module in (("before", before), ("after", after)):
+            counts = kernel_counts(module, chip, q_lens, kv_lens, max_q_len)
             since = time.time()
             counts["compile"] = compile_facts(module, chip, name)
             counts["mosaic"] = mosaic_facts(DUMP_DIR, since)
@@ -195,7 +208,8 @@ def report(chip: str, before_path: str) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = ("grid_steps", "working_steps", "kv_dmas", "kv_waits", "q_out_dmas", "cold_starts", "bytes_per_kv_dma")
+    cols = ("grid_steps", "working_steps", "kv_dmas", "kv_waits", "q_out_dmas", "cold_starts", "bytes_per_kv_dma",
+            "vmem_scratch_bytes_model")
     lines = ["| workload | kernel | " + " | ".join(cols) + " | KV moved / needed | Mosaic: grid, DMA issue / wait "
              "sites, VMEM scratch KiB |", "|" + "---|" * (len(cols) + 4)]
     for r in rows:

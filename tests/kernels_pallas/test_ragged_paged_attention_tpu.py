@@ -116,14 +116,15 @@ def test_bf16_inputs():
 
 
 def test_no_races_with_two_cores():
-    """The KV-head grid axis is "parallel": split across two simulated cores, with the race detector on."""
+    """The KV-head grid axis is "parallel" (one step per KV head here, as on a megacore chip): split across two
+    simulated cores, with the race detector on."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
 
     rng = np.random.default_rng(9)
     args = make_case(rng, [1, 5], [12, 5], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8, pages_per_seq=2,
                      num_pages=6)
     got = run_kernel(args, interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2),
-                     sm_scale=0.125, pages_per_block=1)
+                     sm_scale=0.125, pages_per_block=1, kv_heads_per_block=1)  # two grid steps, one per core
     assert_close(got, run_reference(args, sm_scale=0.125))
     races = getattr(ipc, "races", None)
     if races is not None:
@@ -177,19 +178,21 @@ def test_lowers_to_mosaic_for_tpu(dtype, monkeypatch, request):
     assert "tpu_custom_call" in text
 
 
-def test_int8_kv_cache_with_per_token_scales():
-    """int8 pages + f32 per-token-per-head scales: the scale rows are DMA'd beside each page (a read before the
-    wait would show up as NaN), rotated into place and applied to score and probability columns; equals the
-    reference on the same int8 cache. page_size 8: 8 pages share a 128-lane scale row."""
+@pytest.mark.parametrize("dtype,page_size,heads", [("int8", 8, None), ("float8_e4m3fn", 8, 1), ("int8", 128, 1)])
+def test_scaled_kv_cache_with_per_token_scales(dtype, page_size, heads):
+    """int8 / fp8 pages + f32 per-token-per-head scales: the scale rows of a page's KV heads are DMA'd beside it
+    (a read before the wait would show up as NaN), rotated into place and applied to score and probability
+    columns; equals the reference on the same cache. page_size 8: 8 pages share a 128-lane scale row; 128: a page's
+    scales fill two rows (the TPU's default page for a 2048-token model)."""
     from kernels_pallas.kv_cache.writes import quantize_cache
 
     rng = np.random.default_rng(12)
-    q, kv, *rest = make_case(rng, [1, 6, 2], [13, 6, 24], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
-                             pages_per_seq=3, num_pages=11)
-    kv_q, scales = quantize_cache(jnp.asarray(kv))
+    q, kv, *rest = make_case(rng, [1, 6, 2], [13, 6, 24 * page_size // 8], num_q_heads=6, num_kv_heads=2,
+                             head_dim=64, page_size=page_size, pages_per_seq=3, num_pages=11)
+    kv_q, scales = quantize_cache(jnp.asarray(kv), jnp.dtype(dtype))
     args = (q, kv_q, *rest)
-    kw = dict(sm_scale=0.125, sliding_window=9, v_scale=0.5)
-    got = run_kernel(args, kv_scales=scales, pages_per_block=2, **kw)
+    kw = dict(sm_scale=0.125, sliding_window=9 * page_size // 8, v_scale=0.5)
+    got = run_kernel(args, kv_scales=scales, pages_per_block=2, kv_heads_per_block=heads, **kw)
     assert_close(got, run_reference(args, kv_scales=scales, **kw))
 
 
@@ -294,7 +297,7 @@ def test_work_items_list_real_blocks_only():
 
 def test_block_size_table():
     from kernels_pallas.attention.tpu import schedule_params
-    from kernels_pallas.attention.tpu_block_sizes import TUNED, block_sizes, chip_generation
+    from kernels_pallas.attention.tpu_block_sizes import KV_BUFFER_BYTES, TUNED, block_sizes, chip_generation
 
     assert chip_generation("TPU v6 lite") == "v6e" and chip_generation("TPU v5 lite") == "v5e"
     assert chip_generation("TPU v5") == "v5p"
@@ -306,6 +309,26 @@ def test_block_size_table():
     assert block_sizes("v6e", 128, "bfloat16", 16, 3).block_q == 3  # never more rows than the longest query
     with pytest.raises(ValueError, match="unknown TPU chip"):
         block_sizes("v4", 128, "bfloat16", 16, 1)
+    # Llama-3-8B decode on v6e: one grid step, each DMA one page of all 8 KV heads (64 KiB), 64 pages a block.
     plan = schedule_params((64, 32, 128), (8, 8193, 16, 256), jnp.bfloat16, (64, 128), max_q_len=1, chip="v6e")
     assert plan["decode"] and plan["pages_per_block"] == 64 and plan["vmem_limit_bytes"] == 64 << 20
-    assert plan["vmem_scratch_bytes"] == 2 * 1024 * 256 * 2 + 2 * 2 * 4 * 128 * 4
+    assert plan["kv_heads_per_block"] == 8 and plan["bytes_per_kv_dma"] == 8 * 16 * 256 * 2
+    assert plan["vmem_scratch_bytes"] == (2 * 64 * 8 * 16 * 256 * 2 + 2 * 2 * 8 * 4 * 128 * 4
+                                          + 8 * 4 * (2 * 128 + 128) * 4)
+    # v5p (two cores): two steps of 4 heads; 32 KV heads of D 256: the KV buffer budget caps the block.
+    assert schedule_params((64, 32, 128), (8, 8193, 16, 256), jnp.bfloat16, (64, 128), max_q_len=1,
+                           chip="v5p")["kv_heads_per_block"] == 4
+    big = schedule_params((64, 32, 256), (32, 8193, 16, 512), jnp.bfloat16, (64, 128), max_q_len=1, chip="v6e")
+    assert big["pages_per_block"] == KV_BUFFER_BYTES["v6e"] // (2 * big["bytes_per_kv_dma"]) < 512 // 16
+    with pytest.raises(ValueError, match="must divide"):
+        schedule_params((64, 32, 128), (8, 8193, 16, 256), jnp.bfloat16, (64, 128), kv_heads_per_block=3, chip="v6e")
+
+
+def test_kv_heads_per_block_split_grid():
+    """4 KV heads in grid steps of 2 (a megacore chip's split; the default takes all 4 in one step, and the race
+    test steps of 1): each step's page DMAs move only its own heads, and its q / out rows are its heads' columns."""
+    rng = np.random.default_rng(15)
+    args = make_case(rng, [1, 9, 1, 4], [20, 9, 1, 30], num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=8,
+                     pages_per_seq=4, num_pages=19)
+    kw = dict(sm_scale=0.125, pages_per_block=2, block_q=4, soft_cap=5.0)
+    assert_close(run_kernel(args, kv_heads_per_block=2, **kw), run_reference(args, **kw))

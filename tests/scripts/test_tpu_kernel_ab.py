@@ -40,17 +40,29 @@ def test_jax_layout_puts_k_and_v_of_head_h_at_2h_and_2h_plus_1():
 
 
 def test_schedule_replay_counts():
-    """Llama-3-8B decode 64 x 2048 at page 16: before, one grid step per (KV head, sequence), a DMA and a wait per
-    page; after, one grid step per KV head and one wait per block of pages; the same KV bytes."""
-    from scripts.tools.tpu_schedule import WORKLOADS, _memref_bytes, _new_kernel_counts, _old_kernel_counts
+    """Llama-3-8B decode 64 x 2048 at page 16: the grid kernel, one grid step per (KV head, sequence), a DMA and a
+    wait per page; the work-item kernel, one grid step per KV head and one wait per block of pages; page-wide DMAs,
+    one grid step, one DMA per page for all 8 KV heads (8x fewer, 8x larger); the same KV bytes."""
+    from scripts.tools.tpu_schedule import WORKLOADS, _item_kernel_counts, _memref_bytes, _old_kernel_counts
 
     q_lens, kv_lens, max_q_len = WORKLOADS["decode_64x2048"]
     shape = dict(group=4, num_kv_heads=8, page_size=16)
     old = _old_kernel_counts(q_lens, kv_lens, max_q_len, pages_per_block=32, **shape)
-    new = _new_kernel_counts(q_lens, kv_lens, max_q_len, block_q=1, pages_per_block=64, decode=True, **shape)
+    per_head = _item_kernel_counts(q_lens, kv_lens, max_q_len, block_q=1, pages_per_block=64, decode=True, heads=1,
+                                   **shape)
+    wide = _item_kernel_counts(q_lens, kv_lens, max_q_len, block_q=1, pages_per_block=64, decode=True, heads=8,
+                               **shape)
     assert old["grid_steps"] == 8 * 64 and old["kv_dmas"] == old["kv_waits"] == 8 * 64 * 128
-    assert new["grid_steps"] == 8 and new["kv_dmas"] == 8 * 64 * 128 and new["kv_waits"] == 8 * 64 * 2
-    assert old["cold_starts"] == 512 and new["cold_starts"] == 8
-    assert new["q_out_dmas"] == 8 * 64 * 2 and old["q_out_dmas"] == 8 * 64 * 3 * 4
+    assert per_head["grid_steps"] == 8 and per_head["kv_dmas"] == 8 * 64 * 128
+    assert per_head["kv_waits"] == 8 * 64 * 2
+    assert old["cold_starts"] == 512 and per_head["cold_starts"] == 8
+    assert per_head["q_out_dmas"] == 8 * 64 * 2 and old["q_out_dmas"] == 8 * 64 * 3 * 4
+    assert wide["grid_steps"] == wide["cold_starts"] == 1
+    assert wide["kv_dmas"] == 64 * 128 and wide["kv_waits"] == 64 * 2 and wide["q_out_dmas"] == 64 * 2
+    mixed = WORKLOADS["mixed_512chunk_63decodes"]
+    prefill_wide = _item_kernel_counts(*mixed, block_q=32, pages_per_block=32, decode=False, heads=8, **shape)
+    prefill_per_head = _item_kernel_counts(*mixed, block_q=32, pages_per_block=32, decode=False, heads=1, **shape)
+    assert prefill_wide["kv_dmas"] * 8 == prefill_per_head["kv_dmas"]
+    assert prefill_wide["q_out_dmas"] == prefill_per_head["q_out_dmas"]  # q/out: one DMA per query head either way
     assert _memref_bytes([2, 4, 128], "f32", (4, 128)) == 4096
     assert _memref_bytes([2, 3, 100], "bf16", (8, 128)) == 2 * 8 * 128 * 2  # minor axes padded to whole tiles
