@@ -37,9 +37,24 @@ A mixture-of-experts layer (E experts of width I, S shared) replaces gate/up/dow
     layers.{i}.router          [hidden, E]
     layers.{i}.experts.gate_proj [E, hidden, I]  experts.up_proj [E, hidden, I]  experts.down_proj [E, I, hidden]
     layers.{i}.shared.gate_proj  [hidden, S * I] shared.up_proj  [hidden, S * I] shared.down_proj  [S * I, hidden]
+    layers.{i}.shared_expert_gate [hidden, 1]                      (Qwen MoE; S * I is then shared_expert_width)
+
+With attn_output_gate, q_proj is [hidden, num_heads * 2 * head_dim]: per head the query's columns, then its gate's.
 
 With cross-layer attention (cla_factor > 1) only the first layer of each run has k_proj / v_proj (and their biases
 and k_norm).
+
+A Gated DeltaNet layer ("linear_attention"; Hk key heads of Dk, Hv value heads of Dv, conv kernel K, conv channels
+C = 2·Hk·Dk + Hv·Dv) replaces the attention's weights, in transformers' Qwen3-Next layouts (the projections' output
+columns grouped per key head: q, k, then the group's Hv/Hk value heads' v and z; b then a likewise):
+
+    layers.{i}.in_proj_qkvz    [hidden, 2·Hk·Dk + 2·Hv·Dv]
+    layers.{i}.in_proj_ba      [hidden, 2·Hv]
+    layers.{i}.conv1d          [C, K]                              (depthwise, no bias)
+    layers.{i}.dt_bias         [Hv]
+    layers.{i}.A_log           [Hv]
+    layers.{i}.linear_norm     [Dv]                                (the gated RMSNorm's weight)
+    layers.{i}.out_proj        [Hv·Dv, hidden]
 """
 
 from __future__ import annotations
@@ -67,14 +82,32 @@ def _attention_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, .
         return shapes
     q, kv = heads * config.head_dim, config.num_kv_heads * config.head_dim
     owns_kv = config.owns_kv(layer)
-    shapes = {"q_proj": (d, q), "o_proj": (q, d)}
+    q_out = 2 * q if config.attn_output_gate else q  # per head [q | gate]
+    shapes = {"q_proj": (d, q_out), "o_proj": (q, d)}
     if owns_kv:
         shapes.update({"k_proj": (d, kv), "v_proj": (d, kv)})
     if config.attention_bias:
-        shapes.update({"q_bias": (q,), **({"k_bias": (kv,), "v_bias": (kv,)} if owns_kv else {})})
+        shapes.update({"q_bias": (q_out,), **({"k_bias": (kv,), "v_bias": (kv,)} if owns_kv else {})})
     if config.qk_norm:
         shapes.update({"q_norm": (config.head_dim,), **({"k_norm": (config.head_dim,)} if owns_kv else {})})
     return shapes
+
+
+def _state_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    kind = config.layer_types[layer]
+    d = config.hidden_size
+    if kind == "linear_attention":
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        return {"in_proj_qkvz": (d, 2 * hk * dk + 2 * hv * dv), "in_proj_ba": (d, 2 * hv),
+                "conv1d": (config.linear_conv_dim, config.linear_conv_kernel_dim), "dt_bias": (hv,), "A_log": (hv,),
+                "linear_norm": (dv,), "out_proj": (hv * dv, d)}
+    raise ValueError(f"layer {layer}: no weight layout for {kind!r} layers in models/weights.py")
+
+
+def _mixer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The token mixer's weights: a state layer's, or the attention's."""
+    return _state_shapes(config, layer) if config.is_state_layer(layer) else _attention_shapes(config, layer)
 
 
 def _ffn_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -85,9 +118,11 @@ def _ffn_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     e, f = config.num_experts, config.moe_intermediate_size
     shapes = {"router": (d, e), "experts.gate_proj": (e, d, f), "experts.up_proj": (e, d, f),
               "experts.down_proj": (e, f, d)}
-    if config.num_shared_experts:
-        fs = f * config.num_shared_experts
+    if config.shared_expert_width:
+        fs = config.shared_expert_width
         shapes.update({"shared.gate_proj": (d, fs), "shared.up_proj": (d, fs), "shared.down_proj": (fs, d)})
+    if config.shared_expert_gate:
+        shapes["shared_expert_gate"] = (d, 1)
     return shapes
 
 
@@ -100,7 +135,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         p = f"layers.{i}."
         shapes.update({p + "attn_norm": (d,), p + "mlp_norm": (d,)})
-        shapes.update({p + k: v for k, v in _attention_shapes(config, i).items()})
+        shapes.update({p + k: v for k, v in _mixer_shapes(config, i).items()})
         shapes.update({p + k: v for k, v in _ffn_shapes(config, i).items()})
         if config.post_norms:
             shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})

@@ -367,7 +367,8 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
 
     config = get_model_config(case.preset)
     if case.layers:
-        config = config.replace(num_layers=case.layers, name=f"{config.name}-{case.layers}-layers")
+        kinds = config.layer_types and config.layer_types[:case.layers]  # the first layers' kinds (a hybrid's too)
+        config = config.replace(num_layers=case.layers, layer_types=kinds, name=f"{config.name}-{case.layers}-layers")
     if case.num_chips > 1 and needs_padding(config, case.num_chips):
         return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
                 "error": f"{case.preset} needs head padding for TP {case.num_chips}"}
@@ -398,7 +399,14 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
               for _ in range(config.num_kv_layers)]
     groups = len(config.kv_group_windows)
-    inp = abstract(ModelInput.empty(tokens, seqs, pages_per_seq, max_q, num_groups=groups), rep)
+    empty = ModelInput.empty(tokens, seqs, pages_per_seq, max_q, num_groups=groups)
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    if config.has_state_layers:  # a RecurrentState per state layer (slot per sequence + the null slot), in place
+        states = [config.state_cache_spec(i, seqs + 1, case.dtype) for i in config.state_layers]
+        caches += [jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), st) for st in states]
+        state_shapes = (states[0].conv.shape, states[0].ssm.shape)
+        empty = empty.replace(attn=empty.attn.replace(state_slots=np.zeros(seqs, np.int32)))
+    inp = abstract(empty, rep)
     sampling = abstract(SamplingTensors.from_params([SamplingParams()] * seqs, [0] * seqs, [0] * seqs, seqs), rep)
     layout = StepLayout(kv_sharding=None if case.num_chips == 1 else kv_sharding,
                         logits_sharding=None if case.num_chips == 1 else rep,
@@ -407,7 +415,7 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
     step = jit_step(graphdef, treedef, layout)
     fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
-    row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local,),
+    row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local, *state_shapes),
                        donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
     row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
     row["cache_shape"] = list(local)
