@@ -151,13 +151,9 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
         return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
     now = time.perf_counter()
     tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
-    requests = engine.requests
     for seq, row in rows.items():
-        seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
-        try:
-            engine._append_token(seq, requests[seq.request_id], tokens[row], out, row, now)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-            engine._fail(seq, exc)
+        seq.token_ids[-1] = tokens[row]  # in place of the placeholder (an aborted sequence is no longer in `rows`)
+    engine._fold_tokens(list(rows.items()), out, now)
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
 
 

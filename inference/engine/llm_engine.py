@@ -38,7 +38,7 @@ from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
-from inference.engine.stop import check_stop, flush_text
+from inference.engine.stop import append_texts, check_stop, flush_text
 from inference.structured.manager import StructuredOutputManager
 from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
@@ -357,6 +357,8 @@ class Engine:
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         verified: list[tuple[Sequence, int]] = []  # (sequence, drafts accepted) for the proposer's hook
+        sampled: list[tuple[Sequence, int]] = []  # (sequence, row) that got a token: folded together below
+        tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
         offset = 0
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             request = self.requests[seq.request_id]
@@ -370,12 +372,28 @@ class Engine:
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
                     self._record_prompt_logprobs(seq, out, first_row, count)
                 if self._advance(seq, count):  # else a prefill chunk that does not reach the end: nothing sampled
-                    self._append_token(seq, request, int(out.tokens[i]), out, i, now)
+                    seq.token_ids.append(tokens[i])
+                    sampled.append((seq, i))
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 self._fail(seq, exc)
+        self._fold_tokens(sampled, out, now)
         if verified:
             self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
         return [self._output(r) for r in touched.values()]
+
+    def _fold_tokens(self, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
+        """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
+        the texts of all of them in one batched detokenize (`append_texts`), then per sequence its metrics,
+        logprobs and stop checks. One request's failure fails only it."""
+        befores, failed = append_texts([seq for seq, _ in sampled], self.tokenizer)
+        requests = self.requests
+        for (seq, row), before in zip(sampled, befores):
+            try:
+                if failed and seq in failed:
+                    raise failed[seq]
+                self._after_token(seq, requests[seq.request_id], out, row, now, before)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                self._fail(seq, exc)
 
     def _advance(self, seq: Sequence, count: int) -> bool:
         """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
@@ -424,6 +442,13 @@ class Engine:
     def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
                       now: float) -> None:
         seq.token_ids.append(token)
+        self._after_token(seq, request, out, row, now)
+
+    def _after_token(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float,
+                     before: int | None = None) -> None:
+        """The bookkeeping of the token that ends `seq.token_ids`: metrics, logprobs, stop checks (`before`: its
+        text is appended already, see `check_stop`)."""
+        token = seq.token_ids[-1]
         metrics = request.metrics
         if seq.index == 0:
             if metrics.first_token_time is None:
@@ -436,7 +461,7 @@ class Engine:
             seq.output_logprobs.append(logprobs_dict(token, out.logprob[row], out.rank[row], out.top_ids[row][:k],
                                                      out.top_logprobs[row][:k], self._texts(seq.params)))
             seq.cumulative_logprob += float(out.logprob[row])
-        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len, before)
         if reason is None and seq.params.structured_outputs is not None and self.structured.sync(seq):
             reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is not None:
