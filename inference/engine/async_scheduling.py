@@ -183,7 +183,11 @@ def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
 
 
 def merge_outputs(*groups: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request, the latest (outputs are cumulative), in first-seen order."""
+    """One output per request, the latest (outputs are cumulative), in first-seen order. Each group holds one output
+    per request (a step's), so a lone non-empty group is the answer as it is."""
+    filled = [group for group in groups if group]
+    if len(filled) <= 1:
+        return list(filled[0]) if filled else []
     latest: dict[str, RequestOutput] = {}
     for group in groups:
         for out in group:

@@ -269,7 +269,7 @@ class Engine:
             if batch is None:
                 return merge_outputs(undelivered, fold_in_flight(self))
             now = time.perf_counter()
-            for seq in batch.seqs:
+            for seq in batch.admitted:  # only a sequence that joins now can be scheduled for the first time
                 metrics = self.requests[seq.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
