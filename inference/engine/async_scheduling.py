@@ -38,6 +38,7 @@ engine loop's pause, call it); an abort drops the sequence's placeholder at once
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -105,7 +106,7 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
     rows = in_flight.rows
-    prev_row = np.fromiter((rows.get(seq, -1) for seq in batch.seqs), np.int32, len(batch.seqs))
+    prev_row = np.fromiter(map(rows.get, batch.seqs, itertools.repeat(-1)), np.int32, len(batch.seqs))  # C loops
     fed = prev_row >= 0
     count = int(fed.sum())
     if not count:

@@ -38,7 +38,7 @@ from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
-from inference.engine.stop import append_texts, check_stop, flush_text
+from inference.engine.stop import check_stop, flush_text
 from inference.structured.manager import StructuredOutputManager
 from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
@@ -383,15 +383,11 @@ class Engine:
 
     def _fold_tokens(self, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
         """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
-        the texts of all of them in one batched detokenize (`append_texts`), then per sequence its metrics,
-        logprobs and stop checks. One request's failure fails only it."""
-        befores, failed = append_texts([seq for seq, _ in sampled], self.tokenizer)
+        metrics, logprobs, stop checks, text. One request's failure fails only it."""
         requests = self.requests
-        for (seq, row), before in zip(sampled, befores):
+        for seq, row in sampled:
             try:
-                if failed and seq in failed:
-                    raise failed[seq]
-                self._after_token(seq, requests[seq.request_id], out, row, now, before)
+                self._after_token(seq, requests[seq.request_id], out, row, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 self._fail(seq, exc)
 
@@ -444,10 +440,8 @@ class Engine:
         seq.token_ids.append(token)
         self._after_token(seq, request, out, row, now)
 
-    def _after_token(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float,
-                     before: int | None = None) -> None:
-        """The bookkeeping of the token that ends `seq.token_ids`: metrics, logprobs, stop checks (`before`: its
-        text is appended already, see `check_stop`)."""
+    def _after_token(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
+        """The bookkeeping of the token that ends `seq.token_ids`: metrics, logprobs, stop checks and text."""
         token = seq.token_ids[-1]
         metrics = request.metrics
         if seq.index == 0:
@@ -461,7 +455,7 @@ class Engine:
             seq.output_logprobs.append(logprobs_dict(token, out.logprob[row], out.rank[row], out.top_ids[row][:k],
                                                      out.top_logprobs[row][:k], self._texts(seq.params)))
             seq.cumulative_logprob += float(out.logprob[row])
-        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len, before)
+        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if reason is None and seq.params.structured_outputs is not None and self.structured.sync(seq):
             reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is not None:

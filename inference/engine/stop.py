@@ -5,8 +5,9 @@ Order and semantics follow vLLM: EOS (unless `ignore_eos`) and `stop_token_ids` 
 `max_tokens` and the model context stop with reason "length". Below `min_tokens` generated tokens only the length
 limits apply, and stop strings count only once more than `min_tokens` tokens exist (vLLM V1's detokenizer);
 `detokenize=False` keeps no text. Text grows incrementally, one token at a time,
-through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token; a step's fold
-appends the texts of all its rows at once (`append_texts`: one batched tokenizer call, not two a row).
+through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token. (Decoding all
+of a step's rows in one batched `decode_batch` call was tried: on a CPU shared with the device's step, the tokenizer's
+thread pool made the fold slower; BENCHMARKS.md, host overhead.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import functools
 
 from inference.engine.sequence import Sequence
-from inference.loading.tokenizer import IncrementalDetokenizer, add_each
 
 
 @functools.lru_cache(maxsize=1024)
@@ -32,57 +32,16 @@ def _append_text(seq: Sequence, tokenizer) -> None:
         seq.output_text += seq.detokenizer.add(seq.token_ids[-1])
 
 
-def append_texts(seqs: list[Sequence], tokenizer) -> tuple[list[int | None], dict[Sequence, Exception]]:
-    """Append each sequence's newest token to its text, for those that keep text (a tokenizer, `detokenize`): the
-    decodes of the ones already detokenizing in one batched call (`add_each`). Returns each one's text length before
-    (None: it keeps no text), for `check_stop`'s `before`, and the sequences whose detokenizing raised, with the
-    error (only they fail)."""
-    befores: list[int | None] = [None] * len(seqs)
-    failed: dict[Sequence, Exception] = {}
-    if tokenizer is None:
-        return befores, failed
-    batched: list[int] = []
-    for i, seq in enumerate(seqs):
-        if not seq.params.detokenize:
-            continue
-        befores[i] = len(seq.output_text)
-        if isinstance(seq.detokenizer, IncrementalDetokenizer):
-            batched.append(i)
-            continue
-        try:
-            _append_text(seq, tokenizer)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-            failed[seq] = exc
-    try:
-        deltas = add_each([seqs[i].detokenizer for i in batched], [seqs[i].token_ids[-1] for i in batched])
-    except Exception:  # noqa: BLE001 - undo nothing: add_each appended every id; redo the rows one at a time
-        for i in batched:
-            seqs[i].detokenizer._ids.pop()
-        deltas = []
-        for i in batched:
-            try:
-                deltas.append(seqs[i].detokenizer.add(seqs[i].token_ids[-1]))
-            except Exception as exc:  # noqa: BLE001
-                failed[seqs[i]] = exc
-                deltas.append("")
-    for i, delta in zip(batched, deltas):
-        if delta:
-            seqs[i].output_text += delta
-    return befores, failed
-
-
-def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int], max_model_len: int,
-               before: int | None = None) -> tuple[str | None, int | str | None]:
-    """(finish_reason, stop_reason) after `seq` got a new token, or (None, None) to go on. `before`: the text's
-    length before the token, when `append_texts` already appended the token's text (else it is appended here)."""
+def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
+               max_model_len: int) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason) after `seq` got a new token, or (None, None) to go on."""
     params = seq.params
     token = seq.token_ids[-1]
     # vLLM: below min_tokens only the length limits end a sequence (the sampler banned EOS and stop_token_ids).
     below_min = seq.num_output_tokens < params.min_tokens
     if tokenizer is not None and params.detokenize:
-        if before is None:
-            before = len(seq.output_text)
-            _append_text(seq, tokenizer)
+        before = len(seq.output_text)
+        _append_text(seq, tokenizer)
         if params.stop and seq.num_output_tokens > params.min_tokens:
             # A new match can only end in the new text: look back by the longest stop string.
             start = max(0, before - _longest(tuple(params.stop)) + 1)

@@ -160,10 +160,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        """`decode` of each list, in one call into the Rust tokenizer (which decodes them in parallel)."""
-        return self._tk.decode_batch(batch, skip_special_tokens=skip_special_tokens)
-
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
@@ -235,15 +231,8 @@ class IncrementalDetokenizer:
     def add(self, new_ids: int | Iterable[int]) -> str:
         """Append generated ids; return the text that became final (possibly "")."""
         self._ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
-        return self._take(*map(self._decode, self._windows()))
-
-    def _windows(self) -> tuple[list[int], list[int]]:
-        """The two windows `add` decodes: the text already emitted (with its left context), and that plus the unread
-        ids."""
-        return self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]
-
-    def _take(self, prefix_text: str, new_text: str) -> str:
-        """The delta of the two decoded windows, emitted unless it ends in an incomplete character."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
         delta = new_text[len(prefix_text):]
@@ -259,21 +248,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += delta
         return delta
-
-
-def add_each(detokenizers: list[IncrementalDetokenizer], new_ids: list[int]) -> list[str]:
-    """`detokenizers[i].add(new_ids[i])` for every i, with all their decodes in one batched tokenizer call per
-    `skip_special_tokens` setting, instead of two Python -> Rust calls a row: the same deltas (the same windows are
-    decoded), for a fold of hundreds of rows a step. The detokenizers must share one tokenizer."""
-    if not detokenizers:
-        return []
-    tokenizer = detokenizers[0]._tokenizer
-    windows: dict[bool, list[list[int]]] = {}
-    for detok, token in zip(detokenizers, new_ids):
-        detok._ids.append(token)
-        windows.setdefault(detok._skip, []).extend(detok._windows())
-    texts = {skip: iter(tokenizer.decode_batch(batch, skip_special_tokens=skip)) for skip, batch in windows.items()}
-    return [detok._take(next(texts[detok._skip]), next(texts[detok._skip])) for detok in detokenizers]
 
 
 # ---------------------------------------------------------------- helpers

@@ -198,8 +198,6 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(async_scheduling, "advance", "process")
     profiler.patch(llm_engine, "check_stop", "stop_checks")
     profiler.patch(stop, "_append_text", "detokenize")
-    if hasattr(llm_engine, "append_texts"):  # a fold's texts appended in one batch (absent in older trees)
-        profiler.patch(llm_engine, "append_texts", "detokenize")
     profiler.patch(llm_engine, "flush_text", "detokenize")
     profiler.patch(engine, "_output", "outputs")
 
