@@ -266,7 +266,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     phases_ms = {k: float(np.mean([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES}
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
-    device_ms = replay_ms(runner, capture["step"], repeats)
+    recompiles = sum(runner.num_compilations().values()) - compiled  # jit cache misses of the measured run
+    device_ms = replay_ms(runner, capture["step"], repeats)  # its inputs committed to the device: a variant of its own
     # Host arrays the captured decode step hands the device (each its own host -> device copy); a step without an
     # in-flight predecessor gets the runner's no-op feed, whose two index arrays are host arrays too.
     step_inp, step_sampling, _ = capture["step"]
@@ -279,7 +280,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "steps_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
-            "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled,
+            "recompiles_in_measured_run": recompiles,
             "host_arrays_per_step": host_arrays,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
