@@ -38,6 +38,7 @@ engine loop's pause, call it); an abort drops the sequence's placeholder at once
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -105,7 +106,7 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
     rows = in_flight.rows
-    prev_row = np.fromiter((rows.get(seq, -1) for seq in batch.seqs), np.int32, len(batch.seqs))
+    prev_row = np.fromiter(map(rows.get, batch.seqs, itertools.repeat(-1)), np.int32, len(batch.seqs))  # C loops
     fed = prev_row >= 0
     count = int(fed.sum())
     if not count:
@@ -151,13 +152,9 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
         return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
     now = time.perf_counter()
     tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
-    requests = engine.requests
     for seq, row in rows.items():
-        seq.token_ids.pop()  # the placeholder (an aborted sequence is no longer in `rows`)
-        try:
-            engine._append_token(seq, requests[seq.request_id], tokens[row], out, row, now)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-            engine._fail(seq, exc)
+        seq.token_ids[-1] = tokens[row]  # in place of the placeholder (an aborted sequence is no longer in `rows`)
+    engine._fold_tokens(list(rows.items()), out, now)
     return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
 
 
@@ -187,7 +184,11 @@ def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
 
 
 def merge_outputs(*groups: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request, the latest (outputs are cumulative), in first-seen order."""
+    """One output per request, the latest (outputs are cumulative), in first-seen order. Each group holds one output
+    per request (a step's), so a lone non-empty group is the answer as it is."""
+    filled = [group for group in groups if group]
+    if len(filled) <= 1:
+        return list(filled[0]) if filled else []
     latest: dict[str, RequestOutput] = {}
     for group in groups:
         for out in group:

@@ -269,7 +269,7 @@ class Engine:
             if batch is None:
                 return merge_outputs(undelivered, fold_in_flight(self))
             now = time.perf_counter()
-            for seq in batch.seqs:
+            for seq in batch.admitted:  # only a sequence that joins now can be scheduled for the first time
                 metrics = self.requests[seq.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
@@ -357,6 +357,8 @@ class Engine:
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         verified: list[tuple[Sequence, int]] = []  # (sequence, drafts accepted) for the proposer's hook
+        sampled: list[tuple[Sequence, int]] = []  # (sequence, row) that got a token: folded together below
+        tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
         offset = 0
         for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             request = self.requests[seq.request_id]
@@ -370,12 +372,24 @@ class Engine:
                 if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
                     self._record_prompt_logprobs(seq, out, first_row, count)
                 if self._advance(seq, count):  # else a prefill chunk that does not reach the end: nothing sampled
-                    self._append_token(seq, request, int(out.tokens[i]), out, i, now)
+                    seq.token_ids.append(tokens[i])
+                    sampled.append((seq, i))
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 self._fail(seq, exc)
+        self._fold_tokens(sampled, out, now)
         if verified:
             self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
         return [self._output(r) for r in touched.values()]
+
+    def _fold_tokens(self, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
+        """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
+        metrics, logprobs, stop checks, text. One request's failure fails only it."""
+        requests = self.requests
+        for seq, row in sampled:
+            try:
+                self._after_token(seq, requests[seq.request_id], out, row, now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                self._fail(seq, exc)
 
     def _advance(self, seq: Sequence, count: int) -> bool:
         """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
@@ -424,6 +438,11 @@ class Engine:
     def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
                       now: float) -> None:
         seq.token_ids.append(token)
+        self._after_token(seq, request, out, row, now)
+
+    def _after_token(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
+        """The bookkeeping of the token that ends `seq.token_ids`: metrics, logprobs, stop checks and text."""
+        token = seq.token_ids[-1]
         metrics = request.metrics
         if seq.index == 0:
             if metrics.first_token_time is None:

@@ -18,6 +18,7 @@ handed to a step are fresh each step: a dispatched step may still read the previ
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from inference.engine.sequence import Sequence
 from inference.runtime.batch import ModelInput
 from inference.runtime.step_variants import StepFlags
 from inference.sampling.sampler import SamplingTensors
+
+_computed = operator.attrgetter("num_computed_tokens")
 
 
 @dataclasses.dataclass
@@ -58,7 +61,7 @@ class PersistentDecodeBatch:
             self._kept = None
             return None
         seqs, n = batch.seqs, len(batch.seqs)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        starts = np.fromiter(map(_computed, seqs), np.int64, n)  # a C loop over the rows
         if not np.array_equal(starts, kept.starts + 1):  # not every row moved on by exactly one token
             self._kept = None
             return None
@@ -111,6 +114,6 @@ class PersistentDecodeBatch:
         if any(len(s.token_ids) != s.num_computed_tokens + 1 or s.num_computed_tokens < s.num_prompt_tokens
                for s in seqs):
             return
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        starts = np.fromiter(map(_computed, seqs), np.int64, len(seqs))
         steps = np.asarray(sampling.step[:len(seqs)]).copy()
         self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps)

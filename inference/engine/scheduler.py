@@ -32,6 +32,7 @@ from inference.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens of each sequence computed this step
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)  # taken from the waiting queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +135,7 @@ class Scheduler:
         partial = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1 and s not in seqs]
         if not partial and not self.waiting:  # the steady decode state: nothing to prefill
             return ScheduledBatch(seqs, counts) if seqs else None
+        admitted = []
         for seq in partial + list(self.waiting):
             if budget <= 0 or len(seqs) == self.config.max_num_seqs:
                 break
@@ -156,11 +158,12 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                admitted.append(seq)
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk
         if seqs:
-            return ScheduledBatch(seqs, counts)
+            return ScheduledBatch(seqs, counts, admitted)
         if self.waiting and not self.running:
             head = self.waiting[0]
             raise RuntimeError(f"request {head.request_id} cannot be scheduled with an empty engine; it should have "

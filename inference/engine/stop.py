@@ -5,7 +5,9 @@ Order and semantics follow vLLM: EOS (unless `ignore_eos`) and `stop_token_ids` 
 `max_tokens` and the model context stop with reason "length". Below `min_tokens` generated tokens only the length
 limits apply, and stop strings count only once more than `min_tokens` tokens exist (vLLM V1's detokenizer);
 `detokenize=False` keeps no text. Text grows incrementally, one token at a time,
-through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token.
+through the tokenizer's incremental detokenizer, so a long generation costs O(1) decode work per token. (Decoding all
+of a step's rows in one batched `decode_batch` call was tried: on a CPU shared with the device's step, the tokenizer's
+thread pool made the fold slower; BENCHMARKS.md, host overhead.)
 """
 
 from __future__ import annotations

@@ -266,7 +266,13 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     phases_ms = {k: float(np.mean([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES}
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
-    device_ms = replay_ms(runner, capture["step"], repeats)
+    recompiles = sum(runner.num_compilations().values()) - compiled  # jit cache misses of the measured run
+    device_ms = replay_ms(runner, capture["step"], repeats)  # its inputs committed to the device: a variant of its own
+    # Host arrays the captured decode step hands the device (each its own host -> device copy); a step without an
+    # in-flight predecessor gets the runner's no-op feed, whose two index arrays are host arrays too.
+    step_inp, step_sampling, _ = capture["step"]
+    host_arrays = sum(isinstance(x, np.ndarray) for x in jax.tree.leaves((step_inp, step_sampling))) + \
+        (2 if getattr(step_inp, "feed", None) is None else 0)
     gaps = np.asarray(result["gaps"]) * 1e3  # every request's gaps between tokens, the whole run (prefill too)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
@@ -274,7 +280,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "steps_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
-            "recompiles_in_measured_run": sum(runner.num_compilations().values()) - compiled,
+            "recompiles_in_measured_run": recompiles,
+            "host_arrays_per_step": host_arrays,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
@@ -388,7 +395,8 @@ def main(argv: list[str]) -> None:
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
                       f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}  "
-                      f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})",
+                      f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})  "
+                      f"recompiles {row['recompiles_in_measured_run']}  host arrays/step {row['host_arrays_per_step']}",
                       flush=True)
     result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
               "temperature": FLAGS.temperature, "rows": rows}

@@ -130,3 +130,55 @@ def test_a_derived_step_equals_the_built_one(llm):
             if out.finished:
                 engine.pop_finished(out.request_id)
     assert checked >= 20
+
+
+def test_async_folds_equal_sync_on_256_requests_and_prefill_steps_overlap(llm):
+    """The one fold of both engines (`Engine._fold_tokens`): 256 requests arriving at random steps, aborts and stop
+    strings give the async engine exactly the synchronous engine's outputs; every request got its first-scheduled
+    time (set only for the sequences a step admits) before its first token; async prefill steps are dispatched
+    before the previous step's tokens are fetched, like decode steps; a step derived from the kept batch compiles
+    nothing (no retracing in the steady state)."""
+    rng = np.random.default_rng(2)
+    requests = _workload(rng, llm.runner.config.vocab_size, 256)
+    arrivals = rng.poisson(8, 200).tolist()
+    aborts = {rid: int(rng.integers(1, 6)) for rid, _, _ in requests if rng.random() < 0.1}
+    runner = llm.runner
+    dispatches = []  # (prefill step, dispatched with the previous step unfetched, derived, compiled during it)
+    execute = runner.execute
+
+    def traced(inp, sampling, *, is_decode, fetch=True, **kwargs):
+        derived = engine.persistent.reused_steps != derived_before[0]
+        derived_before[0] = engine.persistent.reused_steps
+        compiled = sum(runner.num_compilations().values())
+        in_flight = engine.in_flight is not None
+        result = execute(inp, sampling, is_decode=is_decode, fetch=fetch, **kwargs)
+        dispatches.append((not is_decode, in_flight, derived, sum(runner.num_compilations().values()) - compiled))
+        return result
+
+    runner.execute = traced
+    try:
+        results = {}
+        for flag in (True, False):
+            llm.engine.reset_prefix_cache()
+            engine = Engine(runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config,
+                                                                       async_scheduling=flag))
+            derived_before = [0]
+            results[flag] = _drive(engine, requests, arrivals, dict(aborts))
+            if flag:
+                async_dispatches, dispatches = dispatches, []
+    finally:
+        del runner.execute
+    got, want = results[True], results[False]
+    assert got.keys() == want.keys() == {rid for rid, _, _ in requests}
+    for rid in want:
+        a, b = got[rid].outputs[0], want[rid].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason), rid
+    assert {"stop", "length", "abort"} <= {out.outputs[0].finish_reason for out in want.values()}
+    for out in (*got.values(), *want.values()):
+        m = out.metrics
+        assert m.first_scheduled_time is not None and m.arrival_time <= m.first_scheduled_time
+        assert m.first_token_time is None or m.first_scheduled_time <= m.first_token_time
+    assert any(prefill and in_flight for prefill, in_flight, _, _ in async_dispatches)
+    derived = [compiled for *_, was_derived, compiled in async_dispatches + dispatches if was_derived]
+    assert derived and not any(derived)
