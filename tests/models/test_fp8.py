@@ -134,3 +134,24 @@ def test_fp8_with_lora_and_speculative_decoding(tmp_path):
     spec = LLM("tiny-llama", quantization="fp8", speculative_method="ngram", num_speculative_tokens=3,
                kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     assert spec.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids == base
+
+
+def test_fp8_under_tensor_parallelism_on_8_devices():
+    """tensor_parallel_size=8 with quantization="fp8" and an fp8 KV cache (tests/sharding/fp8_tp_worker.py on 8
+    virtual CPU devices): the heads padded (4 -> 16 query, 2 -> 8 KV), then every projection quantized per channel
+    (padded channels finite zeros), q column- and o row-parallel, and the same greedy tokens and logprobs as one
+    device; an FP8 checkpoint under TP is refused by name. The codes' and scales' partition specs (which only
+    matter where FP8 stays FP8, not on CPU) are in tests/sharding/test_sharding.py, their bytes per device in
+    tests/scripts/test_aot_compile.py."""
+    from tests.virtual_devices import run_worker
+
+    runs = run_worker("tests/sharding/fp8_tp_worker.py")["results"]
+    one, eight = runs["1"], runs["8"]
+    assert one["q_proj_shape"] == [64, 64] and eight["q_proj_shape"] == [64, 256]
+    assert eight["on_grid"] and all(eight["on_grid"].values()) and all(one["on_grid"].values())
+    specs = eight["specs"]
+    assert specs["['layers'][0]['attn']['q_proj']['kernel'].value"] == "P(None, 'model')"
+    assert specs["['layers'][0]['attn']['o_proj']['kernel'].value"] == "P('model', None)"
+    assert eight["tokens"] == one["tokens"]
+    np.testing.assert_allclose(eight["logprobs"], one["logprobs"], atol=1e-4)
+    assert "is an FP8 checkpoint; tensor_parallel_size" in runs["checkpoint_error"]
