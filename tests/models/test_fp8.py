@@ -114,11 +114,14 @@ def test_llm_fp8_generates_and_refuses_batch_invariance():
     np.testing.assert_allclose(scaled, scaled.astype(jnp.float8_e4m3fn).astype(np.float32), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="quantization='fp8'"):
         check_batch_invariant(EngineConfig.from_kwargs(quantization="fp8", batch_invariant=True))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):  # an fp8 cache: refused by name too
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8", batch_invariant=True)
 
 
 def test_fp8_with_lora_and_speculative_decoding(tmp_path):
     """As with int8: a LoRA delta adds on top of the FP8 projections, and n-gram speculation over an FP8 model is
-    token-identical to plain greedy decoding of it."""
+    token-identical to plain greedy decoding of it, both with an fp8 KV cache (read by the C++ CPU kernel where it
+    runs)."""
     from inference import LLM, LoRARequest
     from tests import lora_adapters
 
@@ -126,13 +129,14 @@ def test_fp8_with_lora_and_speculative_decoding(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora = LoRARequest("a", 1, lora_adapters.make_adapter(str(tmp_path / "a"), get_model_config("tiny-llama"),
                                                           rank=8, alpha=16, seed=1, std=0.3))
-    llm = LLM("tiny-llama", quantization="fp8", enable_lora=True, max_loras=1, max_lora_rank=8,
+    llm = LLM("tiny-llama", quantization="fp8", kv_cache_dtype="fp8", enable_lora=True, max_loras=1, max_lora_rank=8,
               kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     base = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
     adapted = llm.generate(prompt_token_ids=[prompt], sampling_params=params, lora_request=lora)[0]
     assert adapted.error is None and adapted.outputs[0].token_ids != base
-    spec = LLM("tiny-llama", quantization="fp8", speculative_method="ngram", num_speculative_tokens=3,
-               kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    spec = LLM("tiny-llama", quantization="fp8", kv_cache_dtype="fp8", speculative_method="ngram",
+               num_speculative_tokens=3, kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4,
+               max_num_batched_tokens=64)
     assert spec.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids == base
 
 
