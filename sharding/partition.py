@@ -11,7 +11,10 @@ axes (`LOGICAL_TO_MESH`):
     shared experts  (a GatedMLP)      the gate/up/down rules above
     embed           [vocab, hidden]   vocab parallel:  vocab on "model"  -> masked gather + all-reduce
     lm_head         [hidden, vocab]   vocab parallel:  vocab on "model"  -> logits all-gathered for sampling
-    norms, router, biases of o/down, anything unknown (e.g. quantization scales): replicated
+    quantized weights  their codes (`...kernel.value.q`) and per-group scales / zero points / offsets [in/g, out]
+                       the weight's own axes (a dimension of 1, a per-channel scale's, stays whole); a quantized
+                       embedding is stored [hidden, vocab] (models/quantization), so its axes are reversed
+    norms, router, biases of o/down, anything unknown: replicated
     KV cache        [Hkv, pages, page_size, 2*D]: the KV-head axis on "model"
 
 XLA inserts the collectives from these shardings (no shard_map). A dimension the mesh axis does not divide is
@@ -81,9 +84,23 @@ def logical_axes(name: str) -> tuple[str, ...] | None:
     return None
 
 
+#: The leaves of a QuantizedWeight (models/quantization/formats.py) under its parameter's path.
+QUANTIZED_LEAF = re.compile(r"\.(value\.)?(q|scale|zero_point|offset)$")
+
+
+def _leaf_axes(name: str) -> tuple[str, ...] | None:
+    """Logical axes of a parameter leaf: its own rule, or for a quantized weight's leaf its weight's (the codes and
+    the group-wise scales share the [in, out] axes; a quantized embedding is [hidden, vocab])."""
+    base, quantized = QUANTIZED_LEAF.subn("", name)
+    axes = logical_axes(base)
+    if quantized and axes == ("vocab", "embed"):
+        return axes[::-1]
+    return axes
+
+
 def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
     """The PartitionSpec of the weight `name` of `shape`; dimensions the mesh axis does not divide stay whole."""
-    axes = logical_axes(name)
+    axes = _leaf_axes(name)
     if axes is None or len(axes) != len(shape):
         return P()
     spec = []

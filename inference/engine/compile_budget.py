@@ -38,27 +38,28 @@ _PREFILL_FLAGS = [StepFlags(True, True), StepFlags(True, True, True)]
 _MIXED_VERIFY_FLAGS = _DECODE_FLAGS + [StepFlags(f, True, True) for f in (False, True)]
 
 
-def reads_padded_pages(config, page_size: int, attn_impl: str = "auto") -> bool:
+def reads_padded_pages(config, page_size: int, attn_impl: str = "auto", kv_dtype=None) -> bool:
     """Whether decode attention costs every padded page (so finer page buckets pay) on CPU: the pure-JAX references
     do, the C++ kernel stops at each sequence's length. Which one `attn_impl` runs is the dispatchers' answer
     (`resolve_impl`, `resolve_mla_impl`), asked rather than re-derived so the two cannot disagree. Off CPU it stays
     False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
-    finer ladder pays for its extra compiles there is unmeasured."""
+    finer ladder pays for its extra compiles there is unmeasured. `kv_dtype`: the cache's (the CPU kernel reads
+    `cpu.KV_DTYPES`; None: one every kernel reads)."""
     if target_backend() != "cpu":
         return False
     if config.is_mla:
         return resolve_mla_impl(attn_impl, page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
-    return resolve_impl(attn_impl, page_size, config.head_dim) == "reference"
+    return resolve_impl(attn_impl, page_size, config.head_dim, kv_dtype) == "reference"
 
 
-def padding_is_free(config, page_size: int, attn_impl: str = "auto") -> bool:
+def padding_is_free(config, page_size: int, attn_impl: str = "auto", kv_dtype=None) -> bool:
     """Whether the attention kernel the steps run ignores the longest-query bound and reads no page past a
     sequence's length, so those two bucket axes buy nothing (`BucketLimits.query_buckets` / `page_buckets` off):
     the C++ CPU kernel. The reference reads every padded query and page; the TPU and Triton kernels size their
     grids by both, so they keep the buckets."""
     if target_backend() != "cpu" or config.is_mla:
         return False
-    return resolve_impl(attn_impl, page_size, config.head_dim) == "cpu"
+    return resolve_impl(attn_impl, page_size, config.head_dim, kv_dtype) == "cpu"
 
 
 def serving_variants(engine, *, prefill: bool = True, extras: bool = True) -> dict[str, list[StepVariant]]:

@@ -232,8 +232,10 @@ class EngineConfig:
         check_dtype(self.dtype)
         if self.attn_impl not in IMPLEMENTATIONS:
             raise ValueError(f"unknown attn_impl {self.attn_impl!r}; expected one of {IMPLEMENTATIONS}")
-        if self.parallel.num_devices > 1 and self.quantization.mode is not None:
-            raise ValueError("tensor_parallel_size or data_parallel_size > 1 with quantization is not supported yet")
+        if self.parallel.num_devices > 1 and self.quantization.mode not in (None, "fp8"):
+            raise ValueError(f"tensor_parallel_size or data_parallel_size > 1 with quantization="
+                             f"{self.quantization.mode!r} is not supported yet (quantization='fp8' is); use one "
+                             "device")
         spec = self.speculative
         if spec.method == "draft" and self.parallel.num_devices > 1:
             raise ValueError("a draft model with tensor_parallel_size or data_parallel_size > 1 is not supported yet; "

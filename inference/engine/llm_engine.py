@@ -95,11 +95,13 @@ class Engine:
                                    admit=self._lora_fits if lora is not None else None,
                                    finishing=lambda seq: finishes_in_flight(self, seq))
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
-        free = padding_is_free(runner.config, runner.page_size, runner.attn_impl)  # bucket axes that buy nothing
+        # The bucket axes that buy nothing with the attention kernel the steps run (it depends on the cache dtype).
+        free = padding_is_free(runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype)
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,
                                    max_seqs=scheduler_config.max_num_seqs,
                                    max_pages_per_seq=self.block_manager.pages_needed(self.max_model_len),
-                                   fine_pages=reads_padded_pages(runner.config, runner.page_size, runner.attn_impl),
+                                   fine_pages=reads_padded_pages(runner.config, runner.page_size, runner.attn_impl,
+                                                                 runner.kv_dtype),
                                    query_buckets=not free, page_buckets=not free)
         self.penalty_len = penalty_length(self.max_model_len)  # fold_extras: one length for the penalty ids
         if self.num_spec:

@@ -39,7 +39,8 @@ from inference.entrypoints.prompts import ParsedPrompt, PromptType, parse_prompt
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
 from models.batch_invariant import make_batch_invariant
-from models.decoder import build_decoder
+from models.decoder import build_decoder, quantize_decoder
+from models.quantization.modes import is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -417,8 +418,15 @@ def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, qu
                              quantization_group_size=quantization.group_size,
                              calibration_tokens=_calibration_tokens(quantization.mode, loaded))
     from sharding.partition import shard_decoder
-    return shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
-                         source=loaded.source)
+    if weights is not None and any(is_quantized(w) for w in weights.values()):
+        raise ValueError(f"{loaded.source} is an FP8 checkpoint; tensor_parallel_size or data_parallel_size > 1 "
+                         "loads float weights only (it pads heads, then quantizes): serve it on one device, or its "
+                         "float checkpoint with quantization='fp8'")
+    model = shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
+                          source=loaded.source)
+    if quantization.mode is not None:  # "fp8" (EngineConfig): the padded, sharded weights quantized in place;
+        quantize_decoder(model, quantization.mode)  # the runner places codes and scales (sharding/partition.py)
+    return model
 
 
 def _lora_manager(lora: LoRAConfig, padded, config, *, dtype, mesh) -> LoRAManager | None:

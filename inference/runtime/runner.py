@@ -194,6 +194,7 @@ class ModelRunner:
                              f"mesh={mesh}; build it with sharding.shard_decoder(..., mesh) (or Decoder(mesh=...))")
         # The attention kernel the steps run (the engine asks which bucket axes it pays for).
         self.attn_impl = getattr(model.layers[0].attn, "attn_impl", "auto")
+        self.kv_dtype = jnp.dtype(kv_dtype)  # and which cache dtype it reads (whether the CPU kernel reads it)
         self.graphdef, params = nnx.split(model)
         # The jitted steps take the parameters as a flat list of arrays: flattening an nnx.State on every call
         # cost milliseconds of host time per step (Python-level Variable flattening; BENCHMARKS_HISTORY.md, host

@@ -51,7 +51,10 @@ Design (why it is shaped this way):
   * Split-KV (`num_kv_splits`, static; default: enough for ~512 programs, `default_kv_splits`): a tile's KV-block
     range is cut into contiguous chunks on a third grid axis; each writes its normalized f32 output and
     log-sum-exp, and a tiny XLA pass combines them. An empty chunk writes zeros and lse = -inf (weight 0).
-  * Precision: bf16 / f16 q with a cache of that dtype or int8 (dequantized to q's dtype): MMAs in q's dtype with
+  * fp8 (float8_e4m3fn) cache: the int8 path with e4m3 codes (the same 1-byte stages, TMA copies, scales and
+    dequantization), and, since an e4m3 code can be NaN, the first / last block's stale V rows zeroed in the
+    dequantized tile as a bf16 cache's are.
+  * Precision: bf16 / f16 q with a cache of that dtype, int8 or fp8 (dequantized to q's dtype): MMAs in q's dtype with
     f32 accumulation, probabilities rounded to q's dtype for PV (as the Triton kernel); exact `exp`
     (`approx_math=False`). f32 inputs (q or cache) are not supported (`supports` says False, the entry point
     raises NotImplementedError naming impl='gpu'): the Triton kernel's f32 path is IEEE f32 (`Precision.HIGHEST`,
@@ -82,7 +85,9 @@ figures at the batch shapes of the harness's other kernel cases, recompiled 2026
   * D 64, Hq 32 / Hkv 4, 64-token pages, window + soft cap: 214 (215) registers, 0 spills, 93184 B;
   * int8 cache, the decode shape: 226 (241) registers, 0 spills, 118784 B (q 16 KiB + 4 x (K 8 + V 8)
     KiB int8 stages + 4 x 512 B scales + the bf16 K and V tiles 2 x 16 KiB); the mixed batch: the same figures;
-  * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B.
+  * int8 cache, D 64, 32-token pages, 4 KV splits: 194 (195) registers, 0 spills, 78848 B;
+  * fp8 (e4m3) cache, the decode shape (2026-12-05, H200): 246 (241) registers, 0 spills, 118784 B (int8's stages;
+    e4m3 -> f32 goes through f16, and the first / last block's V fix-up; int8 in the same run: 226 (241)).
   jax 0.12: the int8 dequantization's loads in the 16-bit WGMMA layout put the D 128 kernel at 255 registers (no
   spills); int8's own WGMMA_8BIT layout brought it to 226 (jax 0.10 cannot broadcast into that layout and uses
   WGMMA's: 241).
@@ -113,6 +118,8 @@ from kernels_pallas.kv_cache.layout import cache_dims
 
 SWIZZLE = 128  # bytes; the widest wgmma swizzle
 SUPPORTED_DTYPES = ("bfloat16", "float16")
+#: Cache dtypes stored as 1-byte codes with per-token scales (kv_cache/layout.py), dequantized in shared memory.
+CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,7 +166,8 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
              block_kv: int | None = None) -> bool:
     """Whether this kernel handles the case (impl="auto" can route here, else to the Triton kernel).
 
-    bf16 / f16 q with a cache of the same dtype, or with an int8 cache and its scales (`kv_scales`); no f32 (the
+    bf16 / f16 q with a cache of the same dtype, or with an int8 or fp8 (float8_e4m3fn) cache and its scales
+    (`kv_scales`); no f32 (the
     module docstring says why); head_dim 64 or 128
     (128-byte swizzled tiles; the f32 accumulator is 64 x D registers: 256 was never compiled and would crowd the
     255-register ceiling), page_size a multiple of 8 (TMA into (8, 64) tiles) that divides the KV block (64
@@ -167,7 +175,7 @@ def supports(q_dtype, kv_dtype, head_dim: int, page_size: int, group: int, *, kv
     q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
     if q_dtype.name not in SUPPORTED_DTYPES:
         return False
-    if kv_dtype == jnp.int8:
+    if kv_dtype in CODE_DTYPES:
         if not kv_scales:
             return False
     elif kv_scales or q_dtype != kv_dtype:
@@ -246,11 +254,13 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
             return ref[...] if interpret else _load(ref, layout)
 
         def dequantize(slot, start):
-            """int8 K and V of the stage -> bf16 tiles `int8 * scale` (a row broadcast of each token's scale, the
-            WGMMA layout's own). V scales outside [kv_lo, kv_hi) become zeros first, so those V rows are exact
-            zeros (a stale scale may be NaN/Inf; the int8 values are finite), a `where` over a (block_kv,)
-            vector rather than over the whole tile. K's stale rows stay: each reaches only its own score column,
-            which the mask `where` replaces."""
+            """int8 / fp8 K and V of the stage -> bf16 tiles `code * scale` (a row broadcast of each token's
+            scale, the WGMMA layout's own). V scales outside [kv_lo, kv_hi) become zeros first, so those V rows
+            are exact zeros (a stale scale may be NaN/Inf; the int8 values are finite), a `where` over a
+            (block_kv,) vector rather than over the whole tile; fp8 codes include NaN (NaN * 0 is NaN), so an
+            fp8 tile's stale V rows are zeroed afterwards as a bf16 cache's are (`zero_stale_values`). K's stale
+            rows stay: each reaches only its own score column, which the mask `where` replaces. fp8 -> f32 lowers
+            through f16 (`cvt.rn.f16x2.e4m3x2`)."""
             sc_smem, k16_smem, v16_smem = int8_scratch
             shape = (block_kv, head_dim)
             # int8's own register layout (4 bytes a load): with the 16-bit WGMMA layout the D 128 kernel sat at
@@ -283,10 +293,11 @@ def _kernel(info_ref, pages_ref, q_ref, kv_ref, *refs, group, head_dim, page_siz
                 k_tile, v_tile = dequantize(slot, start)
             else:
                 k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            if not quantized or v_smem.dtype == jnp.float8_e4m3fn:  # int8 codes are finite: the scales did it
 
                 @pl.when((start < kv_lo) | (start + block_kv > kv_hi))
-                def _():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi) (stale, maybe NaN)
-                    v = load(v_tile, wgmma_layout)
+                def zero_stale_values():  # the range's first / last block: zero V rows outside [kv_lo, kv_hi)
+                    v = load(v_tile, wgmma_layout)  # (stale, maybe NaN)
                     key = start + iota((block_kv, head_dim), 0)
                     v_tile[...] = jnp.where((key >= kv_lo) & (key < kv_hi), v, jnp.zeros_like(v))
                     plgpu.commit_smem()
@@ -405,9 +416,10 @@ def ragged_paged_attention_mosaic_gpu(
                     block_kv=block_kv):
         raise NotImplementedError(
             f"the Mosaic GPU kernel does not support q {q.dtype}, cache {kv_pages.dtype}"
-            f"{' with int8 scales' if kv_scales is not None else ''}, head_dim {head_dim}, page_size {page_size}, "
+            f"{' with scales' if kv_scales is not None else ''}, head_dim {head_dim}, page_size {page_size}, "
             f"group {group}, block_kv {block_kv} (see mosaic_gpu.supports: bf16/f16 queries over a cache of the same "
-            f"dtype or int8 with kv_scales; f32 is the Triton kernel's IEEE path); use impl='gpu' (Triton) or "
+            f"dtype or int8 / float8_e4m3fn with kv_scales; f32 is the Triton kernel's IEEE path); use impl='gpu' "
+            f"(Triton) or "
             f"'reference'")
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1 (or None for the default), got {num_kv_splits}")

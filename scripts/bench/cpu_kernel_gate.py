@@ -9,8 +9,8 @@ a machine loaded by other work slows both alike, and the ratio is what counts):
     1536 -> 576), per-channel int8 weights, at 1 and 32 rows: the kernel ("native" build, and the scalar "portable"
     build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot), and
     XLA's float32 matmul of the same weights ("f32_xla": what the float32 model runs instead);
-  * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32 and int8 caches,
-    1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
+  * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32, int8 and fp8
+    (float8_e4m3fn) caches, 1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
 Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
 A kernel is "faster" on an ISA when its ratio is above 1 at both batch sizes; BENCHMARKS.md records the table.
 """
@@ -37,6 +37,7 @@ from absl import app, flags  # noqa: E402
 from kernels_pallas.attention.cpu import ragged_paged_attention_cpu  # noqa: E402
 from kernels_pallas.attention.reference import ragged_paged_attention_reference  # noqa: E402
 from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows  # noqa: E402
+from kernels_pallas.kv_cache.writes import quantize_cache  # noqa: E402
 from kernels_pallas.matmul import int8_cpu  # noqa: E402
 from kernels_pallas.native import gate  # noqa: E402
 from models.quantization import formats  # noqa: E402
@@ -45,6 +46,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "cpu_kernel_gate.json", "Where to write the JSON results.")
 flags.DEFINE_integer("rounds", 7, "Timed rounds per path (median reported).")
 flags.DEFINE_integer("calls", 20, "Back-to-back calls per timed round.")
+flags.DEFINE_string("only", "", "Run only the cases whose name contains this (e.g. float8); all when empty.")
 
 LAYER = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))  # SmolLM2-135M
 
@@ -105,6 +107,8 @@ def attention(seqs: int, kv_dtype) -> dict:
     if kv_dtype == jnp.int8:
         kv = jnp.clip(jnp.round(kv * 30), -127, 127).astype(jnp.int8)
         scales = jnp.full((kv_heads, scale_rows(num_pages, page), 128), 1 / 30, jnp.float32)
+    elif kv_dtype == jnp.float8_e4m3fn:
+        kv, scales = quantize_cache(kv, kv_dtype)
     perm = np.random.default_rng(0).permutation(num_pages).reshape(seqs, pages_per_seq).astype(np.int32)
     meta = (jnp.full((seqs,), context, jnp.int32), jnp.asarray(perm), jnp.arange(seqs + 1, dtype=jnp.int32),
             jnp.array([seqs], jnp.int32))
@@ -134,7 +138,8 @@ def main(argv):
     print(f"{result['cpu']} ({result['isa']}, {result['cores']} cores), load {result['load_before']}", flush=True)
     cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 32)}
     cases.update({f"attention_{jnp.dtype(d).name}_b{s}": functools.partial(attention, s, d)
-                  for d in (jnp.float32, jnp.int8) for s in (1, 32)})
+                  for d in (jnp.float32, jnp.int8, jnp.float8_e4m3fn) for s in (1, 32)})
+    cases = {name: case for name, case in cases.items() if FLAGS.only in name}
     for name, case in cases.items():
         times = case()
         entry = {f"{path}_ms": t * 1e3 for path, t in times.items()}

@@ -163,7 +163,7 @@ def compile_case(chip: str, num_chips: int, fn: Callable, args: tuple, *,
 @dataclasses.dataclass(frozen=True)
 class KernelCase:
     kind: str  # "decode" (64 x 1 query), "prefill" (4 x 512) or "mixed" (32 decodes + 2 x 256 prefill chunks)
-    dtype: str  # cache dtype: float32, bfloat16, int8 (queries bf16 for int8)
+    dtype: str  # cache dtype: float32, bfloat16, int8, float8_e4m3fn (queries bf16 for int8 and fp8)
     head_dim: int
     num_kv_heads: int
     group: int = 4  # query heads per KV head
@@ -221,15 +221,16 @@ def kernel_cases(quick: bool = False) -> list[KernelCase]:
 
 
 def mosaic_gpu_cases() -> list[KernelCase]:
-    """The Mosaic GPU kernel (bf16 / f16 queries, a cache of that dtype or int8; no f32): decode with and without
-    split-KV, a mixed batch, head_dim 64 over 64-token pages with window and soft cap, an int8 cache at D 128 and
-    at D 64 over 32-token pages with split-KV. The Triton kernel's twin of each is in `kernel_cases`, or is one
+    """The Mosaic GPU kernel (bf16 / f16 queries, a cache of that dtype, int8 or fp8; no f32): decode with and
+    without split-KV, a mixed batch, head_dim 64 over 64-token pages with window and soft cap, an int8 cache at D 128
+    and at D 64 over 32-token pages with split-KV, an fp8 (e4m3) cache at D 128. The Triton kernel's twin of each is in `kernel_cases`, or is one
     `KernelCase` away. The CUDA plugin compiles a Mosaic GPU kernel once per process, so ptxas reports it for the
     first chip of a run only: one GPU chip per run for its figures."""
     m = functools.partial(KernelCase, impl="mosaic_gpu")
     return [m("decode", "bfloat16", 128, 8), m("decode", "bfloat16", 128, 8, num_kv_splits=4),
             m("mixed", "bfloat16", 128, 8), m("decode", "bfloat16", 64, 4, group=8, page_size=64, window=True),
-            m("decode", "int8", 128, 8), m("decode", "int8", 64, 4, group=8, page_size=32, num_kv_splits=4)]
+            m("decode", "int8", 128, 8), m("decode", "int8", 64, 4, group=8, page_size=32, num_kv_splits=4),
+            m("decode", "float8_e4m3fn", 128, 8)]
 
 
 def compile_kernel(chip: str, case: KernelCase, **kernel_kw) -> dict:

@@ -1,6 +1,7 @@
 """The fp8 (float8_e4m3fn) KV cache: `kv_cache_dtype="fp8"`, per-token-per-head scales as the int8 cache has them
-(kernels_pallas/kv_cache/writes.py), read by the reference (the CPU path: the C++ kernel reads no fp8 yet, so "auto"
-routes an fp8 cache to the reference), and MLA's latent cache as a saturating cast."""
+(kernels_pallas/kv_cache/writes.py), read by the reference and the C++ CPU kernel ("auto" on CPU, where the gate lets
+it run; its exhaustive tests are in tests/kernels_pallas/test_ragged_paged_attention_cpu.py), and MLA's latent cache
+as a saturating cast."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from inference import SamplingParams
 from kernels_pallas import ragged_paged_attention, write_kv
 from kernels_pallas.kv_cache.layout import kv_cache_spec, scales_by_page
 from kernels_pallas.kv_cache.writes import quantize_cache, write_latent
+from kernels_pallas.attention import cpu
+from kernels_pallas.attention.dispatch import resolve_impl
+from kernels_pallas.native import gate
 from models.attention import QuantizedKV
 from tests.kernels_pallas.test_ragged_paged_attention import make_case, naive
 from tests.llm_configs import SMALL_POOL
@@ -50,18 +54,22 @@ def test_fp8_write_kv_stores_e4m3_with_per_token_scales_and_attention_reads_them
     k_q, v_q = np.split(np.asarray(kv_q).astype(np.float32), 2, axis=-1)
     deq = np.concatenate([k_q * s_by_page[:, :, 0, :, None], v_q * s_by_page[:, :, 1, :, None]], -1)
     args = (jnp.asarray(q), kv_q, *map(jnp.asarray, rest))
-    got = ragged_paged_attention(*args, sm_scale=0.3, kv_scales=kv_s)  # "auto" on CPU: the reference
-    np.testing.assert_allclose(np.asarray(got), naive(q, deq, *rest, sm_scale=0.3), atol=2e-5, rtol=1e-5)
+    for impl in ("reference", "auto"):  # "auto" on CPU: the C++ kernel where the gate lets it run
+        got = ragged_paged_attention(*args, sm_scale=0.3, kv_scales=kv_s, impl=impl)
+        np.testing.assert_allclose(np.asarray(got), naive(q, deq, *rest, sm_scale=0.3), atol=2e-5, rtol=1e-5)
     close = naive(q, kv_f32, *rest, sm_scale=0.3)
     assert np.abs(np.asarray(got) - close).max() < 0.1 * np.abs(close).max()
-    with pytest.raises(ValueError, match="the CPU kernel reads float32, bfloat16 or int8 KV pages, not float8"):
-        ragged_paged_attention(*args, sm_scale=0.3, kv_scales=kv_s, impl="cpu")
 
 
 def test_llm_fp8_cache_pages_scales_and_copy_on_write():
     llm = FP8.build()
     cache = llm.runner.kv_caches[0]
     assert isinstance(cache, QuantizedKV) and cache.pages.dtype == F8 and cache.scales.dtype == jnp.float32
+    # The engine's bucket choice asks the dispatcher with the cache dtype: the C++ kernel reads fp8, so where it
+    # runs the page and query buckets buy nothing (as for a float cache).
+    assert llm.runner.kv_dtype == F8
+    runs = resolve_impl("auto", llm.runner.page_size, llm.runner.config.head_dim, F8) == "cpu"
+    assert runs == gate.runs_here(cpu.KERNEL) and llm.engine.limits.page_buckets == (not runs)
     prompt = list(range(7, 21))
     alone = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].outputs[0].token_ids
     forked = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
@@ -82,8 +90,8 @@ def test_mla_latent_cache_in_fp8_is_a_saturating_cast():
 
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_pallas_kernels_read_an_fp8_cache_in_interpret_mode(impl):
-    """The Triton and TPU kernels dequantize `pages * scale` whatever the 1-byte dtype (the Mosaic GPU kernel
-    refuses an fp8 cache for now: mosaic_gpu.supports)."""
+    """The Triton and TPU kernels dequantize `pages * scale` whatever the 1-byte dtype (the Mosaic GPU kernel's fp8
+    cases are in tests/kernels_pallas/test_ragged_paged_attention_mosaic_gpu.py)."""
     rng = np.random.default_rng(0)
     q, kv, *rest = make_case(rng, [2, 1], [7, 12], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                              pages_per_seq=2, num_pages=8)

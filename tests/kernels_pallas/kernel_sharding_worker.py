@@ -33,11 +33,12 @@ def main() -> None:
     checks = [("reference_tp8", make_mesh(1, 8), "reference", {}, None),
               ("reference_int8_dp2_tp4", make_mesh(2, 4), "reference", {}, "int8"),
               ("gpu_interpret_int8_tp2", make_mesh(1, 2), "gpu", {"interpret": True}, "int8"),
-              ("cpu_kernel_int8_dp2_tp4", make_mesh(2, 4), "cpu", {}, "int8")]
+              ("cpu_kernel_int8_dp2_tp4", make_mesh(2, 4), "cpu", {}, "int8"),
+              ("cpu_kernel_fp8_tp8", make_mesh(1, 8), "cpu", {}, jnp.float8_e4m3fn)]
     for name, mesh, impl, extra, cache in checks:
         call_args, scales = list(args), None
-        if cache == "int8":
-            call_args[1], scales = quantize_cache(args[1])
+        if cache is not None:
+            call_args[1], scales = quantize_cache(args[1], cache)
         want = ragged_paged_attention(*call_args, kv_scales=scales, impl="reference", **kw)
         fn = jax.jit(lambda *a, s=None, mesh=mesh, impl=impl, extra=extra: sharded_ragged_paged_attention(
             *a, mesh=mesh, kv_scales=s, impl=impl, **extra, **kw))

@@ -1,5 +1,5 @@
 """kernels_pallas.sharded: attention split over KV heads with shard_map equals the unsharded call, for the reference,
-the Pallas GPU kernel (interpret mode) and the C++ CPU kernel, f32 and int8 caches, and MLA split over query heads,
+the Pallas GPU kernel (interpret mode) and the C++ CPU kernel, f32, int8 and fp8 caches, and MLA split over query heads,
 on 8 virtual CPU devices in a subprocess."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_sharded_attention_equals_unsharded():
     res = out["results"]
     # 16 query heads over 8 KV heads; [T=8 tokens, heads per device, D=64] on each device.
     expected = {"reference_tp8": (8, 2), "reference_int8_dp2_tp4": (4, 4), "gpu_interpret_int8_tp2": (2, 8),
-                "cpu_kernel_int8_dp2_tp4": (4, 4)}
+                "cpu_kernel_int8_dp2_tp4": (4, 4), "cpu_kernel_fp8_tp8": (8, 2)}
     for name, (shards, heads) in expected.items():
         assert res[name]["max_err"] <= 2e-5, (name, res[name])
         assert res[name]["num_shards"] == shards and res[name]["shard_shape"] == [8, heads, 64], (name, res[name])

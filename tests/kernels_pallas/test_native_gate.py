@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs.presets import get_model_config
-from inference.engine.compile_budget import reads_padded_pages
+from inference.engine.compile_budget import padding_is_free, reads_padded_pages
 from kernels_pallas import rope_cpu, write_kv
 from kernels_pallas.attention import cpu
 from kernels_pallas.attention.dispatch import resolve_impl
@@ -119,6 +119,19 @@ def test_the_engine_asks_the_dispatcher(page_size, monkeypatch):
     with compiling_for("tpu"):
         assert resolve_impl("auto", page_size, dense.head_dim) == "tpu"
         assert not reads_padded_pages(dense, page_size)
+
+
+def test_the_cache_dtype_enters_the_choice(monkeypatch):
+    """`resolve_impl` (and so the engine's bucket choice) sends a cache dtype the C++ kernel does not read to the
+    reference, and one it reads (fp8 included) to the kernel, whatever `impl="auto"` is asked with."""
+    dense = get_model_config("tiny-llama")
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: True)  # as where the kernel builds and was measured faster
+    for dtype in (None, jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
+        assert resolve_impl("auto", 16, dense.head_dim, dtype) == "cpu"
+        assert padding_is_free(dense, 16, kv_dtype=dtype) and not reads_padded_pages(dense, 16, kv_dtype=dtype)
+    assert resolve_impl("auto", 16, dense.head_dim, jnp.float16) == "reference"  # not in cpu.KV_DTYPES
+    assert reads_padded_pages(dense, 16, kv_dtype=jnp.float16) and not padding_is_free(dense, 16, kv_dtype="float16")
+    assert resolve_impl("cpu", 16, dense.head_dim, jnp.float16) == "cpu"  # a named impl is returned as asked
 
 
 def test_a_kernel_measured_slower_on_this_isa_does_not_run(monkeypatch, caplog):

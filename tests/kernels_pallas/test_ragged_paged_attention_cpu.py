@@ -1,8 +1,9 @@
 """The C++ CPU kernel (XLA FFI) against the pure-JAX reference: a sweep of ragged batches, head layouts, page sizes,
-head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 with per-token scales),
+head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 and float8_e4m3fn
+with per-token scales; every fp8 code decoded exactly by each library build),
 sliding window, soft cap and static scales; a pool poisoned with NaN/Inf wherever no query may look; plus its failure
 modes (no compiler, out-of-contract indices). Caches are in kv_cache/layout.py's layout, built through `kv_cache_spec`
-(`make_case`) and `kv_cache.writes.quantize_cache` (int8)."""
+(`make_case`) and `kv_cache.writes.quantize_cache` (int8, fp8)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, **kw):
     q, kv, *rest = map(jnp.asarray, args)
     q = q.astype(q_dtype)
     scales = None
-    if kv_dtype == jnp.int8:
-        kv, scales = quantize_cache(kv)
+    if kv_dtype in (jnp.int8, jnp.float8_e4m3fn):
+        kv, scales = quantize_cache(kv, kv_dtype)
     else:
         kv = kv.astype(kv_dtype)
     call = (q, kv, *rest)
@@ -73,7 +74,7 @@ def test_kernel_matches_reference(case, heads, head_dim, page_size):
 
 
 @needs_cxx
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"soft_cap": 3.0, "k_scale": 0.7, "v_scale": 1.3},
                                      {"sliding_window": 1}])
 def test_kv_dtypes_and_options(kv_dtype, options):
@@ -131,7 +132,7 @@ def poison(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 @needs_cxx
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # both AVX-512 paths and the generic one
-@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1, "soft_cap": 3.0}])
 def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
     """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, the page padding
@@ -140,9 +141,9 @@ def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
     rng = np.random.default_rng(8)
     (q, clean, *rest), seen = poisoned_pool_case(rng, head_dim=head_dim, sliding_window=options.get("sliding_window"))
     num_kv_heads, num_pages, page_size, _ = clean.shape
-    if kv_dtype == jnp.int8:
-        kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean)))
-        stale = rng.integers(-128, 128, kv_q.shape, dtype=np.int8)
+    if kv_dtype in (jnp.int8, jnp.float8_e4m3fn):
+        kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean), kv_dtype))
+        stale = rng.integers(-128, 128, kv_q.shape, dtype=np.int8).view(kv_q.dtype)  # fp8: NaN codes among them
         dirty = np.where(seen[None, :, :, None], kv_q, stale)
         flat_seen = np.zeros(scale_rows(num_pages, page_size) * 128, bool)
         flat_seen[:num_pages * 2 * page_size] = np.stack([seen, seen], axis=1).reshape(-1)  # K then V per page
@@ -170,6 +171,29 @@ def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
     assert np.isfinite(out["dirty_ref"]).all()  # the reference's contract: the poison is where no query looks
     np.testing.assert_allclose(out["clean"], out["clean_ref"], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(out["dirty"], out["dirty_ref"], atol=2e-5, rtol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("build_name", gate.BUILDS)
+@pytest.mark.parametrize("head_dim", [128, 40])  # whole 16-code pieces; and a tail the table decodes
+def test_every_fp8_code_is_decoded_exactly(build_name, head_dim):
+    """Each of the 256 float8_e4m3fn codes (subnormals, both zeros, the two NaNs) read as the value numpy's
+    ml_dtypes gives it: one key per sequence, so the output is that key's V row times its scale (2, exact), in each
+    library build (native: F16C here; avx2; portable: the table)."""
+    codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
+    num_seqs = -(-256 // head_dim)
+    kv_spec, scale_spec = kv_cache_spec(num_seqs, 1, 1, head_dim, jnp.float8_e4m3fn)
+    kv = np.zeros(kv_spec.shape, kv_spec.dtype)
+    values = np.resize(codes, num_seqs * head_dim).reshape(num_seqs, head_dim)  # page i: the V row of sequence i
+    kv[0, :, 0, head_dim:] = values
+    scales = jnp.full(scale_spec.shape, 2.0, jnp.float32)
+    seq = jnp.arange(num_seqs, dtype=jnp.int32)
+    out = cpu.ragged_paged_attention_cpu(jnp.ones((num_seqs, 1, head_dim)), jnp.asarray(kv), jnp.ones_like(seq),
+                                         seq[:, None], jnp.arange(num_seqs + 1, dtype=jnp.int32),
+                                         jnp.array([num_seqs], jnp.int32), kv_scales=scales, build=build_name)
+    want = 2 * values.astype(np.float32)
+    assert np.isnan(want).sum() >= 2 and (want == 0).any() and np.nanmin(np.abs(want[want != 0])) == 2 * 2.0 ** -9
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], want)
 
 
 @needs_cxx
@@ -228,7 +252,7 @@ def test_bad_arguments_are_rejected_by_name():
         cpu.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.int8), *args[2:])
     with pytest.raises(ValueError, match="soft_cap"):
         cpu.ragged_paged_attention_cpu(*args, soft_cap=0.0)
-    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+    with pytest.raises(ValueError, match="float32, bfloat16, int8 or float8_e4m3fn"):
         cpu.ragged_paged_attention_cpu(args[0], args[1].astype(jnp.float16), *args[2:])
     kv_q, scales = quantize_cache(args[1])
     with pytest.raises(ValueError, match="kv_scales shape"):  # the old [num_pages, page_size, 2 * Hkv] scales

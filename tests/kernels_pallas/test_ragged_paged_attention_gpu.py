@@ -137,11 +137,13 @@ def test_rejects_shapes_triton_cannot_tile():
         ragged_paged_attention_gpu(*args, interpret=True, block_q=4)
 
 
-def poisoned_int8_pools(rng, clean, seen):
-    """{"clean": (int8 pages, scales), "dirty": the same with random int8 values in every slot not `seen` and
-    NaN/Inf in their scales and in the scales' padding tail} for a float pool `clean` (kv_cache/layout.py)."""
-    kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean)))
-    dirty = np.where(seen[None, :, :, None], kv_q, rng.integers(-128, 128, kv_q.shape, dtype=np.int8))
+def poisoned_int8_pools(rng, clean, seen, dtype=jnp.int8):
+    """{"clean": (int8 (or `dtype`: fp8) pages, scales), "dirty": the same with random bytes in every slot not
+    `seen` (for fp8 NaN codes among them) and NaN/Inf in their scales and in the scales' padding tail} for a float
+    pool `clean` (kv_cache/layout.py)."""
+    kv_q, scales = (np.asarray(x) for x in quantize_cache(jnp.asarray(clean), dtype))
+    stale = rng.integers(-128, 128, kv_q.shape, dtype=np.int8).view(kv_q.dtype)
+    dirty = np.where(seen[None, :, :, None], kv_q, stale)
     flat_seen = np.zeros(scales[0].size, bool)
     flat_seen[:seen.size * 2] = np.repeat(seen, 2, axis=0).reshape(-1)  # page after page: K scales, V scales
     assert not flat_seen.all()  # the padding tail is poisoned too

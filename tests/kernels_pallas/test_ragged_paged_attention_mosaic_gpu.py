@@ -4,7 +4,7 @@ pure-JAX reference and an independent numpy loop; a pool poisoned with NaN/Inf w
 Interpreted cases cost several seconds each (the interpreter simulates every thread, barrier and TMA), so the
 sweep is pairwise: each value of each factor (decode / prefill / mixed / chunked prefill, page size 16/32/64, GQA
 ratio 1/3/8, head_dim 64/128, window, soft cap, split-KV, fewer stages than KV blocks, bf16 / f16 / an int8
-cache with its scales under bf16 queries, empty /
+or fp8 (float8_e4m3fn) cache with its scales under bf16 queries, empty /
 one-page / page-crossing sequences, num_seqs below the array size, garbage page-table tails) appears, not every
 combination. Padded metadata (slots past num_seqs zero-padded, as JAX's tests pad them) is in
 test_padded_metadata.py with every other impl; the deviceless sm_90a compile is in
@@ -52,7 +52,10 @@ CASES = {
                                              dict(sliding_window=20, soft_cap=5.0)),
     "prefill_g8_p64_d128_int8_split2": ([20, 1], [70, 65], (8, 1), 128, 64, 2, 2, "int8",
                                         dict(num_kv_splits=2)),
+    # fp8 (e4m3) cache + per-token scales, bf16 queries: the int8 path's stages with e4m3 codes
+    "decode_g3_p16_d128_fp8": ([1, 1, 1], [16, 40, 5], (6, 2), 128, 16, 3, 4, "float8_e4m3fn", {}),
 }
+CODES = ("int8", "float8_e4m3fn")  # caches of 1-byte codes with per-token scales
 
 
 def build(name):
@@ -68,10 +71,10 @@ def run_mosaic(args, kv_scales=None, **kw):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name):
     q, kv, rest, dtype, kw, safe = build(name)
-    q_dtype = jnp.bfloat16 if dtype == "int8" else dtype
+    q_dtype = jnp.bfloat16 if dtype in CODES else dtype
     q16 = jnp.asarray(q, q_dtype)
-    if dtype == "int8":  # both sides read the same int8 values and scales; the loop reads them dequantized
-        kv16, scales = quantize_cache(jnp.asarray(kv))
+    if dtype in CODES:  # both sides read the same codes and scales; the loop reads them dequantized
+        kv16, scales = quantize_cache(jnp.asarray(kv), dtype)
         kv32 = dequantize(kv16, scales)
     else:
         kv16, scales = jnp.asarray(kv, dtype), None
@@ -85,7 +88,7 @@ def test_matches_reference(name):
     assert_close(got[:num_real], naive(q32[:num_real], kv32, rest[0], safe, *rest[2:], **ref_kw), tol=BF16_TOL)
     assert np.all(got[num_real:] == 0), "padding tokens must come back as zeros"
     if (safe == rest[1]).all():
-        assert_close(got, run_reference((q32, kv16 if dtype == "int8" else kv32, *rest), kv_scales=scales,
+        assert_close(got, run_reference((q32, kv16 if dtype in CODES else kv32, *rest), kv_scales=scales,
                                         **ref_kw), tol=BF16_TOL)
 
 
@@ -100,16 +103,18 @@ def poisoned_case(rng, *, sliding_window):
     ("bfloat16", {}),
     ("bfloat16", {"sliding_window": 5, "soft_cap": 3.0, "num_kv_splits": 2}),
     ("int8", {"sliding_window": 5, "soft_cap": 3.0}),
+    ("float8_e4m3fn", {"sliding_window": 5}),
 ])
 def test_stale_non_finite_slots_change_no_output(kv_dtype, options):
     """NaN/Inf in every slot no query may see (past kv_len, before the window, unused pages, the page padding
-    entries point at, the keys of a sequence without queries; for an int8 cache random int8 values there and
+    entries point at, the keys of a sequence without queries; for an int8 / fp8 cache random bytes there (fp8 NaN
+    codes among them) and
     NaN/Inf in their scales and the scales' padding tail) leave the output bit-identical to the clean pool's and
     finite; 64-token KV blocks of 16-token pages put stale slots inside blocks the kernel loads."""
     rng = np.random.default_rng(8)
     (q, clean, *rest), seen = poisoned_case(rng, sliding_window=options.get("sliding_window"))
-    if kv_dtype == "int8":
-        pools = poisoned_int8_pools(rng, clean, seen)
+    if kv_dtype in CODES:
+        pools = poisoned_int8_pools(rng, clean, seen, kv_dtype)
     else:
         pools = {name: (jnp.asarray(x, jnp.bfloat16), None)
                  for name, x in (("clean", clean), ("dirty", poison(clean, seen[None, :, :, None])))}
@@ -121,7 +126,7 @@ def test_stale_non_finite_slots_change_no_output(kv_dtype, options):
     assert np.isfinite(out["dirty"]).all()
     np.testing.assert_array_equal(out["dirty"], out["clean"])
     kv, s = pools["clean"]
-    kv = kv if kv_dtype == "int8" else np.asarray(kv.astype(jnp.float32))
+    kv = kv if kv_dtype in CODES else np.asarray(kv.astype(jnp.float32))
     want = run_reference((np.asarray(q16.astype(jnp.float32)), kv, *rest), kv_scales=s,
                          **{k: v for k, v in kw.items() if k != "num_kv_splits"})
     assert_close(out["clean"], want, tol=BF16_TOL)
@@ -135,6 +140,8 @@ def test_supports_and_rejects():
     assert supports(jnp.bfloat16, jnp.int8, 128, 16, 4, kv_scales=True)  # int8 cache + scales, bf16 queries
     assert supports(jnp.float16, jnp.int8, 64, 8, 3, kv_scales=True)
     assert not supports(jnp.bfloat16, jnp.int8, 128, 16, 4)  # an int8 cache needs its scales
+    assert supports(jnp.bfloat16, jnp.float8_e4m3fn, 128, 16, 4, kv_scales=True)  # fp8 cache + scales
+    assert not supports(jnp.bfloat16, jnp.float8_e4m3fn, 64, 16, 4)  # so does an fp8 one
     assert not supports(jnp.float32, jnp.int8, 128, 16, 4, kv_scales=True)  # f32 queries: Triton kernel
     assert not supports(jnp.bfloat16, jnp.float16, 128, 16, 4)  # mixed float dtypes
     assert not supports(jnp.bfloat16, jnp.bfloat16, 80, 16, 4)  # head_dim not a multiple of 64

@@ -114,11 +114,14 @@ def test_llm_fp8_generates_and_refuses_batch_invariance():
     np.testing.assert_allclose(scaled, scaled.astype(jnp.float8_e4m3fn).astype(np.float32), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="quantization='fp8'"):
         check_batch_invariant(EngineConfig.from_kwargs(quantization="fp8", batch_invariant=True))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):  # an fp8 cache: refused by name too
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8", batch_invariant=True)
 
 
 def test_fp8_with_lora_and_speculative_decoding(tmp_path):
     """As with int8: a LoRA delta adds on top of the FP8 projections, and n-gram speculation over an FP8 model is
-    token-identical to plain greedy decoding of it."""
+    token-identical to plain greedy decoding of it, both with an fp8 KV cache (read by the C++ CPU kernel where it
+    runs)."""
     from inference import LLM, LoRARequest
     from tests import lora_adapters
 
@@ -126,11 +129,33 @@ def test_fp8_with_lora_and_speculative_decoding(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     lora = LoRARequest("a", 1, lora_adapters.make_adapter(str(tmp_path / "a"), get_model_config("tiny-llama"),
                                                           rank=8, alpha=16, seed=1, std=0.3))
-    llm = LLM("tiny-llama", quantization="fp8", enable_lora=True, max_loras=1, max_lora_rank=8,
+    llm = LLM("tiny-llama", quantization="fp8", kv_cache_dtype="fp8", enable_lora=True, max_loras=1, max_lora_rank=8,
               kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     base = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
     adapted = llm.generate(prompt_token_ids=[prompt], sampling_params=params, lora_request=lora)[0]
     assert adapted.error is None and adapted.outputs[0].token_ids != base
-    spec = LLM("tiny-llama", quantization="fp8", speculative_method="ngram", num_speculative_tokens=3,
-               kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    spec = LLM("tiny-llama", quantization="fp8", kv_cache_dtype="fp8", speculative_method="ngram",
+               num_speculative_tokens=3, kv_cache_memory_bytes=1 << 20, page_size=4, max_num_seqs=4,
+               max_num_batched_tokens=64)
     assert spec.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids == base
+
+
+def test_fp8_under_tensor_parallelism_on_8_devices():
+    """tensor_parallel_size=8 with quantization="fp8" and an fp8 KV cache (tests/sharding/fp8_tp_worker.py on 8
+    virtual CPU devices): the heads padded (4 -> 16 query, 2 -> 8 KV), then every projection quantized per channel
+    (padded channels finite zeros), q column- and o row-parallel, and the same greedy tokens and logprobs as one
+    device; an FP8 checkpoint under TP is refused by name. The codes' and scales' partition specs (which only
+    matter where FP8 stays FP8, not on CPU) are in tests/sharding/test_sharding.py, their bytes per device in
+    tests/scripts/test_aot_compile.py."""
+    from tests.virtual_devices import run_worker
+
+    runs = run_worker("tests/sharding/fp8_tp_worker.py")["results"]
+    one, eight = runs["1"], runs["8"]
+    assert one["q_proj_shape"] == [64, 64] and eight["q_proj_shape"] == [64, 256]
+    assert eight["on_grid"] and all(eight["on_grid"].values()) and all(one["on_grid"].values())
+    specs = eight["specs"]
+    assert specs["['layers'][0]['attn']['q_proj']['kernel'].value"] == "P(None, 'model')"
+    assert specs["['layers'][0]['attn']['o_proj']['kernel'].value"] == "P('model', None)"
+    assert eight["tokens"] == one["tokens"]
+    np.testing.assert_allclose(eight["logprobs"], one["logprobs"], atol=1e-4)
+    assert "is an FP8 checkpoint; tensor_parallel_size" in runs["checkpoint_error"]

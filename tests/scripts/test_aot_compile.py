@@ -104,10 +104,13 @@ def test_real_size_step_compiles_with_the_cost_models_memory(chip, tp, kind, ste
 def fp8_step_rows(request, tmp_path_factory):
     rows = {}
     chips = _selected_chips(request)
-    for chip in ("h200", "v5e"):  # 2 of the 32 layers at their real shapes: each layer compiles alike, and cheaper
+    # 2 of the 32 layers at their real shapes (each layer compiles alike, and cheaper; v6e, the same weight-only path
+    # as v5e, compiled by hand: its libtpu compile took 4-8 minutes a step on the shared 2-core machine); H200 at
+    # TP 8: decode only
+    for chip, extra in (("h200", ("--tp=1",)), ("h200", ("--tp=8", "--decode_only")), ("v5e", ("--tp=1",))):
         if chip in chips:
-            rows |= _run(tmp_path_factory, f"--chips={chip}", "--what=steps", "--presets=llama-3-8b", "--tp=1",
-                         "--quantization=fp8", "--layers=2")
+            rows |= _run(tmp_path_factory, f"--chips={chip}", "--what=steps", "--presets=llama-3-8b",
+                         "--quantization=fp8", "--layers=2", *extra)
     return rows
 
 
@@ -115,8 +118,8 @@ def fp8_step_rows(request, tmp_path_factory):
 @pytest.mark.parametrize("chip", ["h200", "v5e"])
 def test_fp8_steps_compile_with_fp8_gemms_on_hopper(chip, kind, fp8_step_rows):
     """Llama-3-8B with quantization="fp8": on the H200 every GEMM of the step takes float8_e4m3fn operands (the
-    weights reach the tensor cores as FP8, activations quantized per token) and the weights are ~8 GB (1 byte a
-    weight: the compiled arguments are the cost model's 1-byte weights + the KV cache); on v5e (no FP8 units) the
+    weights reach the tensor cores as FP8, activations quantized per token) and the weights take 1 byte a weight
+    (the compiled arguments are the cost model's 1-byte weights + the KV cache); on v5e (no FP8 units) the
     same model compiles with weight-only dots. Both compile 2 of the model's 32 layers (`--layers=2`)."""
     row = _row(fp8_step_rows, chip, f"llama-3-8b_l2_{kind}_tp1")
     assert row["status"] == "compiled", row.get("error")
@@ -128,6 +131,19 @@ def test_fp8_steps_compile_with_fp8_gemms_on_hopper(chip, kind, fp8_step_rows):
         assert row["gemm_operands"] and set(row["gemm_operands"]) == {"f8e4m3fn x f8e4m3fn"}, row["gemm_operands"]
         kernels = row["ptxas"]["kernels"]
         assert all(v["spill_stores"] == 0 and v["spill_loads"] == 0 for v in kernels.values()), kernels
+
+
+@pytest.mark.parametrize("chip", ["h200"])
+def test_fp8_codes_and_scales_are_split_under_tensor_parallelism(chip, fp8_step_rows):
+    """The H200 decode step at TP 8 with quantization="fp8" (2 layers): each device holds 1/8 of the FP8 codes and
+    scales (the compiled arguments are the cost model's per-device weights + KV cache; replicated codes, as before
+    sharding/partition.py named a QuantizedWeight's leaves, were 12.3 GB against 5.3 GB at 32 layers), and its
+    GEMMs stay FP8 x FP8."""
+    row = _row(fp8_step_rows, chip, "llama-3-8b_l2_decode_tp8")
+    assert row["status"] == "compiled", row.get("error")
+    assert not row["cache_copies"] and not row["cpu_only_calls"]
+    assert abs(row["memory"]["argument"] / row["cost_model"]["total"] - 1) < STEP_TOLERANCE
+    assert row["gemm_operands"] and set(row["gemm_operands"]) == {"f8e4m3fn x f8e4m3fn"}, row["gemm_operands"]
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

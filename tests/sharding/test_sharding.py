@@ -48,7 +48,19 @@ def test_make_mesh_is_auto_data_by_model():
     ("final_norm.weight", (64,), P()),
     ("layers.0.attn.q_proj.kernel", (64, 144), P(None, "model")),
     ("layers.0.attn.q_proj.kernel", (64, 36), P(None, None)),  # 36 % 8: not divisible -> that dim replicated
-    ("layers.0.attn.q_proj.kernel.scale", (144,), P()),  # unknown leaves (e.g. quantization scales): replicated
+    ("layers.0.attn.q_proj.kernel.scale", (144,), P()),  # a 1-D scale: not a weight's [in/g, out]; replicated
+    # Quantized weights (fp8 / int8 codes and their [in/g, out] scales): the weight's axes; the embedding's
+    # quantized form is [hidden, vocab].
+    ("layers.0.attn.q_proj.kernel.value.q", (64, 128), P(None, "model")),
+    ("layers.0.attn.q_proj.kernel.value.scale", (1, 128), P(None, "model")),
+    ("layers.0.attn.o_proj.kernel.value.q", (128, 64), P("model", None)),
+    ("layers.0.attn.o_proj.kernel.value.scale", (1, 64), P(None, None)),  # per channel: whole on every device
+    ("layers.0.mlp.down_proj.kernel.value.scale", (16, 64), P("model", None)),  # 128-row groups follow the rows
+    ("layers.0.mlp.down_proj.kernel.value.zero_point", (16, 64), P("model", None)),
+    ("embed.embedding.value.q", (64, 512), P(None, "model")),
+    ("embed.embedding.value.scale", (1, 512), P(None, "model")),
+    ("lm_head.kernel.value.q", (64, 512), P(None, "model")),
+    ("layers.0.attn_norm.weight.value.q", (64,), P()),  # a leaf no rule names stays replicated
     # Routed experts [E, D, F] / [E, F, D], canonical name and NNX path: F on "model", E whole (no expert parallelism).
     ("layers.1.experts.gate_proj", (8, 64, 32), P(None, None, "model")),
     ("layers.1.mlp.up_proj", (8, 64, 32), P(None, None, "model")),

@@ -1,8 +1,8 @@
 // Ragged paged attention on CPU: an XLA FFI custom call with the contract of
 // kernels_pallas/attention/reference.py. Cache layout (kernels_pallas/kv_cache/layout.py): kv_pages is
 // [Hkv, num_pages, page_size, 2 * D], head-major, each token row holding K in elements [0, D) and V in [D, 2D);
-// an int8 cache's scales are [Hkv, scale_rows, 128] f32, head h's flattened as, page after page, the page's
-// page_size K scales then its page_size V scales (K of (page, t) at p * 2 * page_size + t, V at + page_size).
+// an int8 or fp8 (float8_e4m3fn) cache's scales are [Hkv, scale_rows, 128] f32, head h's flattened as, page after
+// page, the page's page_size K scales then its page_size V scales (K of (page, t) at p * 2 * page_size + t, V at + page_size).
 //
 // Why a C++ kernel: the pure-JAX reference gathers every sequence's padded pages, transposes K and V and runs
 // tiny batched dots; on XLA:CPU that was 97-107 ms of a 175-190 ms SmolLM2 decode step at batch 32 (BENCHMARKS.md,
@@ -17,7 +17,9 @@
 // once for up to 4 (64) or 2 (128) query rows held in registers, and 16 keys' dot products are summed across lanes
 // together
 // (`sum16x16`); written as plain loops, g++ converted the row again for every query row and reduced every dot on
-// its own (7.8 GB/s of int8 cache at batch 32, BENCHMARKS.md).
+// its own (7.8 GB/s of int8 cache at batch 32, BENCHMARKS.md). Elsewhere each key or value row is converted to
+// float once into a buffer (`convert_row`) and the loops over it are g++'s; an fp8 row's conversion is F16C bit
+// arithmetic where the CPU has it (fp8_e4m3.h), the 256-entry table otherwise.
 // Out-of-contract indices (pages, lengths, query offsets) are clamped: the kernel never reads outside a buffer.
 //
 // Stale slots: a block reads only keys in [lo, hi), the union of its query rows' visible ranges (causal, inside
@@ -34,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8_e4m3.h"
 #include "parallel_for.h"
 #include "register_blocks.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,6 +50,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using pagejax::convert_row;
+using pagejax::Fp8E4M3;
 using pagejax::for_row_chunks;
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
 using pagejax::first_lanes;
@@ -61,6 +66,12 @@ inline float to_float(uint16_t x) {  // bfloat16 bits
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// dst[0, n) = a cache row as floats (fp8: pagejax::convert_row, vectorized by hand; these g++ vectorizes).
+template <typename KV>
+inline void convert_row(const KV* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
 }
 
 struct Shapes {
@@ -104,6 +115,7 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16 bits, shifted into a floa
   const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
+inline __m512 load16(const Fp8E4M3* p) { return pagejax::fp8_e4m3_load16(p); }
 
 // Lane j of the result = the sum of v[j]'s 16 lanes: a transpose-and-add tree, 45 instructions for 16 sums.
 inline __m512 sum16x16(const __m512 (&v)[16]) {
@@ -257,7 +269,7 @@ struct Attention {
     } else
 #endif
     for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
-      for (int64_t d = 0; d < D; ++d) row_f[d] = to_float(k[d]);
+      convert_row(k, row_f, D);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qr = qbuf + r * D;
         float dot = 0.f;
@@ -296,7 +308,7 @@ struct Attention {
     {
       std::fill(acc, acc + rows * D, 0.f);
       for_each_row(it.seq, it.kv_head, lo, hi, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
-        for (int64_t d = 0; d < D; ++d) row_f[d] = to_float(v[d]);
+        convert_row(v, row_f, D);
         for (int64_t r = 0; r < rows; ++r) {
           const float w = p[r * L + (j - lo)] * vs;
           float* ar = acc + r * D;
@@ -370,7 +382,6 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pa
                                    ffi::Buffer<ffi::F32> kv_scales, float sm_scale, float soft_cap, float k_scale,
                                    float v_scale, int64_t sliding_window, ffi::ResultBuffer<ffi::F32> out) {
   const Options o{sm_scale, soft_cap, k_scale, v_scale, sliding_window};
-  const bool has_scales = kv_pages.element_type() == ffi::S8;  // shapes checked in dispatch
   switch (kv_pages.element_type()) {
     case ffi::F32:
       return dispatch<float>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, false, o, out);
@@ -379,8 +390,11 @@ ffi::Error RaggedPagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pa
                                 out);
     case ffi::S8:
       return dispatch<int8_t>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, true, o, out);
+    case ffi::F8E4M3FN:
+      return dispatch<Fp8E4M3>(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, true, o, out);
     default:
-      return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: kv_pages must be float32, bfloat16 or int8");
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: kv_pages must be float32, bfloat16, int8 or float8_e4m3fn");
   }
 }
 
