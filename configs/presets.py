@@ -126,6 +126,15 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, shared_expert_gate=True, norm_topk_prob=True, family="qwen3_next"),
+    # The same hybrid with dense MLPs (Qwen3NextConfig with num_experts=0): batch-invariant mode refuses MoE.
+    "tiny-qwen3-next-dense": ModelConfig(
+        name="tiny-qwen3-next-dense", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=1024,
+        eos_token_ids=(0,), rms_norm_eps=1e-6, norm_style="gemma", qk_norm=True, attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, family="qwen3_next"),
     "deepseek-v2-lite": ModelConfig(
         name="deepseek-v2-lite", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
         num_heads=16, num_kv_heads=1, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
