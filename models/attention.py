@@ -86,7 +86,8 @@ class Attention(nnx.Module):
         norm = lambda: RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm and self.owns_kv else None
-        self.rope = (hd, *config.layer_rope(layer))  # static; the frequencies are trace-time numpy
+        # static; the frequencies are trace-time numpy. None: no positional encoding (use_rope=False).
+        self.rope = (hd, *config.layer_rope(layer)) if config.use_rope else None
         self.sm_scale = config.attn_scale
         self.sliding_window = config.layer_window(layer)
         self.kv_group = config.kv_group(layer)  # static: which page table of the metadata this layer reads
@@ -100,18 +101,19 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array, positions: jax.Array):
         """Roped q [T, Hq, D], and roped k and v [T, Hkv, D] (None, None for a layer that shares its KV)."""
         lead = x.shape[:-1]
-        inv_freq = rope_inv_freq(*self.rope)
+        rope = ((lambda t: t) if self.rope is None
+                else lambda t: apply_rope(t, positions, rope_inv_freq(*self.rope)))
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3Attention, Gemma3Attention)
             q = self.q_norm(q)
-        q = apply_rope(q, positions, inv_freq)
+        q = rope(q)
         if not self.owns_kv:
             return q, None, None
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return q, apply_rope(k, positions, inv_freq), v
+        return q, rope(k), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_pages: jax.Array | QuantizedKV,
                  meta: AttentionMetadata) -> tuple[jax.Array, jax.Array | QuantizedKV]:

@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.recurrent.ragged import (check_meta, initial_states, spec_destinations, token_sequences,
-                                             write_final_states, write_position_states)
+from kernels_pallas.recurrent.ragged import (check_meta, initial_states, query_spans, spec_destinations,
+                                             token_sequences, write_final_states, write_position_states)
 
 SSD_MODES = ("chunked", "recurrent")
 
@@ -149,7 +149,7 @@ def ragged_ssd(
     B: jax.Array,  # [T, G, N]
     C: jax.Array,  # [T, G, N]
     state: jax.Array,  # [num_slots, H, P, N] float32 (RecurrentState.ssm)
-    meta: Any,  # cu_q_lens, kv_lens, state_slots, state_spec_slots, max_q_len (kernels_pallas/recurrent/ragged.py)
+    meta: Any,  # cu_q_lens, kv_lens, num_seqs, state_slots, state_spec_slots, max_q_len (recurrent/ragged.py)
     *,
     chunk_size: int = 128,
     mode: str = "chunked",
@@ -163,7 +163,7 @@ def ragged_ssd(
     """
     check_ssd_inputs(x, dt, A, B, C, state, meta, chunk_size, mode)
     tokens = x.shape[0]
-    seq, offset, valid = token_sequences(meta.cu_q_lens, tokens)
+    seq, offset, valid = token_sequences(meta, tokens)
     h0 = initial_states(state, meta).astype(jnp.float32)
     x, dt, B, C = (v.astype(jnp.float32) for v in (x, dt, B, C))
     A = A.astype(jnp.float32)
@@ -172,7 +172,7 @@ def ragged_ssd(
         q_block = min(getattr(meta, "max_q_len", None) or tokens, tokens)
         y, final, per_token = _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block, spec is not None)
     else:
-        q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+        _, q_lens = query_spans(meta)
         y, final = _chunked(x, dt, A, B, C, h0, q_lens, seq, offset, valid, chunk_size)
     state = write_final_states(state, final, meta)
     if spec is not None:

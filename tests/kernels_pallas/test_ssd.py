@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -58,9 +59,11 @@ def _batch(rng, q_lens, kv_extra, *, slots, num_slots=8, pad_tokens=3, pad_seqs=
 
 
 def _meta(cu, kv_lens, slots, spec=None, max_q_len=None):
-    """The fields of AttentionMetadata the op reads (kernels know no model class)."""
-    return SimpleNamespace(cu_q_lens=cu, kv_lens=kv_lens, state_slots=slots, state_spec_slots=spec,
-                           max_q_len=max_q_len)
+    """The fields of AttentionMetadata the op reads (kernels know no model class); num_seqs counts the real
+    sequences (every one has kv_len >= 1; _batch's padding sequences have 0)."""
+    num_seqs = jnp.sum(jnp.asarray(kv_lens) > 0, dtype=jnp.int32)[None]
+    return SimpleNamespace(cu_q_lens=cu, kv_lens=kv_lens, num_seqs=num_seqs, state_slots=slots,
+                           state_spec_slots=spec, max_q_len=max_q_len)
 
 
 def _run(inputs, max_q_len=None, spec=None, **kw):
