@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.matmul.invariant_cpu import invariant_row_sum
 from kernels_pallas.recurrent.conv import ragged_causal_conv1d
 from kernels_pallas.recurrent.layout import RecurrentState
 from kernels_pallas.recurrent.ssd import ragged_ssd
@@ -55,7 +56,6 @@ class Mamba2Mixer(nnx.Module):
         self.eps = config.rms_norm_eps
         self.dt_limit = tuple(config.mamba_time_step_limit)
         self.chunk_size = config.mamba_chunk_size
-        self.batch_invariant = False  # models/batch_invariant.py: the recurrent form on every step
 
     def _split(self, x: jax.Array):
         """x[T, D] -> (z [T, width], x|B|C [T, conv_dim], dt [T, heads])."""
@@ -82,10 +82,19 @@ class Mamba2Mixer(nnx.Module):
         y = (y + xs * self.D[...].astype(jnp.float32)[:, None]).reshape(rows, self.width)
         gated = y * jax.nn.silu(z.astype(jnp.float32))
         grouped = gated.reshape(rows, self.groups, self.width // self.groups)
-        normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + self.eps)
+        squares = grouped * grouped
+        mean = (invariant_row_sum(squares)[..., None] / squares.shape[-1] if self.batch_invariant
+                else jnp.mean(squares, axis=-1, keepdims=True))
+        normed = grouped * jax.lax.rsqrt(mean + self.eps)
         # transformers casts back to the input dtype before the weight multiplies.
         out = self.norm_weight[...] * normed.reshape(rows, self.width).astype(dtype)
         return self.out_proj(out.astype(dtype))
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Set with the model's projections (models/batch_invariant.py flags every Linear): then the recurrent form
+        runs on every step and the norm sums in a fixed order, so any split of a prompt gives the same bits."""
+        return self.in_proj.batch_invariant
 
     def mode(self, meta) -> str:
         """The recurrent form for decode steps, speculative verification (per-token states) and batch-invariant

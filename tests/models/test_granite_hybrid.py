@@ -6,6 +6,7 @@ state in slots, then decode steps); the config translation of real Granite-4.0-H
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -32,52 +33,61 @@ def _caches(config, num_pages: int, num_slots: int) -> list:
     return kv + [zero_state(config.state_cache_spec(i, num_slots)) for i in config.state_layers]
 
 
-def _jitted_step(model):
-    """The model's step under jit (one compile per max_q_len, since every step is padded to STEP_TOKENS)."""
-    graphdef, params = nnx.split(model)
+class RaggedSteps:
+    """Drives the model's jitted step over a ragged batch of `num_seqs` sequences as the engine would: each step
+    padded to STEP_TOKENS tokens plus one padding sequence on slot 0, max_q_len 1 for a decode step (else
+    STEP_TOKENS), sequence s's state in slot `slots[s]`, its pages shuffled."""
 
-    @jax.jit
-    def step(params, ids, positions, caches, meta):
-        net = nnx.merge(graphdef, params)
-        hidden, caches = net(ids, positions, caches, meta)
-        return net.logits(hidden), caches
+    def __init__(self, model, num_seqs: int, max_len: int, slots: list[int]):
+        self.model, self.slots = model, slots
+        graphdef, params = nnx.split(model)
 
-    return lambda *args: step(params, *args)
+        @jax.jit
+        def step(params, ids, positions, caches, meta):
+            net = nnx.merge(graphdef, params)
+            hidden, caches = net(ids, positions, caches, meta)
+            return net.logits(hidden), caches
+
+        self._step = lambda *args: step(params, *args)
+        pages_per_seq = -(-max_len // PAGE)
+        table = np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(num_seqs, pages_per_seq)[::-1]
+        self.page_table = np.concatenate([table, np.zeros((1, pages_per_seq), np.int32)])  # + the padding sequence's
+        self.caches = _caches(model.config, self.page_table.size, num_slots=max(slots) + 1)
+        self.done = [0] * num_seqs
+
+    def step(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """Feed sequence s the tokens `chunks[s]` (maybe none); returns each sequence's logits for them."""
+        tokens, positions, slot_mapping = [], [], []
+        counts = [len(c) for c in chunks]
+        for s, chunk in enumerate(chunks):
+            pos = np.arange(self.done[s], self.done[s] + len(chunk))
+            tokens += list(map(int, chunk))
+            positions += pos.tolist()
+            slot_mapping += (self.page_table[s][pos // PAGE] * PAGE + pos % PAGE).tolist()
+        pad = STEP_TOKENS - len(tokens)
+        cu = np.concatenate([[0], np.cumsum(counts), [len(tokens)]]).astype(np.int32)
+        kv_lens = np.array([d + n for d, n in zip(self.done, counts)] + [0], np.int32)
+        meta = AttentionMetadata(
+            slot_mapping=jnp.asarray(slot_mapping + [-1] * pad, jnp.int32), kv_lens=jnp.asarray(kv_lens),
+            page_indices=jnp.asarray(self.page_table), cu_q_lens=jnp.asarray(cu),
+            num_seqs=jnp.array([len(chunks)], jnp.int32), max_q_len=1 if max(counts) == 1 else STEP_TOKENS,
+            state_slots=jnp.array(self.slots + [0], jnp.int32))
+        logits, self.caches = self._step(jnp.asarray(tokens + [0] * pad, jnp.int32),
+                                         jnp.asarray(positions + [0] * pad, jnp.int32), self.caches, meta)
+        logits = np.asarray(logits)
+        self.done = [d + n for d, n in zip(self.done, counts)]
+        return [logits[cu[s]:cu[s + 1]] for s in range(len(chunks))]
 
 
 def run_ragged(model, seqs: list[np.ndarray], schedule: list[list[int]], slots: list[int]) -> list[np.ndarray]:
-    """Feed the sequences together, step by step: step k gives sequence s `schedule[k][s]` tokens (0: none). Each
-    step is padded like the engine pads: to STEP_TOKENS tokens, plus one padding sequence on slot 0; max_q_len is 1
-    for a decode step, else STEP_TOKENS. Returns each sequence's logits at every position."""
-    config = model.config
-    step = _jitted_step(model)
-    pages_per_seq = max(-(-len(s) // PAGE) for s in seqs)
-    page_table = np.arange(len(seqs) * pages_per_seq, dtype=np.int32).reshape(len(seqs), pages_per_seq)[::-1]
-    page_table = np.concatenate([page_table, np.zeros((1, pages_per_seq), np.int32)])  # the padding sequence's
-    caches = _caches(config, page_table.size, num_slots=len(seqs) + 2)
-    done = [0] * len(seqs)
+    """Feed the sequences together, step k giving sequence s `schedule[k][s]` more tokens (0: none); returns each
+    sequence's logits at every position."""
+    steps = RaggedSteps(model, len(seqs), max(map(len, seqs)), slots)
     out: list[list[np.ndarray]] = [[] for _ in seqs]
     for counts in schedule:
-        tokens, positions, slot_mapping = [], [], []
-        for s, n in enumerate(counts):
-            pos = np.arange(done[s], done[s] + n)
-            tokens += seqs[s][pos].tolist()
-            positions += pos.tolist()
-            slot_mapping += (page_table[s][pos // PAGE] * PAGE + pos % PAGE).tolist()
-        real = len(positions)
-        pad = STEP_TOKENS - real
-        cu = np.concatenate([[0], np.cumsum(counts), [real]]).astype(np.int32)
-        kv_lens = np.array([d + n for d, n in zip(done, counts)] + [0], np.int32)
-        meta = AttentionMetadata(
-            slot_mapping=jnp.asarray(slot_mapping + [-1] * pad, jnp.int32), kv_lens=jnp.asarray(kv_lens),
-            page_indices=jnp.asarray(page_table), cu_q_lens=jnp.asarray(cu), num_seqs=jnp.array([len(seqs)], jnp.int32),
-            max_q_len=1 if max(counts) == 1 else STEP_TOKENS, state_slots=jnp.array(slots + [0], jnp.int32))
-        logits, caches = step(jnp.asarray(tokens + [0] * pad, jnp.int32),
-                              jnp.asarray(positions + [0] * pad, jnp.int32), caches, meta)
-        logits = np.asarray(logits)
-        for s, n in enumerate(counts):
-            out[s].append(logits[cu[s]:cu[s] + n])
-            done[s] += n
+        chunks = [seq[d:d + n] for seq, d, n in zip(seqs, steps.done, counts)]
+        for s, logits in enumerate(steps.step(chunks)):
+            out[s].append(logits)
     return [np.concatenate(parts) for parts in out]
 
 
@@ -100,6 +110,38 @@ def test_ragged_paged_steps_equal_transformers():
     got, got_other = run_ragged(model, [ids[0], other], schedule, slots=[3, 1])
     np.testing.assert_allclose(got, expected, atol=HF_ATOL, rtol=0)
     np.testing.assert_allclose(got_other, _forward(model, other[None]), atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_decode_through_slots_is_transformers_greedy():
+    """Prompt of 20 in two chunks beside another sequence, then 32 greedy decode steps (recurrent SSD, conv and SSD
+    states carried in the slots): transformers' greedy continuation, token for token."""
+    config, weights, ids, _ = _load(FAMILY)
+    want = np.load(FIXTURES / FAMILY / "reference.npz")["greedy_ids"]
+    steps = RaggedSteps(build_decoder(config, weights), 2, 20 + len(want), slots=[2, 1])
+    other = np.random.default_rng(9).integers(3, config.vocab_size, 20 + len(want))
+    steps.step([ids[0, :8], other[:11]])
+    last = steps.step([ids[0, 8:20], other[11:20]])[0][-1]
+    got = []
+    for k in range(len(want)):
+        got.append(int(np.argmax(last)))
+        last = steps.step([np.array([got[-1]]), other[20 + k:21 + k]])[0][-1]
+    assert got == want.tolist()
+
+
+def test_batch_invariant_mode_gives_the_same_bits_for_any_split():
+    """make_batch_invariant: the recurrent SSD on every step, so a prompt fed whole, in chunks, or beside another
+    sequence gives bitwise-identical logits (the prefix-caching and chunked-prefill tests rely on it)."""
+    from models.batch_invariant import make_batch_invariant
+
+    model = make_batch_invariant(build_decoder(get_model_config("tiny-granite-hybrid"), seed=3))
+    assert all(model.layers[i].attn.mode(SimpleNamespace(max_q_len=16)) == "recurrent" for i in (0, 1, 3))
+    rng = np.random.default_rng(4)
+    prompt, other = rng.integers(0, model.config.vocab_size, 13), rng.integers(0, model.config.vocab_size, 13)
+    (whole,) = run_ragged(model, [prompt], [[13]], slots=[1])
+    (split,) = run_ragged(model, [prompt], [[5], [1], [7]], slots=[2])
+    beside, _ = run_ragged(model, [prompt, other], [[4, 9], [9, 4]], slots=[1, 2])
+    np.testing.assert_array_equal(split, whole)
+    np.testing.assert_array_equal(beside, whole)
 
 
 def test_config_translation_of_granite_keys():
