@@ -164,9 +164,9 @@ def ragged_ssd(
     check_ssd_inputs(x, dt, A, B, C, state, meta, chunk_size, mode)
     tokens = x.shape[0]
     seq, offset, valid = token_sequences(meta, tokens)
+    state = jnp.asarray(state)
     h0 = initial_states(state, meta).astype(jnp.float32)
-    x, dt, B, C = (v.astype(jnp.float32) for v in (x, dt, B, C))
-    A = A.astype(jnp.float32)
+    x, dt, A, B, C = (jnp.asarray(v, jnp.float32) for v in (x, dt, A, B, C))
     spec = getattr(meta, "state_spec_slots", None)
     if mode == "recurrent":
         q_block = min(getattr(meta, "max_q_len", None) or tokens, tokens)
