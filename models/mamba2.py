@@ -56,6 +56,7 @@ class Mamba2Mixer(nnx.Module):
         self.eps = config.rms_norm_eps
         self.dt_limit = tuple(config.mamba_time_step_limit)
         self.chunk_size = config.mamba_chunk_size
+        self.mesh = mesh  # None (checked above); the runner reads every mixer's
 
     def _split(self, x: jax.Array):
         """x[T, D] -> (z [T, width], x|B|C [T, conv_dim], dt [T, heads])."""
