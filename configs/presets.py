@@ -63,6 +63,15 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny-cla": ModelConfig(
         name="tiny-cla", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), cla_factor=2),
+    # Granite-4.0-H in miniature: Mamba2 layers (grouped B/C, chunk 8) around one attention layer without RoPE, the
+    # dense shared MLP, Granite's multipliers.
+    "tiny-granite-hybrid": ModelConfig(
+        name="tiny-granite-hybrid", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_ids=(0,), rms_norm_eps=1e-6,
+        layer_types=("mamba", "mamba", "full_attention", "mamba"), use_rope=False, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, embed_scale=2.0,
+        query_pre_attn_scalar=64.0, residual_multiplier=0.5, logits_scaling=2.0, tie_word_embeddings=True,
+        family="granitemoehybrid"),
     # Real-size configs, copied from each model's Hugging Face config.json. Used by the cost model and sharding
     # tests without materializing weights. Only models that ModelConfig expresses faithfully are listed.
     "llama-2-7b": ModelConfig(
@@ -154,6 +163,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, shared_expert_gate=True, norm_topk_prob=True, family="qwen3_next"),
+    # Granite-4.0-H-Micro (dense hybrid): 36 Mamba2 layers (64 heads of 64, d_state 128, one group) and 4 attention
+    # layers without positions (layers 5, 15, 25, 35), the shared MLP 8192 wide, multipliers 12 / 1/64 / 0.22 / 8.
+    "granite-4.0-h-micro": ModelConfig(
+        name="granite-4.0-h-micro", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_layers=40,
+        num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=100257, eos_token_ids=(100257,),
+        layer_types=tuple("full_attention" if i % 10 == 5 else "mamba" for i in range(40)), use_rope=False,
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_chunk_size=256, embed_scale=12.0, query_pre_attn_scalar=4096.0, residual_multiplier=0.22,
+        logits_scaling=8.0, family="granitemoehybrid"),
 }
 
 

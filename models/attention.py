@@ -88,7 +88,8 @@ class Attention(nnx.Module):
         norm = lambda: RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm and self.owns_kv else None
-        self.rope = (config.rotary_dim, *config.layer_rope(layer))  # static; the frequencies are trace-time numpy
+        # static; the frequencies are trace-time numpy. None: no positional encoding (use_rope=False).
+        self.rope = (config.rotary_dim, *config.layer_rope(layer)) if config.use_rope else None
         self.sm_scale = config.attn_scale
         self.sliding_window = config.layer_window(layer)
         self.kv_group = config.kv_group(layer)  # static: which page table of the metadata this layer reads
@@ -100,7 +101,10 @@ class Attention(nnx.Module):
         self.batch_invariant = False  # models/batch_invariant.py: forward_dense through the paged C++ kernel
 
     def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """RoPE on each head's first `rotary_dim` dims (all of them unless partial_rotary_factor < 1)."""
+        """RoPE on each head's first `rotary_dim` dims (all of them unless partial_rotary_factor < 1); none without
+        positions (use_rope=False)."""
+        if self.rope is None:
+            return x
         inv_freq = rope_inv_freq(*self.rope)
         dim = self.rope[0]
         if dim == self.head_dim:

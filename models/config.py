@@ -131,6 +131,22 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # ---- Mamba2 ("mamba" layers; transformers' Bamba / Granite-4.0-H names where they exist): mamba_num_heads heads
+    # of mamba_head_dim (their product is the mixer's width), B and C in mamba_n_groups groups of ssm_state_size, a
+    # causal conv1d of mamba_d_conv taps over x|B|C, dt clamped to mamba_time_step_limit after its softplus.
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_conv: int = 4
+    mamba_conv_bias: bool = True
+    mamba_chunk_size: int = 256
+    mamba_time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # ---- Scalar multipliers (Granite): each residual branch is scaled by residual_multiplier before its add, the
+    # logits are divided by logits_scaling. use_rope=False: attention without positions (Granite-4.0-H's "nope").
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    use_rope: bool = True
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -181,6 +197,12 @@ class ModelConfig:
                                  f"linear_num_key_heads={self.linear_num_key_heads}")
             if self.linear_conv_kernel_dim < 2:
                 raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}")
+        if "mamba" in (self.layer_types or ()):
+            self._check_state_fields("mamba (Mamba2)", ("mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                                                        "mamba_n_groups", "mamba_chunk_size"),
+                                     ("mamba_num_heads", "mamba_n_groups"), "mamba_d_conv")
+        if self.logits_scaling <= 0:
+            raise ValueError(f"ModelConfig.logits_scaling must be positive, got {self.logits_scaling}")
         if self.is_mla:
             if self.cla_factor > 1:
                 raise ValueError("cross-layer attention (cla_factor > 1) is not supported with MLA; the latent cache "
@@ -205,6 +227,17 @@ class ModelConfig:
                 raise ValueError(f"group-limited routing needs n_group ({self.n_group}) to divide num_experts "
                                  f"({self.num_experts}), 0 < topk_group ({self.topk_group}) <= n_group, and "
                                  "enough experts in the chosen groups for num_experts_per_tok")
+
+    def _check_state_fields(self, kind: str, positive: tuple[str, ...], multiple: tuple[str, str], conv: str) -> None:
+        """A state layer kind's fields: each of `positive` > 0, multiple[0] a multiple of multiple[1], conv >= 2."""
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig.{field} must be positive for {kind} layers, got {getattr(self, field)}")
+        if getattr(self, multiple[0]) % getattr(self, multiple[1]):
+            raise ValueError(f"{multiple[0]}={getattr(self, multiple[0])} is not a multiple of "
+                             f"{multiple[1]}={getattr(self, multiple[1])}")
+        if getattr(self, conv) < 2:
+            raise ValueError(f"{conv} must be >= 2, got {getattr(self, conv)}")
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
@@ -302,6 +335,11 @@ class ModelConfig:
             return gated_delta_state_spec(num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim,
                                           self.linear_num_value_heads, self.linear_key_head_dim,
                                           self.linear_value_head_dim, dtype)
+        if kind == "mamba":  # the same two leaves: conv [N, C, K-1], SSD state [N, heads, head_dim, d_state]
+            from kernels_pallas.recurrent.layout import gated_delta_state_spec
+
+            return gated_delta_state_spec(num_slots, self.mamba_conv_dim, self.mamba_d_conv, self.mamba_num_heads,
+                                          self.mamba_head_dim, self.ssm_state_size, dtype)
         raise ValueError(f"layer {layer} ({kind}) has no state cache layout; state layers are {STATE_LAYER_TYPES} "
                          "(a kind without a branch here needs one added)")
 
@@ -317,6 +355,16 @@ class ModelConfig:
         """Channels of a Gated DeltaNet layer's conv1d: q and k (Hk·Dk each), then v (Hv·Dv)."""
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        """A Mamba2 mixer's width: its heads times head_dim (transformers' expand * hidden_size)."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's conv1d: x (the width), then B and C (groups * d_state each)."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.ssm_state_size
 
     def owns_kv(self, layer: int) -> bool:
         """Whether `layer` computes and writes K/V (false for the later layers of a CLA run)."""

@@ -23,6 +23,7 @@ from models.attention import Attention, AttentionMetadata
 from models.config import ModelConfig
 from models.gated_deltanet import GatedDeltaNet
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
+from models.mamba2 import MAMBA2_WEIGHT_PATHS, Mamba2Mixer
 from models.mla import MLAttention
 from models.moe import MoE
 from models.quantization.awq import AWQConfig, apply_awq
@@ -38,6 +39,7 @@ from models.weights import check_weights, expected_shapes
 # -> (out, shared_kv)` runs each row from a zero state (the cache-free reference path).
 STATE_MIXERS: dict[str, type[nnx.Module]] = {
     "linear_attention": GatedDeltaNet,
+    "mamba": Mamba2Mixer,
 }
 
 
@@ -68,15 +70,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(config, dtype=dtype, rngs=rngs) if config.is_moe(layer) else GatedMLP(config, dtype=dtype,
                                                                                             rngs=rngs)
         self.post_mlp_norm = _norm(config, dtype) if config.post_norms else None
+        self.residual_multiplier = config.residual_multiplier
 
     def _residual(self, x, attn_out):
         if self.post_attn_norm is not None:
             attn_out = self.post_attn_norm(attn_out)
-        x = x + attn_out
+        x = x + self._scaled(attn_out)
         mlp_out = self.mlp(self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             mlp_out = self.post_mlp_norm(mlp_out)
-        return x + mlp_out
+        return x + self._scaled(mlp_out)
+
+    def _scaled(self, branch):
+        """A residual branch times `residual_multiplier` (Granite; 1.0 elsewhere, skipped)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
     def __call__(self, x, positions, kv_pages, meta):
         attn_out, kv_pages = self.attn(self.attn_norm(x), positions, kv_pages, meta)
@@ -124,6 +131,8 @@ class Decoder(nnx.Module):
         with jax.default_matmul_precision(self.matmul_precision):
             out = self.embed.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         out = out.astype(jnp.float32)
+        if self.config.logits_scaling != 1.0:  # Granite divides its logits
+            out = out / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
 
@@ -152,6 +161,7 @@ _LAYER_PATHS = {
     "shared_expert_gate": "mlp.shared_gate.kernel",
     **{n: f"attn.{n}.kernel" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
     "conv1d": "attn.conv1d", "dt_bias": "attn.dt_bias", "A_log": "attn.A_log", "linear_norm": "attn.norm.weight",
+    **MAMBA2_WEIGHT_PATHS,
 }
 
 

@@ -55,6 +55,17 @@ columns grouped per key head: q, k, then the group's Hv/Hk value heads' v and z;
     layers.{i}.A_log           [Hv]
     layers.{i}.linear_norm     [Dv]                                (the gated RMSNorm's weight)
     layers.{i}.out_proj        [Hv·Dv, hidden]
+
+A Mamba2 layer ("mamba"; H heads of P, width W = H·P, G groups of d_state N, conv kernel K, conv channels
+C = W + 2·G·N) likewise, in transformers' Bamba / Granite-4.0-H layout:
+
+    layers.{i}.in_proj         [hidden, W + C + H]                 (the gate z, then x|B|C, then dt)
+    layers.{i}.conv1d          [C, K]                              (depthwise; + conv1d_bias [C] with mamba_conv_bias)
+    layers.{i}.dt_bias         [H]
+    layers.{i}.A_log           [H]
+    layers.{i}.D               [H]
+    layers.{i}.mamba_norm      [W]                                 (the gated group RMSNorm's weight)
+    layers.{i}.out_proj        [W, hidden]
 """
 
 from __future__ import annotations
@@ -102,6 +113,11 @@ def _state_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]
         return {"in_proj_qkvz": (d, 2 * hk * dk + 2 * hv * dv), "in_proj_ba": (d, 2 * hv),
                 "conv1d": (config.linear_conv_dim, config.linear_conv_kernel_dim), "dt_bias": (hv,), "A_log": (hv,),
                 "linear_norm": (dv,), "out_proj": (hv * dv, d)}
+    if kind == "mamba":
+        width, heads, conv = config.mamba_intermediate_size, config.mamba_num_heads, config.mamba_conv_dim
+        shapes = {"in_proj": (d, width + conv + heads), "conv1d": (conv, config.mamba_d_conv), "dt_bias": (heads,),
+                  "A_log": (heads,), "D": (heads,), "mamba_norm": (width,), "out_proj": (width, d)}
+        return shapes | ({"conv1d_bias": (conv,)} if config.mamba_conv_bias else {})
     raise ValueError(f"layer {layer}: no weight layout for {kind!r} layers in models/weights.py")
 
 

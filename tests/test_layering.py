@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.quantization.modes",),
     ("models.quantization",),
     ("models.layers",),
-    ("models.attention",),
+    ("models.attention", "models.mamba2"),
     ("models.mla", "models.moe", "models.gated_deltanet"),
     ("models.decoder", "models.batch_invariant"),
     ("models.loaders",),

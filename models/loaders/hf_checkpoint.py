@@ -21,7 +21,8 @@ from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "qwen3_next",
+                         "granitemoehybrid")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -65,6 +66,11 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _json_float(value: Any) -> float:
+    """A float of config.json, where transformers 5 writes non-finite ones as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 def _opt_float(value: Any) -> float | None:
@@ -164,6 +170,45 @@ def _qwen3_next_fields(cfg: dict[str, Any], layers: int, source: str) -> dict[st
         moe_intermediate_size=int(cfg.get("moe_intermediate_size", 512)) if experts else 0,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)) if experts else 0,
         shared_expert_gate=bool(experts), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+# Granite-4.0-H's layer kinds, in config.json's legacy names or transformers 5's (where "linear_attention" is Mamba2).
+_GRANITE_LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
+                        "full_attention": "full_attention"}
+
+
+def _granite_hybrid_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Mamba2 layers, multipliers and layer kinds of a granitemoehybrid config.json, with GraniteMoeHybridConfig's
+    defaults. Dense only: the feed-forward block is the shared MLP (shared_intermediate_size)."""
+    if int(cfg.get("num_local_experts", 8) or 0):
+        raise ValueError(f"{source}: granitemoehybrid with num_local_experts > 0 (Granite-4.0-H-Tiny / -Small: "
+                         "top-k-softmax routing over fused experts) is not supported; dense ones (num_local_experts=0, "
+                         "e.g. granite-4.0-h-micro) are")
+    if cfg.get("attention_bias") or cfg.get("mamba_proj_bias"):
+        raise ValueError(f"{source}: attention_bias / mamba_proj_bias on granitemoehybrid (biases on o_proj / the "
+                         "Mamba2 projections) are not supported")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"{source}: granitemoehybrid's Mamba2 conv uses hidden_act; only silu is supported")
+    hidden, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    heads = int(cfg.get("mamba_n_heads", 128))
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = int(cfg.get("mamba_expand", 2)) * hidden // heads if head_dim in (None, "auto") else int(head_dim)
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    unknown = sorted(set(kinds) - set(_GRANITE_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{source}: unknown granitemoehybrid layer type {unknown[0]!r}; expected one of "
+                         f"{sorted(_GRANITE_LAYER_TYPES)}")
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    embed = float(cfg.get("embedding_multiplier", 1.0) or 1.0)
+    return dict(
+        intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),
+        layer_types=tuple(_GRANITE_LAYER_TYPES[k] for k in kinds), use_rope=cfg.get("position_embedding_type") == "rope",
+        query_pre_attn_scalar=float(cfg.get("attention_multiplier", 1.0)) ** -2,
+        embed_scale=None if embed == 1.0 else embed,
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=int(cfg.get("mamba_d_state", 256)),
+        mamba_n_groups=int(cfg.get("mamba_n_groups", 1)), mamba_d_conv=int(cfg.get("mamba_d_conv", 4)),
+        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)), mamba_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_time_step_limit=(_json_float(limit[0]), _json_float(limit[1])))
 
 
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str = "") -> ModelConfig:
@@ -210,6 +255,8 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str =
         family = _deepseek_v2_fields(cfg, source)
     if model_type == "qwen3_next":
         family = _qwen3_next_fields(cfg, layers, source)
+    if model_type == "granitemoehybrid":
+        family = _granite_hybrid_fields(cfg, source)
     return ModelConfig(**{**dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -258,10 +305,16 @@ _QWEN3_NEXT_LAYER_NAMES = {
     **{f"mlp.shared_expert.{n}.weight": f"shared.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
     "mlp.experts.gate_up_proj": "experts.gate_up_proj", "mlp.experts.down_proj": "experts.down_proj_fused",
 }
+_GRANITE_LAYER_NAMES = {  # the attention and norms as Llama's; the MLP is Granite's fused shared_mlp
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("mlp.")}, "shared_mlp.input_linear.weight": "gate_up_fused", "shared_mlp.output_linear.weight": "down_proj",
+    "mamba.in_proj.weight": "in_proj", "mamba.conv1d.weight": "conv1d", "mamba.conv1d.bias": "conv1d_bias",
+    "mamba.dt_bias": "dt_bias", "mamba.A_log": "A_log", "mamba.D": "D", "mamba.norm.weight": "mamba_norm",
+    "mamba.out_proj.weight": "out_proj",
+}
 _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "q_a_proj",
             "q_b_proj", "kv_a_proj", "kv_b_proj", "router", "in_proj_qkvz", "in_proj_ba", "out_proj",
-            "shared_expert_gate"}
+            "shared_expert_gate", "gate_up_fused", "in_proj"}
 # What an FP8 checkpoint's codes stay as (the projections `quantize_decoder` quantizes); other FP8 tensors (routed
 # experts, MLA's low-rank projections) the model keeps float, so they are dequantized on load.
 _FP8_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
@@ -275,6 +328,8 @@ def _layer_names(model_type: str) -> dict[str, str]:
         return _DEEPSEEK_LAYER_NAMES
     if model_type == "qwen3_next":
         return _QWEN3_NEXT_LAYER_NAMES
+    if model_type == "granitemoehybrid":
+        return _GRANITE_LAYER_NAMES
     return _GEMMA_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
 
 
@@ -301,6 +356,8 @@ def hf_name(canonical: str, model_type: str = "llama") -> str:
             return k
     _, i, leaf = canonical.split(".", 2)
     inverse = {v: k for k, v in _layer_names(model_type).items()}
+    if leaf not in inverse and leaf in ("gate_proj", "up_proj") and "gate_up_fused" in inverse:
+        leaf = "gate_up_fused"  # one fused tensor in the checkpoint (Granite's shared_mlp.input_linear)
     return f"model.layers.{i}.{inverse[leaf]}"
 
 
@@ -395,6 +452,20 @@ def _stack_experts(weights: dict[str, np.ndarray], config: ModelConfig) -> dict[
     return out
 
 
+def _split_gate_up(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A fused `layers.{i}.gate_up_fused` [hidden, 2I] (Granite's shared_mlp.input_linear, transposed) -> gate_proj
+    (the first I columns: transformers chunks them first) and up_proj."""
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        if name.endswith(".gate_up_fused"):
+            half = w.shape[1] // 2
+            out[name[:-len("gate_up_fused")] + "gate_proj"] = np.ascontiguousarray(w[:, :half])
+            out[name[:-len("gate_up_fused")] + "up_proj"] = np.ascontiguousarray(w[:, half:])
+        else:
+            out[name] = w
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Public entry point.
 
@@ -429,6 +500,7 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
         weights[canonical] = np.ascontiguousarray(w if dtype is None else w.astype(dtype, copy=False))
     if config.num_experts:
         weights = _stack_experts(weights, config)
+    weights = _split_gate_up(weights)
     missing = sorted(set(expected_shapes(config)) - set(weights))
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks tensor {hf_name(missing[0], config.family)!r} ({len(missing)} missing in all); "
