@@ -14,15 +14,7 @@ import pytest
 
 from inference.engine.pages.state_slots import NULL_SLOT, OutOfStateSlotsError, StateSlotManager
 from inference.engine.sequence import Sequence
-from inference.sampling.params import SamplingParams
-
-_ids = iter(range(1 << 30))
-
-
-def make_seq(tokens: list[int]) -> Sequence:
-    i = next(_ids)
-    return Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-                    params=SamplingParams(), seed=0, arrival_order=i)
+from tests.inference.test_block_manager import make_seq
 
 
 class FakeStates:
