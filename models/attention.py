@@ -47,6 +47,14 @@ class AttentionMetadata:
     cu_q_lens: jax.Array  # i32[S + 1]
     num_seqs: jax.Array  # i32[1]
     max_q_len: int = struct.field(pytree_node=False, default=1)
+    # State layers (kernels_pallas/recurrent/): sequence s reads its initial state from slot state_slots[s] and
+    # writes its final state there (padding rows: the null slot 0); it starts from zeros instead when it has no
+    # context before this step's chunk (kv_lens[s] == its query length), so a new slot needs no clearing. None
+    # when the model has no state layer.
+    state_slots: jax.Array | None = None  # i32[S]
+    # Speculative verification: the state after the j-th token of sequence s's chunk is also written to slot
+    # state_spec_slots[s, j] (-1: not written), so the state at the accepted prefix is kept without a rerun.
+    state_spec_slots: jax.Array | None = None  # i32[S, k + 1]
 
     def for_group(self, group: int) -> "AttentionMetadata":
         """The slots and page table of KV cache group `group` (`ModelConfig.kv_group`). A model with several groups

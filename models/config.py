@@ -49,7 +49,10 @@ class RopeScaling:
             raise ValueError(f"unsupported rope scaling type {self.kind!r}; expected linear, llama3 or yarn")
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Layer kinds that keep a constant-size recurrent state instead of a KV cache (transformers' names):
+#: "linear_attention" is Gated DeltaNet (Qwen3-Next), "mamba" is Mamba2 (Nemotron-H, Granite-4.0-H hybrids).
+STATE_LAYER_TYPES = ("linear_attention", "mamba")
+LAYER_TYPES = ("full_attention", "sliding_attention", *STATE_LAYER_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +82,7 @@ class ModelConfig:
     # masking_utils.sliding_window_overlay), i.e. itself and the previous sliding_window - 1 tokens. None: no window.
     sliding_window: int | None = None
     # Per-layer "sliding_attention" / "full_attention" (HF `layer_types`). None with a window: every layer slides
-    # (Mistral). Ignored when sliding_window is None.
+    # (Mistral). Without a window, only the state-layer kinds (STATE_LAYER_TYPES) are read: a hybrid model's layers.
     layer_types: tuple[str, ...] | None = None
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
     norm_style: str = "rms"  # "rms": x̂ * w; "gemma": x̂ * (1 + w), the weight stored as HF stores it
@@ -112,6 +115,13 @@ class ModelConfig:
     # ---- Cross-layer attention (Brandon et al. 2024): each run of cla_factor layers reads the KV cache its first
     # layer writes; the others have no K/V projections and no cache of their own.
     cla_factor: int = 1
+    # ---- Gated DeltaNet ("linear_attention" layers; transformers' Qwen3NextConfig names): Hk key heads of Dk,
+    # Hv value heads of Dv (Hv a multiple of Hk), a causal conv1d of linear_conv_kernel_dim taps over q|k|v.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -143,6 +153,20 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} must be positive or None, got {value}")
         if self.cla_factor < 1:
             raise ValueError(f"ModelConfig.cla_factor must be >= 1, got {self.cla_factor}")
+        if self.has_state_layers and (self.cla_factor > 1 or self.is_mla):
+            raise ValueError("state layers (linear_attention / mamba) are supported beside GQA attention layers "
+                             "without cross-layer attention (cla_factor=1) and without MLA")
+        if "linear_attention" in (self.layer_types or ()):
+            for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                          "linear_value_head_dim"):
+                if getattr(self, field) <= 0:
+                    raise ValueError(f"ModelConfig.{field} must be positive for linear_attention (Gated DeltaNet) "
+                                     f"layers, got {getattr(self, field)}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                                 f"linear_num_key_heads={self.linear_num_key_heads}")
+            if self.linear_conv_kernel_dim < 2:
+                raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {self.linear_conv_kernel_dim}")
         if self.is_mla:
             if self.cla_factor > 1:
                 raise ValueError("cross-layer attention (cla_factor > 1) is not supported with MLA; the latent cache "
@@ -208,9 +232,67 @@ class ModelConfig:
         """Whether `layer`'s feed-forward block is the mixture of experts."""
         return self.num_experts > 0 and layer >= self.first_k_dense_replace
 
+    def is_state_layer(self, layer: int) -> bool:
+        """Whether `layer` keeps a recurrent state (STATE_LAYER_TYPES) instead of attending over a KV cache."""
+        return self.layer_types is not None and self.layer_types[layer] in STATE_LAYER_TYPES
+
+    @property
+    def has_state_layers(self) -> bool:
+        return self.layer_types is not None and any(t in STATE_LAYER_TYPES for t in self.layer_types)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The state layers' indices, in layer order (their caches follow the KV caches in that order)."""
+        return tuple(i for i in range(self.num_layers) if self.is_state_layer(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over a KV cache (every layer of a model without state layers)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_state_layer(i))
+
     def kv_layer(self, layer: int) -> int:
-        """Index of the KV cache `layer` reads: with cross-layer attention, that of the first layer of its run."""
-        return layer // self.cla_factor
+        """Index of the KV cache `layer` reads: with cross-layer attention, that of the first layer of its run; in a
+        hybrid model, its rank among the attention layers (state layers have no KV cache)."""
+        if not self.has_state_layers:
+            return layer // self.cla_factor
+        if self.is_state_layer(layer):
+            raise ValueError(f"layer {layer} is a {self.layer_types[layer]} layer: it has a state cache "
+                             "(cache_index), not a KV cache")
+        return self.attention_layers.index(layer)
+
+    def cache_index(self, layer: int) -> int:
+        """Layer `layer`'s entry in the step's cache list: the KV caches first (`kv_layer` numbering), then one
+        `RecurrentState` per state layer in layer order."""
+        if self.is_state_layer(layer):
+            return self.num_kv_layers + self.state_layers.index(layer)
+        return self.kv_layer(layer)
+
+    def state_cache_spec(self, layer: int, num_slots: int, dtype="float32"):
+        """State layer `layer`'s cache of `num_slots` slots (slot 0 the null slot) as a `RecurrentState` of
+        `jax.ShapeDtypeStruct`s (kernels_pallas/recurrent/layout.py): the conv state in `dtype` (the model's), the
+        recurrent state in float32."""
+        kind = self.layer_types[layer] if self.layer_types is not None else "full_attention"
+        if kind == "linear_attention":
+            from kernels_pallas.recurrent.layout import gated_delta_state_spec
+
+            return gated_delta_state_spec(num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim,
+                                          self.linear_num_value_heads, self.linear_key_head_dim,
+                                          self.linear_value_head_dim, dtype)
+        raise ValueError(f"layer {layer} ({kind}) has no state cache layout; state layers are {STATE_LAYER_TYPES} "
+                         "(a kind without a branch here needs one added)")
+
+    def state_bytes_per_sequence(self, dtype="float32") -> int:
+        """State bytes one sequence holds across all state layers (one slot each; the conv state in `dtype`),
+        constant in its length: the memory budget's and the cost model's one formula."""
+        from kernels_pallas.recurrent.layout import state_bytes
+
+        return sum(state_bytes(self.state_cache_spec(i, 1, dtype)) for i in self.state_layers)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's conv1d: q and k (Hk·Dk each), then v (Hv·Dv)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
 
     def owns_kv(self, layer: int) -> bool:
         """Whether `layer` computes and writes K/V (false for the later layers of a CLA run)."""
@@ -218,7 +300,9 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """How many layers have a KV cache of their own."""
+        """How many layers have a KV cache of their own (state layers have none)."""
+        if self.has_state_layers:
+            return len(self.attention_layers)
         return -(-self.num_layers // self.cla_factor)
 
     @property
@@ -275,7 +359,7 @@ class ModelConfig:
         """The KV cache groups, one per distinct window of the caches (None, full attention, first): the caches
         of a group share a page pool and one page table per sequence (inference/engine/pages/kv_cache_manager.py). A
         cache read by several layers (CLA) belongs to the widest window among them."""
-        windows = {self._cache_window(self.kv_layer(i)) for i in range(self.num_layers)}
+        windows = {self._cache_window(self.kv_layer(i)) for i in self.attention_layers}
         return tuple(sorted(windows, key=lambda w: -1 if w is None else w))
 
     def kv_group(self, layer: int) -> int:
@@ -283,7 +367,7 @@ class ModelConfig:
         return self.kv_group_windows.index(self._cache_window(self.kv_layer(layer)))
 
     def _cache_window(self, cache: int) -> int | None:
-        windows = [self.layer_window(i) for i in range(self.num_layers) if self.kv_layer(i) == cache]
+        windows = [self.layer_window(i) for i in self.attention_layers if self.kv_layer(i) == cache]
         return None if None in windows else max(windows)
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -1,7 +1,8 @@
 """The decoder: one forward path for every variant the config describes. Llama, Mistral, Qwen2/3 and Gemma 2/3
 text differ only in ModelConfig fields (windows, norms, soft caps, scales); DeepSeek-V2 swaps in latent attention
 (models/mla.py) and the mixture of experts (models/moe.py) per layer; cross-layer attention shares one cache among
-`cla_factor` layers.
+`cla_factor` layers. A hybrid model's state layers (`ModelConfig.is_state_layer`: Gated DeltaNet, Mamba2) put a
+`STATE_MIXERS` module in the attention's place, with the attention's call signature over a `RecurrentState` cache.
 
 Layers live in a Python list and the forward loops over them in Python: on CPU, per-layer arrays in an unrolled
 loop compiled and ran faster than `lax.scan` over stacked weights, and the KV
@@ -30,19 +31,36 @@ from models.quantization.modes import (QUANTIZATION_MODES, check_quantization_ar
 from models.weights import check_weights, expected_shapes
 
 
+# Layer kind -> the token mixer a state layer runs in the attention's place. Its constructor takes (config, layer, *,
+# dtype, attn_impl, mesh, rngs); `mixer(x[T, D], positions, state: RecurrentState, meta) -> (out, state')` over the
+# ragged batch (the state slots in `meta.state_slots`), and `mixer.forward_dense(x[B, L, D], positions, shared_kv)
+# -> (out, shared_kv)` runs each row from a zero state (the cache-free reference path).
+STATE_MIXERS: dict[str, type[nnx.Module]] = {
+}
+
+
+def _mixer(config: ModelConfig, layer: int, **kw) -> nnx.Module:
+    if not config.is_state_layer(layer):
+        return (MLAttention if config.is_mla else Attention)(config, layer, **kw)
+    kind = config.layer_types[layer]
+    if kind not in STATE_MIXERS:
+        raise ValueError(f"layer {layer} is a {kind!r} layer, which has no mixer in models/decoder.py STATE_MIXERS")
+    return STATE_MIXERS[kind](config, layer, **kw)
+
+
 def _norm(config: ModelConfig, dtype) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps, style=config.norm_style, dtype=dtype)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block; with `post_norms` (Gemma 2/3) the attention and MLP outputs are normed again before each
-    residual add: x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x)))."""
+    residual add: x + post_attn_norm(attn(attn_norm(x))), then x + post_mlp_norm(mlp(mlp_norm(x))). In a state
+    layer `attn` is its token mixer (`STATE_MIXERS`) and the cache it takes and returns is its `RecurrentState`."""
 
     def __init__(self, config: ModelConfig, layer: int = 0, *, dtype, attn_impl: str,
                  mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         self.attn_norm = _norm(config, dtype)
-        attention = MLAttention if config.is_mla else Attention
-        self.attn = attention(config, layer, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
+        self.attn = _mixer(config, layer, dtype=dtype, attn_impl=attn_impl, mesh=mesh, rngs=rngs)
         self.post_attn_norm = _norm(config, dtype) if config.post_norms else None
         self.mlp_norm = _norm(config, dtype)
         self.mlp = MoE(config, dtype=dtype, rngs=rngs) if config.is_moe(layer) else GatedMLP(config, dtype=dtype,
@@ -89,12 +107,13 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[jax.Array],
                  meta: AttentionMetadata) -> tuple[jax.Array, list[jax.Array]]:
-        """Packed tokens[T] -> (final hidden states [T, D], updated KV caches, one per caching layer)."""
+        """Packed tokens[T] -> (final hidden states [T, D], updated caches): one KV cache per caching layer, then
+        one `RecurrentState` per state layer (`ModelConfig.cache_index`)."""
         with jax.default_matmul_precision(self.matmul_precision):
             x = self.embed(tokens)
             caches = list(kv_caches)
             for i, layer in enumerate(self.layers):
-                j = self.config.kv_layer(i)
+                j = self.config.cache_index(i)
                 x, caches[j] = layer(x, positions, caches[j], meta)
             return self.final_norm(x), caches
 

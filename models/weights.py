@@ -40,6 +40,18 @@ A mixture-of-experts layer (E experts of width I, S shared) replaces gate/up/dow
 
 With cross-layer attention (cla_factor > 1) only the first layer of each run has k_proj / v_proj (and their biases
 and k_norm).
+
+A Gated DeltaNet layer ("linear_attention"; Hk key heads of Dk, Hv value heads of Dv, conv kernel K, conv channels
+C = 2·Hk·Dk + Hv·Dv) replaces the attention's weights, in transformers' Qwen3-Next layouts (the projections' output
+columns grouped per key head: q, k, then the group's Hv/Hk value heads' v and z; b then a likewise):
+
+    layers.{i}.in_proj_qkvz    [hidden, 2·Hk·Dk + 2·Hv·Dv]
+    layers.{i}.in_proj_ba      [hidden, 2·Hv]
+    layers.{i}.conv1d          [C, K]                              (depthwise, no bias)
+    layers.{i}.dt_bias         [Hv]
+    layers.{i}.A_log           [Hv]
+    layers.{i}.linear_norm     [Dv]                                (the gated RMSNorm's weight)
+    layers.{i}.out_proj        [Hv·Dv, hidden]
 """
 
 from __future__ import annotations
@@ -77,6 +89,23 @@ def _attention_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, .
     return shapes
 
 
+def _state_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    kind = config.layer_types[layer]
+    d = config.hidden_size
+    if kind == "linear_attention":
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        return {"in_proj_qkvz": (d, 2 * hk * dk + 2 * hv * dv), "in_proj_ba": (d, 2 * hv),
+                "conv1d": (config.linear_conv_dim, config.linear_conv_kernel_dim), "dt_bias": (hv,), "A_log": (hv,),
+                "linear_norm": (dv,), "out_proj": (hv * dv, d)}
+    raise ValueError(f"layer {layer}: no weight layout for {kind!r} layers in models/weights.py")
+
+
+def _mixer_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The token mixer's weights: a state layer's, or the attention's."""
+    return _state_shapes(config, layer) if config.is_state_layer(layer) else _attention_shapes(config, layer)
+
+
 def _ffn_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     d = config.hidden_size
     if not config.is_moe(layer):
@@ -100,7 +129,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         p = f"layers.{i}."
         shapes.update({p + "attn_norm": (d,), p + "mlp_norm": (d,)})
-        shapes.update({p + k: v for k, v in _attention_shapes(config, i).items()})
+        shapes.update({p + k: v for k, v in _mixer_shapes(config, i).items()})
         shapes.update({p + k: v for k, v in _ffn_shapes(config, i).items()})
         if config.post_norms:
             shapes.update({p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)})

@@ -33,9 +33,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Leaves: chip data, backend detection, the GPU compiler-log parser.
     ("configs.chips", "kernels_pallas.backend", "kernels_pallas.gpu_compile_report"),
     # kernels_pallas
-    ("kernels_pallas.kv_cache.layout",),
+    ("kernels_pallas.kv_cache.layout", "kernels_pallas.recurrent.layout"),
     ("kernels_pallas.native",),
-    ("kernels_pallas.kv_cache", "kernels_pallas.matmul"),
+    ("kernels_pallas.kv_cache", "kernels_pallas.matmul", "kernels_pallas.recurrent"),
     ("kernels_pallas.attention", "kernels_pallas.attention.mosaic_gpu_tiles"),
     ("kernels_pallas.mla",),
     ("kernels_pallas.sharded",),
