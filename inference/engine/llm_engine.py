@@ -82,18 +82,17 @@ class Engine:
         # One page pool and page table per KV cache group (one group unless the model has sliding windows).
         self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
                                             enable_prefix_caching=cache_config.enable_prefix_caching)
-        # A hybrid model's state layers: a state slot per running sequence, prefix checkpoints (state_slots.py).
+        # A hybrid model's state layers: a state slot per running sequence, prefix checkpoints, and per-position
+        # states of speculative verification (inference/engine/pages/state_slots.py).
         self.state = None
         if runner.num_state_slots:
-            if runner.num_state_slots - 1 < scheduler_config.max_num_seqs:
-                raise ValueError(f"the state cache has {runner.num_state_slots - 1} sequence slots, fewer than "
-                                 f"max_num_seqs={scheduler_config.max_num_seqs}; lower max_num_seqs or give the "
-                                 "runner more state slots (a larger cache budget)")
-            if proposer is not None:
-                raise ValueError("speculative decoding is not supported yet on a model with state layers "
-                                 "(linear_attention / mamba): verification would have to keep the state at the "
-                                 "accepted prefix; run without speculative_method")
-            self.state = StateSlotManager(runner.num_state_slots,
+            max_seqs, k = scheduler_config.max_num_seqs, proposer.k if proposer is not None else 0
+            if runner.num_state_slots - 1 - max_seqs * k < max_seqs:
+                raise ValueError(f"the state cache has {runner.num_state_slots} slots, fewer than the null slot, "
+                                 f"max_num_seqs={max_seqs} sequences and {max_seqs * k} for speculative "
+                                 "verification; lower max_num_seqs or give the runner more state slots "
+                                 "(llm.num_state_slots sizes them from the cache budget)")
+            self.state = StateSlotManager(runner.num_state_slots, spec_rows=max_seqs, num_spec=k,
                                           enable_prefix_caching=cache_config.enable_prefix_caching)
         self.proposer = proposer
         self.num_spec = proposer.k if proposer is not None else 0
@@ -325,7 +324,8 @@ class Engine:
                     ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
         """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
-                                             lora_slots=lora_slots, state_slots=self.state is not None)
+                                             lora_slots=lora_slots, state_slots=self.state is not None,
+                                             spec_slot=self.state.spec_slot if self.state is not None else None)
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
@@ -418,6 +418,8 @@ class Engine:
         tokens is never read again, and whole pages past them go back to the pool)."""
         proposed, accepted = len(seq.spec_tokens), int(out.num_accepted[row])
         seq.spec_tokens = []
+        if self.state is not None and accepted < proposed:  # its slot holds the state after the last draft
+            self.state.keep_spec_state(seq, row, accepted)
         seq.num_computed_tokens += 1 + accepted
         self.block_manager.commit_full_pages(seq)
         self.stats.record_speculation(proposed, accepted)

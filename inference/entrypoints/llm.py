@@ -64,21 +64,25 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
     return DEFAULT_CPU_KV_BUDGET
 
 
-def num_state_slots(config, budget: int, max_num_seqs: int, dtype, enable_prefix_caching: bool) -> int:
+def num_state_slots(config, budget: int, max_num_seqs: int, dtype, enable_prefix_caching: bool,
+                    num_speculative_tokens: int = 0) -> int:
     """State slots of a hybrid model's state caches (0 without state layers): the null slot, one per running
-    sequence, and as many prefix checkpoints again as long as the state caches take at most half of `budget` (the KV
-    cache gets the rest). A ValueError when the budget cannot hold max_num_seqs states and a KV page beside them."""
+    sequence, `num_speculative_tokens` per sequence for verification's per-position states when speculating, and as
+    many prefix checkpoints as sequences as long as the state caches take at most half of `budget` (the KV cache
+    gets the rest). A ValueError when the budget cannot hold the required states and a KV page beside them."""
     if not config.has_state_layers:
         return 0
     per_seq = config.state_bytes_per_sequence(dtype)
-    need = (max_num_seqs + 1) * per_seq
+    required = 1 + max_num_seqs * (1 + num_speculative_tokens)
+    need = required * per_seq
     if need >= budget:
         raise ValueError(f"the cache budget of {budget} bytes cannot hold the state of max_num_seqs={max_num_seqs} "
-                         f"sequences ({per_seq} bytes each, {need} with the null slot) and any KV page; raise "
-                         "kv_cache_memory_bytes or lower max_num_seqs")
+                         f"sequences ({per_seq} bytes each, {need} with the null slot"
+                         f"{' and the speculative positions' if num_speculative_tokens else ''}) and any KV page; "
+                         "raise kv_cache_memory_bytes or lower max_num_seqs")
     checkpoints = max_num_seqs if enable_prefix_caching else 0
     checkpoints = min(checkpoints, max(budget // 2 - need, 0) // per_seq)
-    return max_num_seqs + 1 + checkpoints
+    return required + checkpoints
 
 
 def _num_pages(cache: CacheConfig, kv_dtype, configs: list, state_bytes: int = 0) -> int:
@@ -173,7 +177,7 @@ class LLM:
                                seed=config.seed)
         budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction)
         state_slots = num_state_slots(loaded.config, budget, config.scheduler.max_num_seqs, DTYPES[dtype],
-                                      cache.enable_prefix_caching)
+                                      cache.enable_prefix_caching, spec.num_speculative_tokens if spec.method else 0)
         state_bytes = state_slots * loaded.config.state_bytes_per_sequence(DTYPES[dtype]) if state_slots else 0
         num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []),
                                state_bytes)

@@ -19,6 +19,10 @@ which slot, and which device copies must run before the next step (`copy_state_s
   (`KVCacheManager.match_prefix(state_ok=...)`). Checkpoints live in the same pool as sequence slots and are
   evicted least recently used whenever a sequence or a newer checkpoint needs the slot.
 
+Speculative verification writes the state after each verified position of row i to the reserved slots
+`spec_slot(i, j)` (`AttentionMetadata.state_spec_slots`); the sequence's own slot ends at its last draft, so when
+drafts are rejected `keep_spec_state` queues a copy of the state at the accepted prefix into it.
+
 Copies are queued in order and run before the next step as one gather-then-scatter (every source is read before
 any destination is written), so `_queue` rewrites a copy whose source a pending copy writes to read that copy's
 source instead, and drops a pending copy whose destination a later one overwrites: the batch then equals running
@@ -39,16 +43,20 @@ class OutOfStateSlotsError(RuntimeError):
 
 
 class StateSlotManager:
-    def __init__(self, num_slots: int, *, max_checkpoints: int | None = None, enable_prefix_caching: bool = True):
+    def __init__(self, num_slots: int, *, max_checkpoints: int | None = None, enable_prefix_caching: bool = True,
+                 spec_rows: int = 0, num_spec: int = 0):
         """`num_slots` device slots including the null slot 0; `max_checkpoints`: most slots prefix checkpoints may
-        hold at once (None: every slot no sequence holds)."""
-        if num_slots < 2:
+        hold at once (None: every slot no sequence holds); `spec_rows` x `num_spec`: the last slots, reserved for
+        speculative verification's per-position states (`num_spec` drafts in up to `spec_rows` rows)."""
+        self.spec_base = num_slots - spec_rows * num_spec
+        self.num_spec = num_spec
+        if self.spec_base < 2:
             raise ValueError(f"a state cache needs the null slot and at least one sequence slot, got {num_slots} "
                              "slots; raise kv_cache_memory_bytes or lower max_num_seqs")
         self.num_slots = num_slots
         self.enable_prefix_caching = enable_prefix_caching
         self.max_checkpoints = num_slots - 1 if max_checkpoints is None else max_checkpoints
-        self.free_slots: collections.deque[int] = collections.deque(range(1, num_slots))
+        self.free_slots: collections.deque[int] = collections.deque(range(1, self.spec_base))
         self.owner: dict[Sequence, int] = {}
         self.checkpoints: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.pending_copies: list[tuple[int, int]] = []
@@ -99,6 +107,15 @@ class StateSlotManager:
         slot = self.allocate(child)
         self._queue(parent.state_slot, slot)
         return slot
+
+    def spec_slot(self, row: int, position: int) -> int:
+        """Where verification writes the state after position `position` (< num_spec) of batch row `row`'s chunk."""
+        return self.spec_base + row * self.num_spec + position
+
+    def keep_spec_state(self, seq: Sequence, row: int, accepted: int) -> None:
+        """After verifying `seq`'s drafts in batch row `row`: its slot holds the state after its last draft; with
+        `accepted` < its drafts, the state after the accepted prefix (position `accepted`) replaces it."""
+        self._queue(self.spec_slot(row, accepted), seq.state_slot)
 
     # ---- prefix checkpoints -----------------------------------------------------------------------------------
     def has_checkpoint(self, key: bytes) -> bool:
