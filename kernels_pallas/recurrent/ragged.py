@@ -3,9 +3,10 @@ initial state (read from its slot, or zeros for a sequence with no context befor
 per-position states are written. Shared by the conv and every recurrence, so they agree on the slot rules
 (`AttentionMetadata.state_slots` / `state_spec_slots`, models/attention.py).
 
-`meta` is any object with the attention metadata's fields `cu_q_lens` i32[S+1], `kv_lens` i32[S], `state_slots`
-i32[S] and `state_spec_slots` i32[S, k+1] | None (kernels know no model, so no import of its class). Tokens past
-`cu_q_lens[S]` are padding of no sequence: they read zeros and write nothing.
+`meta` is any object with the attention metadata's fields `cu_q_lens` i32[S+1], `kv_lens` i32[S], `num_seqs`
+i32[1], `state_slots` i32[S] and `state_spec_slots` i32[S, k+1] | None (kernels know no model, so no import of its
+class). As in the attention reference, sequences at index >= num_seqs are padding: their tokens give zeros, and
+they hold no token here, so they write their (zero) initial state to their slot, the null slot 0.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ import jax
 import jax.numpy as jnp
 
 
-def token_sequences(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def query_spans(meta: Any) -> tuple[jax.Array, jax.Array]:
+    """(starts[S], q_lens[S]): each sequence's first token and token count this step (0 for padding sequences)."""
+    starts = meta.cu_q_lens[:-1]
+    real = jnp.arange(starts.shape[0]) < meta.num_seqs[0]
+    return starts, jnp.where(real, meta.cu_q_lens[1:] - starts, 0)
+
+
+def token_sequences(meta: Any, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(seq[T], offset[T], valid[T]): each token's sequence, its index within that sequence's chunk, and whether it
-    belongs to a sequence at all (tokens at or past cu_q_lens[S] do not; their seq is clipped to S-1)."""
+    belongs to a real sequence (tokens of padding sequences, or past cu_q_lens[S], do not)."""
+    cu_q_lens = meta.cu_q_lens
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = cu_q_lens.shape[0] - 1
     seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1, 0, num_seqs - 1)
-    valid = t < cu_q_lens[-1]
+    valid = t < cu_q_lens[jnp.minimum(meta.num_seqs[0], num_seqs)]
     return seq, t - cu_q_lens[seq], valid
 
 
