@@ -171,6 +171,10 @@ class LLM:
                              "dtype")
         kv_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype or dtype]
         draft = None
+        if spec.method == "draft" and loaded.config.has_state_layers:
+            raise ValueError("speculative_method='draft' is not supported for a model with state layers "
+                             "(linear_attention / mamba): the draft model's runner keeps no state slots; use "
+                             "speculative_method='ngram'")
         if spec.method == "draft":
             from inference.spec_decode.draft import load_draft
             draft = load_draft(spec.model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
