@@ -367,7 +367,8 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
 
     config = get_model_config(case.preset)
     if case.layers:
-        config = config.replace(num_layers=case.layers, name=f"{config.name}-{case.layers}-layers")
+        config = config.replace(num_layers=case.layers, name=f"{config.name}-{case.layers}-layers",
+                                layer_types=config.layer_types and config.layer_types[:case.layers])
     if case.num_chips > 1 and needs_padding(config, case.num_chips):
         return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
                 "error": f"{case.preset} needs head padding for TP {case.num_chips}"}

@@ -113,3 +113,17 @@ def test_queued_copies_equal_sequential_copies():
         dev.slots = list(start)
         dev.run_copies(mgr.take_copies())
         assert dev.slots == sequential
+
+
+def test_a_sequences_newer_checkpoint_sends_its_previous_one_to_the_front():
+    mgr = StateSlotManager(5)  # four usable slots
+    a, b = make_seq([1] * 24), make_seq([2] * 24)
+    mgr.allocate(a)
+    mgr.allocate(b)
+    mgr.save_checkpoint(b, b"b8")
+    mgr.save_checkpoint(a, b"a8")
+    mgr.save_checkpoint(a, b"a16")  # full: evicts a8 (sent to the front), not the older b8
+    assert list(mgr.checkpoints) == [b"b8", b"a16"]
+    mgr.release(a)
+    mgr.save_checkpoint(b, b"b16")  # a's slot is free again
+    assert list(mgr.checkpoints) == [b"b8", b"a16", b"b16"]

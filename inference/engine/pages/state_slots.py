@@ -17,7 +17,9 @@ which slot, and which device copies must run before the next step (`copy_state_s
   generation), so a later request whose KV prefix hit reaches page m can resume exactly there: its slot gets a copy
   of the checkpoint. A KV hit with no checkpoint at its end is cut back to the longest one that has one
   (`KVCacheManager.match_prefix(state_ok=...)`). Checkpoints live in the same pool as sequence slots and are
-  evicted least recently used whenever a sequence or a newer checkpoint needs the slot.
+  evicted least recently used whenever a sequence or a newer checkpoint needs the slot, except that a sequence's
+  newer checkpoint sends its previous one to the front of the line: under pressure the longest prefix of a prompt
+  (what a repeated request hits) outlives its shorter ones (what a request sharing only part of it hits).
 
 Speculative verification writes the state after each verified position of row i to the reserved slots
 `spec_slot(i, j)` (`AttentionMetadata.state_spec_slots`); the sequence's own slot ends at its last draft, so when
@@ -61,6 +63,7 @@ class StateSlotManager:
         self.checkpoints: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.pending_copies: list[tuple[int, int]] = []
         self.checkpoint_hits = 0
+        self._last_saved: dict[Sequence, bytes] = {}  # each running sequence's latest checkpoint
 
     # ---- stats ------------------------------------------------------------------------------------------------
     @property
@@ -96,6 +99,7 @@ class StateSlotManager:
         """Return the sequence's slot (finish, abort, preemption). Queued copies into it stay harmless: whoever
         takes the slot next starts from zeros or gets a later copy, which supersedes them."""
         slot = self.owner.pop(seq, None)
+        self._last_saved.pop(seq, None)
         seq.state_slot = NULL_SLOT
         if slot is not None:
             self.free_slots.append(slot)
@@ -127,6 +131,10 @@ class StateSlotManager:
         whether a checkpoint was queued."""
         if not self.enable_prefix_caching or self.max_checkpoints < 1 or seq.state_slot == NULL_SLOT:
             return False
+        prev = self._last_saved.get(seq)
+        if prev in self.checkpoints and prev != key:
+            self.checkpoints.move_to_end(prev, last=False)  # evicted first: this sequence's shorter prefix
+        self._last_saved[seq] = key
         if key in self.checkpoints:
             self.checkpoints.move_to_end(key)
             return False
