@@ -117,6 +117,15 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         query_pre_attn_scalar=256.0, bos_token_id=2, eos_token_ids=(1, 106), family="gemma3_text"),
     # DeepSeek-V2-Lite: MLA (latent 512 + RoPE 64 cached per token and layer, no query low rank), 64 routed experts
     # (6 per token) + 2 shared from layer 1 on, YaRN x40.
+    # Qwen3-Next's hybrid: 3 Gated DeltaNet layers to 1 gated full-attention layer, MoE with a gated shared expert.
+    "tiny-qwen3-next": ModelConfig(
+        name="tiny-qwen3-next", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=1024, eos_token_ids=(0,),
+        rms_norm_eps=1e-6, norm_style="gemma", qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, shared_expert_gate=True, norm_topk_prob=True, family="qwen3_next"),
     "deepseek-v2-lite": ModelConfig(
         name="deepseek-v2-lite", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
         num_heads=16, num_kv_heads=1, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -126,6 +135,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_interleaved=True, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, num_shared_experts=2,
         first_k_dense_replace=1, family="deepseek_v2"),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (48 layers, every 4th full attention; 512 experts, 10 routed).
+    "qwen3-next-80b-a3b": ModelConfig(
+        name="qwen3-next-80b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_layers=48,
+        num_heads=16, num_kv_heads=2, head_dim=256, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=262144, bos_token_id=151643, eos_token_ids=(151645,), norm_style="gemma",
+        qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=tuple("linear_attention" if (i + 1) % 4 else "full_attention" for i in range(48)),
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, shared_expert_gate=True, norm_topk_prob=True, family="qwen3_next"),
 }
 
 

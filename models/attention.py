@@ -75,7 +75,9 @@ class Attention(nnx.Module):
                  mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
+        self.output_gate = config.attn_output_gate  # q_proj yields [q | gate] per head
+        self.q_proj = Linear(d, config.num_heads * hd * (2 if self.output_gate else 1), use_bias=config.attention_bias,
+                             dtype=dtype, rngs=rngs)
         self.owns_kv = config.owns_kv(layer)
         if self.owns_kv:
             self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
@@ -86,7 +88,7 @@ class Attention(nnx.Module):
         norm = lambda: RMSNorm(hd, config.rms_norm_eps, style=config.norm_style, dtype=dtype)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm and self.owns_kv else None
-        self.rope = (hd, *config.layer_rope(layer))  # static; the frequencies are trace-time numpy
+        self.rope = (config.rotary_dim, *config.layer_rope(layer))  # static; the frequencies are trace-time numpy
         self.sm_scale = config.attn_scale
         self.sliding_window = config.layer_window(layer)
         self.kv_group = config.kv_group(layer)  # static: which page table of the metadata this layer reads
@@ -97,28 +99,45 @@ class Attention(nnx.Module):
         self.attn_impl = attn_impl
         self.batch_invariant = False  # models/batch_invariant.py: forward_dense through the paged C++ kernel
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
-        """Roped q [T, Hq, D], and roped k and v [T, Hkv, D] (None, None for a layer that shares its KV)."""
-        lead = x.shape[:-1]
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE on each head's first `rotary_dim` dims (all of them unless partial_rotary_factor < 1)."""
         inv_freq = rope_inv_freq(*self.rope)
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        dim = self.rope[0]
+        if dim == self.head_dim:
+            return apply_rope(x, positions, inv_freq)
+        return jnp.concatenate([apply_rope(x[..., :dim], positions, inv_freq), x[..., dim:]], axis=-1)
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        """Roped q [T, Hq, D], roped k and v [T, Hkv, D] (None, None for a layer that shares its KV), and the
+        output gate [T, Hq * D] (None without attn_output_gate)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, -1)
+        gate = None
+        if self.output_gate:  # per head [q | gate] (Qwen3NextAttention)
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(*lead, -1)
         if self.q_norm is not None:  # per head, over head_dim, before RoPE (Qwen3Attention, Gemma3Attention)
             q = self.q_norm(q)
-        q = apply_rope(q, positions, inv_freq)
+        q = self._rope(q, positions)
         if not self.owns_kv:
-            return q, None, None
+            return q, None, None, gate
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return q, apply_rope(k, positions, inv_freq), v
+        return q, self._rope(k, positions), v, gate
+
+    def _output(self, out: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """o_proj of the heads' outputs [..., Hq * D], gated by sigmoid(gate) first when the layer has a gate."""
+        if gate is not None:
+            out = (out * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
+        return self.o_proj(out)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_pages: jax.Array | QuantizedKV,
                  meta: AttentionMetadata) -> tuple[jax.Array, jax.Array | QuantizedKV]:
         """x[T, D] packed tokens -> (out[T, D], updated kv_pages); an int8 cache (QuantizedKV) is quantized on
         write and dequantized by the attention kernel."""
         meta = meta.for_group(self.kv_group)
-        q, k, v = self._qkv(x, positions)
+        q, k, v, gate = self._qkv(x, positions)
         quantized = isinstance(kv_pages, QuantizedKV)
         pages, scales = (kv_pages.pages, kv_pages.scales) if quantized else (kv_pages, None)
         if self.owns_kv and quantized:
@@ -131,18 +150,18 @@ class Attention(nnx.Module):
         args = (q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
         out = (ragged_paged_attention(*args, **kw) if self.mesh is None
                else sharded_ragged_paged_attention(*args, mesh=self.mesh, **kw))
-        return self.o_proj(out.reshape(x.shape[0], -1)), kv_pages
+        return self._output(out.reshape(x.shape[0], -1), gate), kv_pages
 
     def forward_dense(self, x: jax.Array, positions: jax.Array, shared_kv=None):
         """Cache-free causal attention over x[B, L, D] (positions[L] shared by the batch), with the same window and
         soft cap as the paged path: key m is visible to query l when m <= l and m > l - window. Returns (out, (k,
         v)); a layer that shares its KV takes the owner's (k, v) as `shared_kv`."""
         batch, length, _ = x.shape
-        q, k, v = jax.vmap(lambda xb: self._qkv(xb, positions))(x)
+        q, k, v, gate = jax.vmap(lambda xb: self._qkv(xb, positions))(x)
         if not self.owns_kv:
             k, v = shared_kv
         attend = paged_causal_attention if self.batch_invariant else dense_causal_attention
         out = attend(q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
                      soft_cap=self.soft_cap).astype(x.dtype)
-        return self.o_proj(out.reshape(batch, length, -1)), (k, v)
+        return self._output(out.reshape(batch, length, -1), gate), (k, v)
 

@@ -25,6 +25,7 @@ from kernels_pallas.matmul import invariant_cpu
 from kernels_pallas.native import gate
 from models.attention import Attention
 from models.decoder import Decoder
+from models.gated_deltanet import GatedDeltaNet
 from models.layers import Embed, Linear, RMSNorm
 from models.quantization.modes import is_quantized
 
@@ -66,7 +67,7 @@ def make_batch_invariant(model: Decoder) -> Decoder:
     if problems:
         raise ValueError("batch_invariant=True is not possible for this model: " + "; ".join(problems))
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, (Decoder, Linear, Embed, RMSNorm, Attention)):
+        if isinstance(node, (Decoder, Linear, Embed, RMSNorm, Attention, GatedDeltaNet)):
             node.batch_invariant = True
     return model
 

@@ -93,6 +93,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim ** -0.5
     rope_local_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3); None: as global layers
     rope_interleaved: bool = False  # rotate (x0, x1), (x2, x3), ... pairs (DeepSeek) instead of the two halves
+    partial_rotary_factor: float = 1.0  # RoPE on the first int(head_dim * this) dims of each head (Qwen3-Next: 0.25)
+    # q_proj yields, per head, the query then as many gate values; the attention output is multiplied by
+    # sigmoid(gate) before o_proj (Qwen3-Next's gated attention; transformers' name in Qwen3.5 configs).
+    attn_output_gate: bool = False
     # ---- Multi-head latent attention (DeepSeek-V2 §2.1.2). With kv_lora_rank set, a layer caches one latent of
     # kv_lora_rank values plus a shared RoPE key of qk_rope_head_dim per token (no per-head K/V); queries have
     # qk_nope_head_dim + qk_rope_head_dim per head and values v_head_dim. head_dim / num_kv_heads are then unused.
@@ -112,6 +116,11 @@ class ModelConfig:
     topk_method: str = "greedy"  # "greedy" or "group_limited_greedy" (top topk_group of n_group expert groups)
     n_group: int = 1
     topk_group: int = 1
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1 (Qwen MoE; DeepSeek-V2: no)
+    # Qwen MoE's one shared expert: its width (0: num_shared_experts * moe_intermediate_size) and a sigmoid gate
+    # (a [hidden, 1] projection) scaling its output per token.
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # ---- Cross-layer attention (Brandon et al. 2024): each run of cla_factor layers reads the KV cache its first
     # layer writes; the others have no K/V projections and no cache of their own.
     cla_factor: int = 1
@@ -153,6 +162,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} must be positive or None, got {value}")
         if self.cla_factor < 1:
             raise ValueError(f"ModelConfig.cla_factor must be >= 1, got {self.cla_factor}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an even "
+                             f"rotary width (head_dim {self.head_dim} -> {self.rotary_dim})")
+        if self.attn_output_gate and self.is_mla:
+            raise ValueError("attn_output_gate is supported for GQA attention, not MLA")
         if self.has_state_layers and (self.cla_factor > 1 or self.is_mla):
             raise ValueError("state layers (linear_attention / mamba) are supported beside GQA attention layers "
                              "without cross-layer attention (cla_factor=1) and without MLA")
@@ -219,6 +233,16 @@ class ModelConfig:
                 scale *= rs.yarn_mscale(rs.mscale_all_dim) ** 2
             return scale
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def shared_expert_width(self) -> int:
+        """The shared experts' total width (one GatedMLP), 0 for none."""
+        return self.shared_expert_intermediate_size or self.num_shared_experts * self.moe_intermediate_size
 
     @property
     def q_per_kv(self) -> int:

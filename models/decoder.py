@@ -21,6 +21,7 @@ from flax import nnx
 from kernels_pallas.backend import target_backend
 from models.attention import Attention, AttentionMetadata
 from models.config import ModelConfig
+from models.gated_deltanet import GatedDeltaNet
 from models.layers import Embed, GatedMLP, Linear, RMSNorm
 from models.mla import MLAttention
 from models.moe import MoE
@@ -36,6 +37,7 @@ from models.weights import check_weights, expected_shapes
 # ragged batch (the state slots in `meta.state_slots`), and `mixer.forward_dense(x[B, L, D], positions, shared_kv)
 # -> (out, shared_kv)` runs each row from a zero state (the cache-free reference path).
 STATE_MIXERS: dict[str, type[nnx.Module]] = {
+    "linear_attention": GatedDeltaNet,
 }
 
 
@@ -147,6 +149,9 @@ _LAYER_PATHS = {
     **{n: f"mlp.{n}.kernel" for n in ("gate_proj", "up_proj", "down_proj")},
     "router": "mlp.router", **{f"experts.{n}": f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
     **{f"shared.{n}": f"mlp.shared.{n}.kernel" for n in ("gate_proj", "up_proj", "down_proj")},
+    "shared_expert_gate": "mlp.shared_gate.kernel",
+    **{n: f"attn.{n}.kernel" for n in ("in_proj_qkvz", "in_proj_ba", "out_proj")},
+    "conv1d": "attn.conv1d", "dt_bias": "attn.dt_bias", "A_log": "attn.A_log", "linear_norm": "attn.norm.weight",
 }
 
 
@@ -189,7 +194,8 @@ def load_weights(model: Decoder, weights: dict[str, np.ndarray], source: str = "
 def linear_weight_names(model: Decoder) -> list[str]:
     """Canonical names of the layer projections (q/k/v/o, gate/up/down, shared experts) and the untied LM head.
     MLA's low-rank projections and the routed experts stay float under quantization."""
-    suffixes = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    suffixes = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkvz",
+                "in_proj_ba", "out_proj")
     return [n for n in weight_targets(model)
             if n == "lm_head" or (n.rsplit(".", 1)[-1] in suffixes and ".experts." not in n)]
 

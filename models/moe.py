@@ -1,8 +1,10 @@
-"""DeepSeek-V2's mixture-of-experts feed-forward block: shared experts plus top-k routed experts.
+"""The mixture-of-experts feed-forward block of DeepSeek-V2 and Qwen MoE: shared experts plus top-k routed experts.
 
 Routing follows transformers' DeepseekV2TopkRouter exactly: a float32 softmax over the router logits, optionally
 limited to the best `topk_group` of `n_group` expert groups (a group scores as its best expert; V2's
 device-limited routing), top-k of the remaining scores, weights times `routed_scaling_factor` and not renormalized.
+Qwen MoE (Qwen3-Next's Qwen3NextTopKRouter) renormalizes the top-k weights (`norm_topk_prob`) and scales its one
+shared expert's output by sigmoid(x @ shared_expert_gate) per token (`shared_expert_gate`).
 
 Dispatch sorts the (token, expert) pairs by expert and runs the experts as grouped matmuls (`jax.lax.ragged_dot`),
 MaxText's "sparse" form: on GPU/TPU a grouped GEMM that touches only the chosen experts; XLA CPU lowers it to a
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import GatedMLP, activation, normal_init
+from models.layers import GatedMLP, Linear, activation, normal_init
 
 
 class MoE(nnx.Module):
@@ -33,8 +35,10 @@ class MoE(nnx.Module):
         self.gate_proj = nnx.Param(normal_init(rngs, (e, d, f), dtype))
         self.up_proj = nnx.Param(normal_init(rngs, (e, d, f), dtype))
         self.down_proj = nnx.Param(normal_init(rngs, (e, f, d), dtype))
-        self.shared = (GatedMLP(config, intermediate_size=f * config.num_shared_experts, dtype=dtype, rngs=rngs)
-                       if config.num_shared_experts else None)
+        self.shared = (GatedMLP(config, intermediate_size=config.shared_expert_width, dtype=dtype, rngs=rngs)
+                       if config.shared_expert_width else None)
+        self.shared_gate = (Linear(d, 1, dtype=dtype, rngs=rngs) if config.shared_expert_gate else None)
+        self.norm_topk_prob = config.norm_topk_prob
         self.num_experts, self.top_k = e, config.num_experts_per_tok
         self.group_limited = config.topk_method == "group_limited_greedy"
         self.n_group, self.topk_group = config.n_group, config.topk_group
@@ -51,6 +55,8 @@ class MoE(nnx.Module):
             keep = jnp.zeros((tokens, self.n_group), bool).at[jnp.arange(tokens)[:, None], best_groups].set(True)
             scores = jnp.where(keep[:, :, None], grouped, 0.0).reshape(tokens, -1)
         weights, experts = jax.lax.top_k(scores, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights * self.routed_scaling_factor, experts
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -68,5 +74,8 @@ class MoE(nnx.Module):
         ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
         out = jnp.zeros_like(tokens).at[token_of].add(ys.astype(tokens.dtype))
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_gate(tokens)) * shared
+            out = out + shared
         return out.reshape(*lead, d)

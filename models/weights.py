@@ -37,6 +37,9 @@ A mixture-of-experts layer (E experts of width I, S shared) replaces gate/up/dow
     layers.{i}.router          [hidden, E]
     layers.{i}.experts.gate_proj [E, hidden, I]  experts.up_proj [E, hidden, I]  experts.down_proj [E, I, hidden]
     layers.{i}.shared.gate_proj  [hidden, S * I] shared.up_proj  [hidden, S * I] shared.down_proj  [S * I, hidden]
+    layers.{i}.shared_expert_gate [hidden, 1]                      (Qwen MoE; S * I is then shared_expert_width)
+
+With attn_output_gate, q_proj is [hidden, num_heads * 2 * head_dim]: per head the query's columns, then its gate's.
 
 With cross-layer attention (cla_factor > 1) only the first layer of each run has k_proj / v_proj (and their biases
 and k_norm).
@@ -79,11 +82,12 @@ def _attention_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, .
         return shapes
     q, kv = heads * config.head_dim, config.num_kv_heads * config.head_dim
     owns_kv = config.owns_kv(layer)
-    shapes = {"q_proj": (d, q), "o_proj": (q, d)}
+    q_out = 2 * q if config.attn_output_gate else q  # per head [q | gate]
+    shapes = {"q_proj": (d, q_out), "o_proj": (q, d)}
     if owns_kv:
         shapes.update({"k_proj": (d, kv), "v_proj": (d, kv)})
     if config.attention_bias:
-        shapes.update({"q_bias": (q,), **({"k_bias": (kv,), "v_bias": (kv,)} if owns_kv else {})})
+        shapes.update({"q_bias": (q_out,), **({"k_bias": (kv,), "v_bias": (kv,)} if owns_kv else {})})
     if config.qk_norm:
         shapes.update({"q_norm": (config.head_dim,), **({"k_norm": (config.head_dim,)} if owns_kv else {})})
     return shapes
@@ -114,9 +118,11 @@ def _ffn_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     e, f = config.num_experts, config.moe_intermediate_size
     shapes = {"router": (d, e), "experts.gate_proj": (e, d, f), "experts.up_proj": (e, d, f),
               "experts.down_proj": (e, f, d)}
-    if config.num_shared_experts:
-        fs = f * config.num_shared_experts
+    if config.shared_expert_width:
+        fs = config.shared_expert_width
         shapes.update({"shared.gate_proj": (d, fs), "shared.up_proj": (d, fs), "shared.down_proj": (fs, d)})
+    if config.shared_expert_gate:
+        shapes["shared_expert_gate"] = (d, 1)
     return shapes
 
 

@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.quantization",),
     ("models.layers",),
     ("models.attention",),
-    ("models.mla", "models.moe"),
+    ("models.mla", "models.moe", "models.gated_deltanet"),
     ("models.decoder", "models.batch_invariant"),
     ("models.loaders",),
     ("models",),

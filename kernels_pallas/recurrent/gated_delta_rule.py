@@ -84,11 +84,13 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 
 
 def _step(h, q, k, v, g, beta):
-    """One token for a batch of states h [B, Hv, Dk, Dv]; q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv]."""
+    """One token for a batch of states h [B, Hv, Dk, Dv]; q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv].
+    Products and sums over Dk rather than dots: a dot's summation order may depend on B on XLA:CPU, and
+    batch-invariant mode needs each sequence's bits independent of the batch."""
     h = h * jnp.exp(g)[..., None, None]
-    delta = (v - jnp.einsum("bhkv,bhk->bhv", h, k)) * beta[..., None]
+    delta = (v - jnp.sum(h * k[..., :, None], axis=-2)) * beta[..., None]
     h = h + k[..., :, None] * delta[..., None, :]
-    return h, jnp.einsum("bhkv,bhk->bhv", h, q)
+    return h, jnp.sum(h * q[..., :, None], axis=-2)
 
 
 def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid):

@@ -21,7 +21,7 @@ from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "qwen3_next")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}  # transformers' defaults; others hidden/heads
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "qwen3_next": 256}  # transformers' defaults; others hidden/heads
 
 
 def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int | None) -> tuple[str, ...] | None:
@@ -91,7 +91,7 @@ def _layer_types(model_type: str, cfg: dict[str, Any], layers: int, window: int 
 
 def _window(model_type: str, cfg: dict[str, Any]) -> int | None:
     """The sliding window transformers uses; its config classes default a missing key to 4096."""
-    if model_type in ("llama", "deepseek_v2"):  # no sliding window in either
+    if model_type in ("llama", "deepseek_v2", "qwen3_next"):  # no sliding window in these
         return None
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None  # Qwen2Config.__post_init__: sliding_window = None unless use_sliding_window
@@ -137,6 +137,35 @@ def _deepseek_v2_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         topk_group=int(cfg.get("topk_group") or 1))
 
 
+def _qwen3_next_fields(cfg: dict[str, Any], layers: int, source: str) -> dict[str, Any]:
+    """Gated DeltaNet, gated attention and MoE fields of a qwen3_next config.json, with Qwen3NextConfig's defaults
+    (its layer_types: every `full_attention_interval`-th layer full attention, the others linear_attention)."""
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true on qwen3_next also puts a bias on o_proj, which pagejax "
+                         "does not support")
+    experts = int(cfg.get("num_experts", 512) or 0)
+    if experts and (int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers")):
+        raise ValueError(f"{source}: decoder_sparse_step != 1 or mlp_only_layers (dense MLPs between MoE layers) "
+                         "are not supported on qwen3_next; every layer must be MoE")
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        kinds = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    rope = cfg.get("rope_parameters") or {}
+    return dict(
+        norm_style="gemma", qk_norm=True, attn_output_gate=True, layer_types=tuple(kinds),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 10)) if experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 512)) if experts else 0,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)) if experts else 0,
+        shared_expert_gate=bool(experts), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+
+
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str = "") -> ModelConfig:
     """Translate a transformers config dict (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3_text) into ModelConfig.
 
@@ -179,6 +208,8 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json", name: str =
                                                    30.0 if model_type == "gemma2" else None)))
     if model_type == "deepseek_v2":
         family = _deepseek_v2_fields(cfg, source)
+    if model_type == "qwen3_next":
+        family = _qwen3_next_fields(cfg, layers, source)
     return ModelConfig(**{**dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -220,19 +251,30 @@ _DEEPSEEK_LAYER_NAMES = {
     # transformers >= 5 in memory (and checkpoints saved from it unconverted): experts fused into 3-D tensors.
     "mlp.experts.gate_up_proj": "experts.gate_up_proj", "mlp.experts.down_proj": "experts.down_proj_fused",
 }
+_QWEN3_NEXT_LAYER_NAMES = {
+    **_LAYER_NAMES, **{f"linear_attn.{n}.weight": n for n in ("in_proj_qkvz", "in_proj_ba", "out_proj", "conv1d")},
+    "linear_attn.dt_bias": "dt_bias", "linear_attn.A_log": "A_log", "linear_attn.norm.weight": "linear_norm",
+    "mlp.gate.weight": "router", "mlp.shared_expert_gate.weight": "shared_expert_gate",
+    **{f"mlp.shared_expert.{n}.weight": f"shared.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
+    "mlp.experts.gate_up_proj": "experts.gate_up_proj", "mlp.experts.down_proj": "experts.down_proj_fused",
+}
 _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "q_a_proj",
-            "q_b_proj", "kv_a_proj", "kv_b_proj", "router"}
+            "q_b_proj", "kv_a_proj", "kv_b_proj", "router", "in_proj_qkvz", "in_proj_ba", "out_proj",
+            "shared_expert_gate"}
 # What an FP8 checkpoint's codes stay as (the projections `quantize_decoder` quantizes); other FP8 tensors (routed
 # experts, MLA's low-rank projections) the model keeps float, so they are dequantized on load.
 _FP8_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer old checkpoints saved; recomputed from config
+# A buffer old checkpoints saved (recomputed from config); Qwen3-Next's multi-token-prediction head (unused).
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$|mtp\..*")
 
 
 def _layer_names(model_type: str) -> dict[str, str]:
     if model_type == "deepseek_v2":
         return _DEEPSEEK_LAYER_NAMES
+    if model_type == "qwen3_next":
+        return _QWEN3_NEXT_LAYER_NAMES
     return _GEMMA_LAYER_NAMES if model_type in ("gemma2", "gemma3_text") else _LAYER_NAMES
 
 
@@ -244,7 +286,7 @@ def canonical_name(hf_name: str, model_type: str = "llama") -> str | None:
     names = _layer_names(model_type)
     if m and m.group(2) in names:
         return f"layers.{m.group(1)}.{names[m.group(2)]}"
-    expert = _EXPERT_RE.fullmatch(m.group(2)) if m and model_type == "deepseek_v2" else None
+    expert = _EXPERT_RE.fullmatch(m.group(2)) if m and model_type in ("deepseek_v2", "qwen3_next") else None
     if expert:  # one expert's linear of the hub layout: stacked into experts.* by `_stack_experts`
         return f"layers.{m.group(1)}.experts.{expert.group(1)}.{expert.group(2)}"
     if _IGNORED_RE.fullmatch(hf_name):
@@ -382,6 +424,8 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
             continue
         if canonical.rsplit(".", 1)[-1] in _LINEARS:
             w = w.T
+        elif canonical.endswith(".conv1d"):  # nn.Conv1d's depthwise [C, 1, K] -> [C, K]
+            w = w.reshape(w.shape[0], -1)
         weights[canonical] = np.ascontiguousarray(w if dtype is None else w.astype(dtype, copy=False))
     if config.num_experts:
         weights = _stack_experts(weights, config)

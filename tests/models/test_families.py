@@ -1,5 +1,5 @@
-"""Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text and DeepSeek-V2 (MLA + MoE) through the one decoder: equal to
-transformers, paged == cache-free.
+"""Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, DeepSeek-V2 (MLA + MoE) and Qwen3-Next (Gated DeltaNet + gated
+attention + MoE) through the one decoder: equal to transformers, paged == cache-free.
 
 The default tests read tiny committed models (tests/fixtures/families/<family>/: config.json, bf16 safetensors and
 transformers' float32 logits, written by scripts/fixtures/make_family_fixtures.py) and need no transformers. Tests marked
@@ -11,11 +11,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import get_model_config
+from models.attention import AttentionMetadata
 from models.config import RopeScaling
 from models.decoder import build_decoder, weight_targets
 from models.loaders.hf_checkpoint import config_from_hf, load_hf_folder
@@ -24,7 +27,9 @@ from tests.llm_configs import SMALL_POOL
 from tests.models.test_model import run_paged
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "families"
-FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2")
+FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "qwen3_next")
+# The families the engine serves end to end (a state layer's slots are the engine's to hand out: issue 37).
+ENGINE_FAMILIES = tuple(f for f in FAMILIES if f != "qwen3_next")
 HF_ATOL = 1e-4  # pagejax vs transformers, float32
 PAGED_ATOL = 2e-5  # paged vs cache-free, as in tests/models/test_model.py
 
@@ -51,8 +56,14 @@ def _forward(model, ids: np.ndarray) -> np.ndarray:
 def test_fixture_configs_translate_to_the_family_fields():
     windows = {f: [_load(f)[0].layer_window(i) for i in range(_load(f)[0].num_layers)] for f in FAMILIES}
     assert windows == {"mistral": [8, 8], "qwen2": [None, 8], "qwen3": [None, None], "gemma2": [8, None],
-                       "gemma3_text": [8, 8, None], "deepseek_v2": [None] * 3}
-    mistral, qwen2, qwen3, gemma2, gemma3, deepseek = (_load(f)[0] for f in FAMILIES)
+                       "gemma3_text": [8, 8, None], "deepseek_v2": [None] * 3, "qwen3_next": [None] * 4}
+    mistral, qwen2, qwen3, gemma2, gemma3, deepseek, qwen3_next = (_load(f)[0] for f in FAMILIES)
+    assert qwen3_next.state_layers == (0, 1, 2) and qwen3_next.attention_layers == (3,)
+    assert (qwen3_next.linear_num_key_heads, qwen3_next.linear_num_value_heads, qwen3_next.linear_key_head_dim,
+            qwen3_next.linear_value_head_dim, qwen3_next.linear_conv_kernel_dim) == (2, 4, 16, 8, 4)
+    assert qwen3_next.attn_output_gate and qwen3_next.qk_norm and qwen3_next.norm_style == "gemma"
+    assert qwen3_next.rotary_dim == 4 and qwen3_next.norm_topk_prob and qwen3_next.shared_expert_gate
+    assert (qwen3_next.num_experts, qwen3_next.num_experts_per_tok, qwen3_next.shared_expert_width) == (4, 2, 24)
     assert deepseek.is_mla and (deepseek.q_lora_rank, deepseek.kv_lora_rank, deepseek.qk_rope_head_dim) == (24, 32, 8)
     assert [deepseek.is_moe(i) for i in range(3)] == [False, True, True] and deepseek.rope_interleaved
     assert (deepseek.num_experts, deepseek.num_experts_per_tok, deepseek.n_group, deepseek.topk_group) == (8, 3, 4, 2)
@@ -153,6 +164,8 @@ def test_paged_prefill_and_decode_equal_cache_free_forward(family):
     ("deepseek_v2", dict(rope_scaling=None)),
     ("deepseek_v2", dict(topk_method="greedy")),
     ("deepseek_v2", dict(routed_scaling_factor=1.0)),
+    ("qwen3_next", dict(partial_rotary_factor=0.5)),
+    ("qwen3_next", dict(norm_topk_prob=False)),
 ])
 def test_fixtures_are_sensitive_to_each_family_detail(family, change):
     """Dropping any one detail moves the logits far beyond the tolerance, so the equality tests above see it."""
@@ -226,7 +239,7 @@ def test_layer_kinds_match_transformers_config_classes(model_type, extra, fixtur
                                                          for k in kinds]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_llm_loads_a_folder_without_tokenizer_and_generates_through_the_engine(family):
     """LLM(model=folder) on a freshly saved model (no tokenizer files): token ids work, text is a clear error, and
     the paged engine's 32-token greedy continuation (to 52 tokens, several windows long) is transformers'."""
@@ -239,3 +252,79 @@ def test_llm_loads_a_folder_without_tokenizer_and_generates_through_the_engine(f
         temperature=0.0, max_tokens=32, ignore_eos=True))[0].outputs[0].token_ids
     assert out == np.load(FIXTURES / family / "reference.npz")["greedy_ids"].tolist()
     assert "no tokenizer" in llm.generate(["hello"])[0].error
+
+
+# ------------------------------------------------------------------------------------------- state layers (Qwen3-Next)
+
+def run_ragged(model, seqs: list[np.ndarray], schedule: list[list[int]], page_size: int = 4) -> list[np.ndarray]:
+    """Several sequences through the jitted ragged paged step together, as the runner batches them
+    (inference/runtime/batch.py): step k feeds schedule[k][s] more tokens of sequence s (0: not in this step), padded
+    to a prefill or a decode bucket (tokens, 4 sequence rows, max_q_len) with the padding tokens on a padded sequence
+    in the null slot 0. Sequence s owns state slot s + 1, whose initial contents are garbage (a fresh sequence must not
+    read them). Returns each sequence's logits at every position."""
+    cfg = model.config
+    pages_per_seq = -(-max(map(len, seqs)) // page_size)
+    spec = cfg.kv_cache_spec(len(seqs) * pages_per_seq, page_size)
+    rng = np.random.default_rng(0)
+    caches = [jnp.zeros(spec.shape, spec.dtype) for _ in range(cfg.num_kv_layers)]
+    caches += [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+                            cfg.state_cache_spec(i, len(seqs) + 1)) for i in cfg.state_layers]
+    tables = rng.permutation(len(seqs) * pages_per_seq).reshape(len(seqs), pages_per_seq).astype(np.int32)
+    step = nnx.jit(lambda m, *args: m(*args))
+    done, logits, rows_bucket = [0] * len(seqs), [[] for _ in seqs], 4
+    for counts in schedule:
+        num_tokens, max_q = (32, 20) if max(counts) > 1 else (8, 1)
+        rows = [s for s, n in enumerate(counts) if n]
+        tokens, positions, slot_mapping, cu = [], [], [], [0]
+        for s in rows:
+            pos = np.arange(done[s], done[s] + counts[s])
+            tokens += list(seqs[s][pos])
+            positions += list(pos)
+            slot_mapping += list(tables[s][pos // page_size] * page_size + pos % page_size)
+            cu.append(cu[-1] + counts[s])
+        pad = num_tokens - len(tokens)
+        tokens, positions, slot_mapping = tokens + [0] * pad, positions + [0] * pad, slot_mapping + [-1] * pad
+        cu += [num_tokens] * (rows_bucket - len(rows))
+        kv_lens = [done[s] + counts[s] for s in rows] + [0] * (rows_bucket - len(rows))
+        table = np.zeros((rows_bucket, pages_per_seq), np.int32)
+        table[:len(rows)] = tables[rows]
+        meta = AttentionMetadata(
+            slot_mapping=jnp.asarray(slot_mapping, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+            page_indices=jnp.asarray(table), cu_q_lens=jnp.asarray(cu, jnp.int32),
+            num_seqs=jnp.array([len(rows)], jnp.int32), max_q_len=max_q,
+            state_slots=jnp.asarray([s + 1 for s in rows] + [0] * (rows_bucket - len(rows)), jnp.int32))
+        hidden, caches = step(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), caches, meta)
+        out = np.asarray(model.logits(hidden))
+        for i, s in enumerate(rows):
+            logits[s].append(out[cu[i]:cu[i + 1]])
+            done[s] += counts[s]
+    return [np.concatenate(x) for x in logits]
+
+
+def test_qwen3_next_ragged_batch_carries_state_in_slots():
+    """Two sequences share each step: prefill in chunks of different sizes (the chunked form, which restarts its
+    blocks at each sequence and carries state across steps in the slots), then decode steps together (the
+    recurrent form), each sequence against its own cache-free forward."""
+    model = _model("qwen3_next")
+    ids = _load("qwen3_next")[2][0]
+    seqs = [ids, ids[::-1][:30]]
+    schedule = [[13, 0], [9, 7], [5, 20]] + [[1, 1]] * 3 + [[1, 0]] * 10
+    got = run_ragged(model, seqs, schedule)
+    for s, seq in enumerate(seqs):
+        n = len(got[s])
+        np.testing.assert_allclose(got[s], _forward(model, seq[None, :n]), atol=PAGED_ATOL, rtol=1e-5)
+
+
+def test_qwen3_next_config_keys_follow_transformers_defaults():
+    ours = config_from_hf(_hf("qwen3_next", num_hidden_layers=8, num_experts=16))
+    assert ours.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
+        "full_attention",)
+    assert (ours.linear_num_key_heads, ours.linear_num_value_heads, ours.linear_key_head_dim) == (16, 32, 128)
+    assert ours.partial_rotary_factor == 0.25 and ours.num_experts_per_tok == 10 and ours.norm_topk_prob
+    assert config_from_hf(_hf("qwen3_next", num_experts=0)).num_experts == 0
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        config_from_hf(_hf("qwen3_next", num_experts=4, decoder_sparse_step=2))
+    real = get_model_config("qwen3-next-80b-a3b")
+    assert real.num_kv_layers == 12 and len(real.state_layers) == 36
+    # The state is constant in context length: 36 layers of [32, 128, 128] float32 plus a bf16 conv window.
+    assert real.state_bytes_per_sequence("bfloat16") == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from configs import get_model_config
+from kernels_pallas.recurrent.layout import zero_state
 from models.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.decoder import build_decoder, weight_targets
@@ -34,6 +35,9 @@ def run_paged(model, tokens: np.ndarray, chunks: list[int], pages: list[int]) ->
     cfg = model.config
     spec = cfg.kv_cache_spec(max(pages) + 1, PAGE)
     caches = [jnp.zeros(spec.shape, spec.dtype) for _ in range(cfg.num_kv_layers)]
+    # A hybrid model's state layers: one RecurrentState each after the KV caches; the sequence owns slot 1.
+    caches += [zero_state(cfg.state_cache_spec(i, 2)) for i in cfg.state_layers]
+    state_slots = jnp.array([1], jnp.int32) if cfg.has_state_layers else None
     page_indices = np.array([pages], np.int32)
     logits, start = [], 0
     for n in chunks:
@@ -41,7 +45,7 @@ def run_paged(model, tokens: np.ndarray, chunks: list[int], pages: list[int]) ->
         slots = page_indices[0][pos // PAGE] * PAGE + pos % PAGE
         meta = AttentionMetadata(slot_mapping=jnp.asarray(slots), kv_lens=jnp.array([start + n], jnp.int32),
                                  page_indices=jnp.asarray(page_indices), cu_q_lens=jnp.array([0, n], jnp.int32),
-                                 num_seqs=jnp.array([1], jnp.int32), max_q_len=n)
+                                 num_seqs=jnp.array([1], jnp.int32), max_q_len=n, state_slots=state_slots)
         hidden, caches = model(jnp.asarray(tokens[start:start + n]), jnp.asarray(pos), caches, meta)
         logits.append(np.asarray(model.logits(hidden)))
         start += n
