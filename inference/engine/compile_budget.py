@@ -3,7 +3,8 @@ that compiles them all before traffic, so a warmed-up server compiles nothing.
 
 Families: `decode` and `prefill` (the target's steps), `verify` (speculative verification: drafts in the batch),
 `draft` (the draft model's catch-up chunks and proposal step, `speculative_method="draft"`), `copy_pages`
-(copy-on-write page copies, one per power-of-two count). Async scheduling's gather of the previous step's tokens
+(copy-on-write page copies, one per power-of-two count), `copy_state_slots` (a hybrid model's state-slot copies:
+forks, prefix checkpoints and their restores, one per power-of-two count). Async scheduling's gather of the previous step's tokens
 runs inside every step (`TokenFeed`), so it adds no family and no variant. A family's variants are its shapes
 (`inference/runtime/warmup.py`) times the static flags a batch can pick (`inference/runtime/step_variants.py`:
 filters, and the folded extras: logprobs, token mask and penalties, in decode and verification; prompt logprobs
@@ -29,7 +30,7 @@ from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import target_backend
 from kernels_pallas.mla.dispatch import resolve_mla_impl
 
-FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages")
+FAMILIES = ("decode", "prefill", "verify", "draft", "copy_pages", "copy_state_slots")
 
 #: The flag sets a decode (or verification) step can take; a prefill step (filters and extras always on,
 #: `StepFlags.of_batch`); a verification step that also carries prompt chunks (mixed scheduling).
@@ -88,7 +89,15 @@ def count_variants(engine) -> dict[str, int]:
     if engine.proposer is not None and engine.proposer.num_variants():
         counts["draft"] = engine.proposer.num_variants()
     counts["copy_pages"] = len(_copy_counts(engine))
+    if engine.runner.num_state_slots:
+        counts["copy_state_slots"] = len(_state_copy_counts(engine))
     return counts
+
+
+def _state_copy_counts(engine) -> list[int]:
+    """The padded numbers of state-slot copies a step can ask for (forks, checkpoints, restores): queued copies
+    have distinct destinations, so at most one per slot."""
+    return bucket_ladder(1, bucket(engine.runner.num_state_slots))
 
 
 def _copy_counts(engine) -> list[int]:
@@ -121,4 +130,12 @@ def warmup_serving(engine, *, prefill: bool = True, extras: bool = True) -> dict
             engine.runner.copy_pages([(0, 0)] * n, group=group)  # page 0 onto itself: rewrites the same values
     compiled = engine.runner.num_compilations()["copy_pages"] - before
     report["copy_pages"] = {"variants": len(counts), "compiled": compiled, "seconds": time.perf_counter() - start}
+    if engine.runner.num_state_slots:
+        start, before = time.perf_counter(), engine.runner.num_compilations()["copy_state_slots"]
+        counts = _state_copy_counts(engine)
+        for n in counts:
+            engine.runner.copy_state_slots([(0, 0)] * n)  # the null slot onto itself
+        compiled = engine.runner.num_compilations()["copy_state_slots"] - before
+        report["copy_state_slots"] = {"variants": len(counts), "compiled": compiled,
+                                      "seconds": time.perf_counter() - start}
     return report

@@ -20,6 +20,7 @@ from inference.runtime.batch import BucketLimits, ModelInput, build_model_input,
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
 from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
+from inference.engine.pages.state_slots import StateSlotManager
 from inference.engine.metrics import EngineStats
 from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestMetrics, RequestOutput
@@ -81,6 +82,18 @@ class Engine:
         # One page pool and page table per KV cache group (one group unless the model has sliding windows).
         self.block_manager = KVCacheManager(runner.num_pages, runner.page_size, runner.config.kv_group_windows,
                                             enable_prefix_caching=cache_config.enable_prefix_caching)
+        # A hybrid model's state layers: a state slot per running sequence, prefix checkpoints, and per-position
+        # states of speculative verification (inference/engine/pages/state_slots.py).
+        self.state = None
+        if runner.num_state_slots:
+            max_seqs, k = scheduler_config.max_num_seqs, proposer.k if proposer is not None else 0
+            if runner.num_state_slots - 1 - max_seqs * k < max_seqs:
+                raise ValueError(f"the state cache has {runner.num_state_slots} slots, fewer than the null slot, "
+                                 f"max_num_seqs={max_seqs} sequences and {max_seqs * k} for speculative "
+                                 "verification; lower max_num_seqs or give the runner more state slots "
+                                 "(llm.num_state_slots sizes them from the cache budget)")
+            self.state = StateSlotManager(runner.num_state_slots, spec_rows=max_seqs, num_spec=k,
+                                          enable_prefix_caching=cache_config.enable_prefix_caching)
         self.proposer = proposer
         self.num_spec = proposer.k if proposer is not None else 0
         if proposer is not None and speculative_config.enabled and \
@@ -93,7 +106,7 @@ class Engine:
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,
                                    admit=self._lora_fits if lora is not None else None,
-                                   finishing=lambda seq: finishes_in_flight(self, seq))
+                                   finishing=lambda seq: finishes_in_flight(self, seq), state=self.state)
         self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
         # The bucket axes that buy nothing with the attention kernel the steps run (it depends on the cache dtype).
         free = padding_is_free(runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype)
@@ -190,7 +203,12 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget all cached KV pages (their contents came from other weights)."""
         with self._lock:
-            self.block_manager.reset_prefix_cache()
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+        if self.state is not None:
+            self.state.reset_prefix_cache()
 
     def recompute_running(self) -> int:
         """Release every running sequence's KV and queue it to recompute its tokens (after a weight update, so
@@ -200,7 +218,7 @@ class Engine:
             running = list(self.scheduler.running)
             for seq in running:
                 self.scheduler.preempt(seq, count=False)
-            self.block_manager.reset_prefix_cache()
+            self._reset_prefix_cache()
         return len(running)
 
     def reset_stats(self) -> None:
@@ -286,6 +304,8 @@ class Engine:
         for group, copies in enumerate(self.block_manager.take_copies()):
             if copies:
                 self.runner.copy_pages(copies, group=group)
+        if self.state is not None and self.state.pending_copies:  # forks, checkpoints, prefix-hit restores
+            self.runner.copy_state_slots(self.state.take_copies())
         draft_probs = self._run_draft(batch) if batch.speculative else None
         lora_slots = self._lora_slots(batch)
         touched = self.block_manager.take_touched()
@@ -306,7 +326,8 @@ class Engine:
                     ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
         """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
-                                             lora_slots=lora_slots)
+                                             lora_slots=lora_slots, state_slots=self.state is not None,
+                                             spec_slot=self.state.spec_slot if self.state is not None else None)
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
@@ -402,7 +423,9 @@ class Engine:
         # a page (or the first, which starts the chain) has anything to register.
         if before == 0 or before // self.page_size != after // self.page_size:
             self.block_manager.commit_full_pages(seq)
-        if seq.index == 0 and self.scheduler.awaiting_fork and after >= seq.num_prompt_tokens:
+            if self.state is not None:
+                self.scheduler.checkpoint_state(seq)
+        if self.scheduler.fork_due(seq):
             self.scheduler.fork_samples(seq)
         return after >= len(seq.token_ids)
 
@@ -411,6 +434,8 @@ class Engine:
         tokens is never read again, and whole pages past them go back to the pool)."""
         proposed, accepted = len(seq.spec_tokens), int(out.num_accepted[row])
         seq.spec_tokens = []
+        if self.state is not None and accepted < proposed:  # its slot holds the state after the last draft
+            self.state.keep_spec_state(seq, row, accepted)
         seq.num_computed_tokens += 1 + accepted
         self.block_manager.commit_full_pages(seq)
         self.stats.record_speculation(proposed, accepted)

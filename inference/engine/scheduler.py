@@ -14,6 +14,12 @@ Waiting sequences are served by (priority, arrival): FCFS unless a request sets 
 first look up the prefix cache. When pages run out, the lowest-priority newest sequence is preempted: its pages
 are freed and it goes back to the queue to be recomputed (its cached full pages usually make that cheap).
 The `n` samples of a request wait until the first sample has computed the prompt, then fork its pages.
+
+A hybrid model's state layers (`state`, inference/engine/pages/state_slots.py) add three rules: a sequence gets a
+state slot at admission and gives it back at finish and preemption; a prompt's chunks end on page boundaries, and
+one ends at the last full page a later request can hit, so the state there is checkpointed (vLLM's "align" mode); a
+prefix hit ends where a checkpoint exists; and the `n` samples fork one token before the prompt's end (sample 0 stops
+there for one step), since every sample computes the last prompt token itself from the state before it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Callable
 
 from inference.engine.config import SchedulerConfig
 from inference.engine.pages.kv_cache_manager import KVCacheManager
+from inference.engine.pages.state_slots import StateSlotManager
 from inference.engine.sequence import Sequence, SequenceStatus
 
 
@@ -63,17 +70,19 @@ class Scheduler:
                  proposer: Callable[[Sequence], list[int]] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
                  admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
-                 finishing: Callable[[Sequence], bool] | None = None):
+                 finishing: Callable[[Sequence], bool] | None = None, state: StateSlotManager | None = None):
         """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
         `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too); `admit`
         says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots);
-        `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them."""
+        `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them;
+        `state`: the state slots of a hybrid model's state layers (None: the model has none)."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt
         self.admit = admit
         self.finishing = finishing
         self.block_manager = block_manager
+        self.state = state
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.awaiting_fork: list[Sequence] = []  # samples 1..n-1 of a request, until sample 0 has the prompt
@@ -81,7 +90,9 @@ class Scheduler:
         self._prefill_streak = 0
 
     def add(self, seq: Sequence) -> None:
-        if seq.index > 0 and seq.num_output_tokens == 0 and not seq.pages:
+        # With state layers a sample forks one token before the prompt's end: a 1-token prompt has nothing to share.
+        if seq.index > 0 and seq.num_output_tokens == 0 and not seq.pages and (
+                self.state is None or seq.num_prompt_tokens > 1):
             self.awaiting_fork.append(seq)
         else:
             bisect.insort(self.waiting, seq, key=_queue_key)
@@ -96,19 +107,48 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.block_manager.release(seq)
+        if self.state is not None:
+            self.state.release(seq)
         for sibling in [s for s in self.awaiting_fork if s.request_id == seq.request_id]:
             self.awaiting_fork.remove(sibling)
             bisect.insort(self.waiting, sibling, key=_queue_key)
 
+    def fork_due(self, parent: Sequence) -> bool:
+        """Whether `parent`'s siblings fork now: sample 0 has computed its prompt (with state layers: all of it but
+        the last token, whose state every sample then computes from its own copy)."""
+        if parent.index or not self.awaiting_fork:
+            return False
+        return parent.num_computed_tokens >= parent.num_prompt_tokens - (self.state is not None)
+
+    def _fork_cut(self, seq: Sequence) -> int | None:
+        """Where sample 0's prompt chunk must end so its siblings can fork (state layers only), or None."""
+        if self.state is None or seq.index or not any(s.request_id == seq.request_id for s in self.awaiting_fork):
+            return None
+        return seq.num_prompt_tokens - 1
+
     def fork_samples(self, parent: Sequence) -> list[Sequence]:
-        """After `parent` (sample 0) computed its prompt: its siblings share its pages and start decoding."""
+        """After `parent` (sample 0) computed its prompt: its siblings share its pages and start decoding. With
+        state layers each also needs a slot holding a copy of the parent's state; a sibling that cannot have one,
+        or cannot take over exactly the parent's computed tokens, is queued to compute alone."""
         children = [s for s in self.awaiting_fork if s.request_id == parent.request_id]
+        forked = []
         for child in children:
             self.awaiting_fork.remove(child)
+            if self.state is not None and not self.state.can_allocate():
+                bisect.insort(self.waiting, child, key=_queue_key)
+                continue
             self.block_manager.fork(parent, child)
+            if self.state is not None:
+                if child.num_computed_tokens != parent.num_computed_tokens:
+                    self.block_manager.release(child)
+                    child.num_computed_tokens = 0
+                    bisect.insort(self.waiting, child, key=_queue_key)
+                    continue
+                self.state.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
-        return children
+            forked.append(child)
+        return forked
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -144,14 +184,21 @@ class Scheduler:
                 break
             if is_new and self.admit is not None and not self.admit(seq, self.running):
                 continue
+            if is_new and self.state is not None:  # a slot first: taking it may evict a checkpoint
+                if not self.state.can_allocate():
+                    break
+                self.state.allocate(seq)
             if is_new and not seq.pages and seq.params.prompt_logprobs is None:  # those need every position
-                self.block_manager.match_prefix(seq, seq.lora_id or None)  # no prefix hits across adapters
-                seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+                self._match_prefix(seq)
             chunk = min(seq.num_uncomputed_tokens, budget)
+            if self.state is not None and chunk > 1:
+                chunk = self._state_chunk(seq, chunk)
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + chunk):
                 if is_new:  # give back the prefix pages it just took; it stays queued
                     self.block_manager.release(seq)
                     seq.num_computed_tokens = 0
+                    if self.state is not None:
+                        self.state.release(seq)
                 break
             self.block_manager.grow(seq, seq.num_computed_tokens + chunk)
             if is_new:
@@ -169,6 +216,47 @@ class Scheduler:
             raise RuntimeError(f"request {head.request_id} cannot be scheduled with an empty engine; it should have "
                                "been rejected when it was added")
         return None
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Attach the longest cached prefix (no hits across adapters); with state layers, one that ends at a state
+        checkpoint, restored into the sequence's slot."""
+        state = self.state
+        state_ok = state.has_checkpoint if state is not None else None
+        self.block_manager.match_prefix(seq, seq.lora_id or None, state_ok=state_ok)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+        if state is None or not seq.num_computed_tokens:
+            return
+        state.restore(seq, self.block_manager.prefix_key(seq, seq.num_computed_tokens // self.block_manager.page_size))
+        if self._fork_cut(seq) == seq.num_computed_tokens:  # the hit reaches where the samples fork
+            self.fork_samples(seq)
+
+    def _state_chunk(self, seq: Sequence, chunk: int) -> int:
+        """A prompt chunk of a hybrid model, shortened to end where a state is worth keeping: on a page boundary
+        (a checkpoint a later prefix hit resumes from), at the last full page before the sequence's last token (the
+        longest hit a request with this prefix can have), and where the samples of `n` fork."""
+        start, ps = seq.num_computed_tokens, self.block_manager.page_size
+        end = start + chunk
+        if self.state.enable_prefix_caching:
+            last = (seq.num_tokens - 1) // ps * ps
+            if start < last < end:
+                end = last
+            elif end < seq.num_tokens and end // ps * ps > start:
+                end = end // ps * ps
+        cut = self._fork_cut(seq)
+        if cut is not None and start < cut < end:
+            end = cut
+        return end - start
+
+    def checkpoint_state(self, seq: Sequence) -> None:
+        """After a step of `seq` (its computed tokens advanced, its full pages committed): when they end on a page
+        boundary within the prompt, keep the state there under the page's chain hash, so a later request whose
+        prefix hit reaches that page resumes from it. The copy runs before the next step overwrites the slot."""
+        n, ps = seq.num_computed_tokens, self.block_manager.page_size
+        if self.state is None or n % ps or not 0 < n <= seq.num_prompt_tokens:
+            return
+        key = self.block_manager.prefix_key(seq, n // ps)
+        if key is not None:
+            self.state.save_checkpoint(seq, key)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
@@ -208,6 +296,8 @@ class Scheduler:
         asked for (not a shortage of pages), which `num_preemptions` does not count."""
         self.running.remove(seq)
         self.block_manager.release(seq)
+        if self.state is not None:
+            self.state.release(seq)
         seq.num_computed_tokens = 0
         seq.spec_tokens = []
         if self.on_preempt is not None:

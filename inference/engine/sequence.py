@@ -37,6 +37,7 @@ class Sequence:
     # One page table per KV cache group (inference/engine/pages/kv_cache_manager.py); a model without windows has one.
     block_tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    state_slot: int = 0  # a hybrid model's state-cache slot (inference/engine/pages/state_slots.py); 0: none
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output_logprobs: list[LogprobsDict] = dataclasses.field(default_factory=list)

@@ -65,13 +65,35 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, memory_fraction: float) -
     return DEFAULT_CPU_KV_BUDGET
 
 
-def _num_pages(cache: CacheConfig, kv_dtype, configs: list) -> int:
+def num_state_slots(config, budget: int, max_num_seqs: int, dtype, enable_prefix_caching: bool,
+                    num_speculative_tokens: int = 0) -> int:
+    """State slots of a hybrid model's state caches (0 without state layers): the null slot, one per running
+    sequence, `num_speculative_tokens` per sequence for verification's per-position states when speculating, and as
+    many prefix checkpoints as sequences as long as the state caches take at most half of `budget` (the KV cache
+    gets the rest). A ValueError when the budget cannot hold the required states and a KV page beside them."""
+    if not config.has_state_layers:
+        return 0
+    per_seq = config.state_bytes_per_sequence(dtype)
+    required = 1 + max_num_seqs * (1 + num_speculative_tokens)
+    need = required * per_seq
+    if need >= budget:
+        raise ValueError(f"the cache budget of {budget} bytes cannot hold the state of max_num_seqs={max_num_seqs} "
+                         f"sequences ({per_seq} bytes each, {need} with the null slot"
+                         f"{' and the speculative positions' if num_speculative_tokens else ''}) and any KV page; "
+                         "raise kv_cache_memory_bytes or lower max_num_seqs")
+    checkpoints = max_num_seqs if enable_prefix_caching else 0
+    checkpoints = min(checkpoints, max(budget // 2 - need, 0) // per_seq)
+    return required + checkpoints
+
+
+def _num_pages(cache: CacheConfig, kv_dtype, configs: list, state_bytes: int = 0) -> int:
     """KV pages of `cache.page_size` tokens that the budget holds for every model in `configs` (the target, and a
-    draft model, whose cache has a slot for every target page since it runs on the target's page tables)."""
+    draft model, whose cache has a slot for every target page since it runs on the target's page tables), after
+    `state_bytes` of state caches (a hybrid model's)."""
     # An int8 / fp8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py).
     scale_bytes = 4 if cache.kv_cache_dtype in ("int8", "fp8") else 0
     bytes_per_token = sum(c.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize, scale_bytes=scale_bytes) for c in configs)
-    budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction)
+    budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction) - state_bytes
     page_size = cache.page_size
     num_pages = int(budget // (bytes_per_token * page_size))
     while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
@@ -154,6 +176,10 @@ class LLM:
                              "dtype")
         kv_dtype = KV_CACHE_DTYPES[cache.kv_cache_dtype or dtype]
         draft = None
+        if spec.method == "draft" and loaded.config.has_state_layers:
+            raise ValueError("speculative_method='draft' is not supported for a model with state layers "
+                             "(linear_attention / mamba): the draft model's runner keeps no state slots; use "
+                             "speculative_method='ngram'")
         if spec.method == "draft":
             from inference.spec_decode.draft import load_draft
             draft = load_draft(spec.model, target_config=loaded.config, target_tokenizer=loaded.tokenizer,
@@ -161,7 +187,12 @@ class LLM:
         context = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         if cache.page_size is None:  # the backend's default for this model length (engine/config.py)
             cache = dataclasses.replace(cache, page_size=default_page_size(target_backend(), context))
-        num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []))
+        budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction)
+        state_slots = num_state_slots(loaded.config, budget, config.scheduler.max_num_seqs, DTYPES[dtype],
+                                      cache.enable_prefix_caching, spec.num_speculative_tokens if spec.method else 0)
+        state_bytes = state_slots * loaded.config.state_bytes_per_sequence(DTYPES[dtype]) if state_slots else 0
+        num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []),
+                               state_bytes)
         page_size = cache.page_size
         if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
             context = min(context, num_pages * page_size)
@@ -174,13 +205,17 @@ class LLM:
                 make_batch_invariant(decoder)
             lora = _lora_manager(config.lora, decoder.config, loaded.config, dtype=DTYPES[dtype], mesh=mesh)
             runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
-                                 config=loaded.config, lora=lora.slots if lora is not None else None)
+                                 config=loaded.config, lora=lora.slots if lora is not None else None,
+                                 num_state_slots=state_slots, state_dtype=DTYPES[dtype])
             proposer = _proposer(spec, draft, num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
                                  kv_dtype=kv_dtype, attn_impl=config.attn_impl)
             engines.append(Engine(runner, self.tokenizer, scheduler, cache_config=cache, proposer=proposer,
                                   speculative_config=spec, lora=lora))
         self.runners = [e.runner for e in engines]  # one per data-parallel replica
         self.runner = self.runners[0]
+        log.info("cache: %d KV pages of %d tokens (%d bytes, growing with the context), %d state slots (%d bytes, "
+                 "constant in the context)", num_pages, page_size, self.runner.kv_cache_bytes, state_slots,
+                 self.runner.state_cache_bytes)
         self.engine: EngineClient = engines[0] if len(engines) == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
 

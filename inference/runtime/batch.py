@@ -117,11 +117,15 @@ class BucketLimits:
 
 
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
-                      num_spec: int = 0, lora_slots: list[int] | None = None) -> tuple[ModelInput, int]:
+                      num_spec: int = 0, lora_slots: list[int] | None = None,
+                      state_slots: bool = False, spec_slot=None) -> tuple[ModelInput, int]:
     """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
     `num_spec` (the static draft length) draft slots per sequence. With several KV cache groups
     (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P].
-    `lora_slots`: each sequence's LoRA slot, spread over its tokens (padding tokens get slot 0)."""
+    `lora_slots`: each sequence's LoRA slot, spread over its tokens (padding tokens get slot 0). `state_slots`: the
+    model has state layers; `attn.state_slots` carries each sequence's `Sequence.state_slot` (padding rows: 0), and
+    in a speculative batch `attn.state_spec_slots[i, j]` = `spec_slot(i, j)` for each draft position j of row i
+    (StateSlotManager.spec_slot; -1 elsewhere: the last position's state is the sequence's own slot)."""
     num_groups = len(batch.seqs[0].block_tables)
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
@@ -183,6 +187,15 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
 
     attn = AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
                              cu_q_lens=cu_q_lens, num_seqs=np.array([num_seqs], np.int32), max_q_len=max_q)
+    if state_slots:
+        slots = np.zeros(padded_seqs, np.int32)
+        slots[:num_seqs] = [s.state_slot for s in seqs]
+        attn = attn.replace(state_slots=slots)
+        if batch.speculative:
+            spec = np.full((padded_seqs, num_spec + 1), -1, np.int32)
+            for i, seq in enumerate(seqs):
+                spec[i, :len(seq.spec_tokens)] = [spec_slot(i, j) for j in range(len(seq.spec_tokens))]
+            attn = attn.replace(state_spec_slots=spec)
     spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if batch.speculative else None
     return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
                       target_ids=target_ids, spec=spec, lora_slots=token_slots), num_tokens

@@ -1,9 +1,14 @@
-"""The jitted model steps and the device state they own (parameters, paged KV cache).
+"""The jitted model steps and the device state they own (parameters, paged KV cache, a hybrid model's state cache).
 
 `prefill_step` and `decode_step` are two `jax.jit` entry points over one pure step function
 `(params, kv_caches, model_input, sampling) -> (sampled tokens + logprobs, new kv_caches)`. They compile once per
 static bucket (tokens, sequences, pages per sequence, longest query, sampler flags); the KV cache is donated so it is
 updated in place. Only the sampled tokens (and logprobs when asked) come back to the host.
+
+A hybrid model's state layers (`ModelConfig.state_layers`) each keep a `RecurrentState` of `num_state_slots` slots
+(kernels_pallas/recurrent/layout.py), appended to the cache list after the KV caches (`ModelConfig.cache_index`), so
+they are donated and updated in place with them; `copy_state_slots` runs the engine's queued slot copies (forks,
+prefix checkpoints) before a step, as `copy_pages` runs page copies.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
 from inference.sampling.rejection import probs_from_logits, rejection_sample
 from kernels_pallas.kv_cache.writes import copy_latent_pages, copy_pages
 from kernels_pallas.kv_cache.layout import has_scales
+from kernels_pallas.recurrent.layout import copy_state_slots, zero_state
 from models.attention import QuantizedKV
 from models.decoder import Decoder
 from models.lora import bind_lora
@@ -176,11 +182,14 @@ def _copy_cache_pages(cache, src, dst):
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
-                 mesh: jax.sharding.Mesh | None = None, config=None, lora: LoRASlots | None = None):
+                 mesh: jax.sharding.Mesh | None = None, config=None, lora: LoRASlots | None = None,
+                 num_state_slots: int = 0, state_dtype=None):
         """`mesh`: tensor parallelism over its "model" axis (sharding/): parameters and KV caches get NamedShardings
         and XLA inserts the collectives. `config`: the model's real config when `model` was padded for the mesh
         (sharding.shard_decoder); `self.config` is that one, the KV cache follows the padded `model.config`.
-        `lora`: LoRA slot arrays every step reads (built for `model.config` and `mesh`); None: no LoRA."""
+        `lora`: LoRA slot arrays every step reads (built for `model.config` and `mesh`); None: no LoRA.
+        `num_state_slots`: slots of each state layer's cache (a hybrid model; slot 0 the null slot), its conv state
+        in `state_dtype` (the model dtype; default `kv_dtype`, float32 for a quantized cache)."""
         padded = model.config
         self.lora = lora
         self.config = config = config or padded
@@ -210,6 +219,17 @@ class ModelRunner:
         # there too, for the same reason).
         self.token_sharding = jax.sharding.SingleDeviceSharding(self._device)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
+        self.num_state_slots = num_state_slots if padded.has_state_layers else 0
+        if padded.has_state_layers:
+            if num_state_slots < 2:
+                raise ValueError(f"a model with state layers needs num_state_slots >= 2 (the null slot and one per "
+                                 f"running sequence), got {num_state_slots}")
+            if mesh is not None:
+                raise ValueError("tensor parallelism with state layers (linear_attention / mamba) is not supported "
+                                 "yet: the state caches have no partition rule; use tensor_parallel_size=1")
+            state_dtype = state_dtype or (jnp.float32 if has_scales(kv_dtype) else kv_dtype)
+        self._state_specs = [padded.state_cache_spec(i, num_state_slots, state_dtype) for i in padded.state_layers] \
+            if padded.has_state_layers else []
         layout = StepLayout(vocab_size=config.vocab_size if config.vocab_size != padded.vocab_size else None)
         self.param_shardings = None
         self._kv_spec, self._num_kv_layers, self._kv_sharding = spec, padded.num_kv_layers, None
@@ -235,7 +255,7 @@ class ModelRunner:
         self.prefill_step = jit_step(self.graphdef, self.param_treedef, layout)
         self.decode_step = jit_step(self.graphdef, self.param_treedef, layout)
         # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
-        group_of = {padded.kv_layer(i): padded.kv_group(i) for i in range(padded.num_layers)}
+        group_of = {padded.kv_layer(i): padded.kv_group(i) for i in padded.attention_layers}
         self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]
                              for g in range(len(padded.kv_group_windows))]
         kv_sharding = layout.kv_sharding
@@ -243,6 +263,8 @@ class ModelRunner:
             lambda caches, src, dst: [_copy_cache_pages(c, src, dst) if kv_sharding is None else
                                       jax.lax.with_sharding_constraint(_copy_cache_pages(c, src, dst), kv_sharding)
                                       for c in caches], donate_argnums=(0,))
+        self._copy_state = jax.jit(lambda caches, src, dst: [copy_state_slots(c, src, dst) for c in caches],
+                                   donate_argnums=(0,))
         # Async scheduling's token feed (`TokenFeed`): the width of the sampled tokens every step also returns for
         # the next step to gather from (the engine sets its largest sequence bucket; None: each step's own).
         self.feed_width: int | None = None
@@ -251,18 +273,25 @@ class ModelRunner:
         """A zeroed KV cache per caching layer, created in its shards under a mesh (never whole on one device), and
         committed to its devices: the caches every step returns are, and the first step must see the same kind."""
         zeros = jax.jit(lambda: _new_cache(self._kv_spec), out_shardings=self._kv_sharding or self.token_sharding)
-        return [zeros() for _ in range(self._num_kv_layers)]
+        states = [jax.jit(functools.partial(zero_state, spec), out_shardings=self.token_sharding)()
+                  for spec in self._state_specs]
+        return [zeros() for _ in range(self._num_kv_layers)] + states
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the whole KV cache, summed over devices."""
-        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
+        """Bytes of the whole KV cache (the state caches excluded), summed over devices."""
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches[:self._num_kv_layers]))
+
+    @property
+    def state_cache_bytes(self) -> int:
+        """Bytes of the state caches of a hybrid model's state layers (0 without): constant in the context."""
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches[self._num_kv_layers:]))
 
     def num_compilations(self) -> dict[str, int]:
         """Compiled variants of each step so far (one per static bucket seen), and of the copy-on-write page copy
         (one per power-of-two count of copies)."""
         return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size(),
-                "copy_pages": self._copy_pages._cache_size()}
+                "copy_pages": self._copy_pages._cache_size(), "copy_state_slots": self._copy_state._cache_size()}
 
     def noop_feed(self, num_tokens: int, num_seqs: int) -> TokenFeed:
         """A feed that writes nothing (every entry dropped at the token bucket), of the width the engine's steps
@@ -285,6 +314,8 @@ class ModelRunner:
             if inp.lora_slots is None:  # warm-up and other callers without adapters: every token on slot 0
                 inp = inp.replace(lora_slots=np.zeros(inp.tokens.shape[0], np.int32))
         feed = inp.feed if inp.feed is not None else self.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0])
+        if self._state_specs and inp.attn.state_slots is None:  # warm-up and other callers: every row on slot 0
+            inp = inp.replace(attn=inp.attn.replace(state_slots=np.zeros(inp.logits_indices.shape[0], np.int32)))
         inp = inp.replace(tokens=jax.device_put(inp.tokens, self.token_sharding), feed=feed)  # committed there, always
         sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
                                                    use_filters=use_filters, logprobs=logprobs,
@@ -325,6 +356,15 @@ class ModelRunner:
             return
         for c, cache in zip(index, self._copy_pages([self.kv_caches[c] for c in index], src, dst)):
             self.kv_caches[c] = cache
+
+    def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy state slots src -> dst in every state layer's cache (forks, prefix checkpoints), padded to a
+        power-of-two count with (0, 0) pairs (the null slot onto itself)."""
+        size = bucket(len(copies))
+        padded = copies + [(0, 0)] * (size - len(copies))
+        src, dst = (np.asarray(x, np.int32) for x in zip(*padded))
+        n = self._num_kv_layers
+        self.kv_caches = self.kv_caches[:n] + self._copy_state(self.kv_caches[n:], src, dst)
 
     @property
     def params(self) -> nnx.State:

@@ -6,8 +6,11 @@ chip) can be checked before anything is compiled:
 - KV cache: M = 2·b·B·S·L·K·H bytes (keys and values, B sequences of S cached tokens, L layers, K KV heads of
   width H, b bytes per element). Everything about *which* elements a layer caches lives in
   `kv_bytes_per_token` and its two per-layer hooks, so sliding-window and MLA variants extend one place.
-- Decode step under the bandwidth-only model: every step reads all weights once and each sequence's cache once,
-  τ = (W + B·C)/β and throughput R = B/τ. It omits cache writes, activations and compute time, so it is an
+- State cache (a hybrid model's state layers: Gated DeltaNet, Mamba2): a constant number of bytes per sequence,
+  `ModelConfig.state_bytes_per_sequence`, whatever its context; `state_vs_kv` tabulates it against the KV
+  cache's growth.
+- Decode step under the bandwidth-only model: every step reads all weights once and each sequence's cache once
+  (a state is read and rewritten whole: twice its bytes), τ = (W + B·C)/β and throughput R = B/τ. It omits cache writes, activations and compute time, so it is an
   estimate under stated assumptions, not a measured timing.
 - Arithmetic intensity (FLOPs per byte moved) of a [n, D]×[D, F] linear layer, ≈ n = B·T tokens while n ≪ D, F,
   and of attention, S·T/(S+T) for multi-head attention (S/(S+1) for one-token decode), compared with the chip's
@@ -118,8 +121,9 @@ def weight_bytes_read(config: ModelConfig, batch: int, bytes_per_element: float)
 
 def _kv_elements_per_token(config: ModelConfig, layer: int) -> int:
     """Cache elements one token adds to one layer: 2·K·H for ordinary attention, the latent plus the RoPE key for
-    MLA (512 + 64 = 576 for DeepSeek-V2), nothing for a CLA layer that reads an earlier layer's cache."""
-    return config.kv_width if config.owns_kv(layer) else 0
+    MLA (512 + 64 = 576 for DeepSeek-V2), nothing for a CLA layer that reads an earlier layer's cache or a state
+    layer (its state does not grow: `state_bytes_per_sequence`)."""
+    return config.kv_width if config.owns_kv(layer) and not config.is_state_layer(layer) else 0
 
 
 def _cached_tokens(config: ModelConfig, layer: int, context: int) -> int:
@@ -140,6 +144,27 @@ def kv_bytes_per_sequence(config: ModelConfig, context: int, bytes_per_element: 
     elements = sum(_kv_elements_per_token(config, i) * _cached_tokens(config, i, context)
                    for i in range(config.num_layers))
     return elements * bytes_per_element
+
+
+def state_bytes_per_sequence(config: ModelConfig, bytes_per_element: float) -> float:
+    """State-cache bytes of one sequence (0 without state layers), the same at every context: the recurrent states
+    in float32 always, the conv windows in the activations' dtype (bfloat16 unless `bytes_per_element` is 4)."""
+    if not config.has_state_layers:
+        return 0.0
+    return float(config.state_bytes_per_sequence("float32" if bytes_per_element >= 4 else "bfloat16"))
+
+
+def state_vs_kv(config: ModelConfig, contexts: Sequence[int], bytes_per_element: float = 2) -> str:
+    """One sequence's cache bytes at each context: the KV cache of the attention layers (growing) beside the state
+    of the state layers (constant), and their sum."""
+    state = state_bytes_per_sequence(config, bytes_per_element)
+    lines = [f"model {config.name}: one sequence's cache, {bytes_per_element:g} bytes per KV element; "
+             f"{config.num_kv_layers} KV layers, {len(config.state_layers)} state layers",
+             "  context      kv_mb   state_mb   total_mb"]
+    for context in contexts:
+        kv = kv_bytes_per_sequence(config, context, bytes_per_element)
+        lines.append(f"{context:9d} {kv / 1e6:10.2f} {state / 1e6:10.2f} {(kv + state) / 1e6:10.2f}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -214,6 +239,7 @@ class ModelSummary:
     kv_bytes_per_token: float
     kv_bytes_per_sequence: float
     context: int
+    state_bytes_per_sequence: float = 0.0  # a hybrid model's state layers: the same at every context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +250,7 @@ class StepEstimate:
     batch: int
     context: int
     weight_bytes: float
-    kv_bytes: float
+    kv_bytes: float  # KV cache bytes the step reads, plus a hybrid model's state bytes read and rewritten
     step_s: float
     linear_intensity: float
     linear_intensity_approx: float
@@ -287,7 +313,8 @@ def summarize(config: ModelConfig, context: int, bytes_per_element: float) -> Mo
         name=config.name, kv_heads=config.num_kv_heads, params=param_count(config),
         bytes_per_element=bytes_per_element, weight_bytes=weight_bytes(config, bytes_per_element),
         kv_bytes_per_token=kv_bytes_per_token(config, bytes_per_element),
-        kv_bytes_per_sequence=kv_bytes_per_sequence(config, context, bytes_per_element), context=context)
+        kv_bytes_per_sequence=kv_bytes_per_sequence(config, context, bytes_per_element), context=context,
+        state_bytes_per_sequence=state_bytes_per_sequence(config, bytes_per_element))
 
 
 def estimate_decode_step(config: ModelConfig, batch: int, context: int, chip: ChipSpec,
@@ -299,7 +326,7 @@ def estimate_decode_step(config: ModelConfig, batch: int, context: int, chip: Ch
     """
     _check_positive("batch", batch)
     summary = summarize(config, context, bytes_per_element)
-    kv = batch * summary.kv_bytes_per_sequence
+    kv = batch * (summary.kv_bytes_per_sequence + 2 * summary.state_bytes_per_sequence)
     lin = linear_intensity(batch, config.hidden_size, config.intermediate_size, bytes_per_element)
     attn = attention_intensity(context, 1, config.num_heads, config.num_kv_heads, bytes_per_element)
     return StepEstimate(
@@ -369,7 +396,9 @@ def format_report(report: CostReport) -> str:
         lines.append(
             f"  K={s.kv_heads}: {s.params.total:,} params ({s.params.matrices:,} without norms/biases); "
             f"weights {s.weight_bytes / GB:.2f} GB; KV {s.kv_bytes_per_token:,.0f} B/token, "
-            f"{s.kv_bytes_per_sequence / GB:.3f} GB per sequence")
+            f"{s.kv_bytes_per_sequence / GB:.3f} GB per sequence"
+            + (f"; state {s.state_bytes_per_sequence / 1e6:.2f} MB per sequence (constant in the context)"
+               if s.state_bytes_per_sequence else ""))
     lines.append(f"chip {chip.name}: {chip.flops_per_s / 1e12:g} TFLOP/s, {chip.bandwidth_bytes_per_s / 1e12:g} TB/s; "
                  f"roofline crossover {chip.crossover_intensity:.0f} FLOP/byte")
     lines.append("step_ms = (weights + batch·KV per sequence) / bandwidth; intensities in FLOP/byte "

@@ -399,14 +399,14 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
     kv_sharding = rep if (case.num_chips == 1 or config.is_mla) else kv_cache_sharding(mesh, config.num_kv_heads)
     caches = [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=kv_sharding)
               for _ in range(config.num_kv_layers)]
+    # A hybrid model's state caches follow (ModelConfig.cache_index): a slot per sequence and the null slot,
+    # replicated; a copy of one in the HLO is a whole-state copy (`cache_copies`).
+    states = [abstract(config.state_cache_spec(i, seqs + 1, case.dtype), rep) for i in config.state_layers]
+    caches += states
     groups = len(config.kv_group_windows)
     empty = ModelInput.empty(tokens, seqs, pages_per_seq, max_q, num_groups=groups)
-    state_shapes: tuple[tuple[int, ...], ...] = ()
-    if config.has_state_layers:  # a RecurrentState per state layer (slot per sequence + the null slot), in place
-        states = [config.state_cache_spec(i, seqs + 1, case.dtype) for i in config.state_layers]
-        caches += [jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), st) for st in states]
-        state_shapes = (states[0].conv.shape, states[0].ssm.shape)
-        empty = empty.replace(attn=empty.attn.replace(state_slots=np.zeros(seqs, np.int32)))
+    if states:
+        empty = empty.replace(attn=empty.attn.replace(state_slots=np.arange(1, seqs + 1, dtype=np.int32)))
     inp = abstract(empty, rep)
     sampling = abstract(SamplingTensors.from_params([SamplingParams()] * seqs, [0] * seqs, [0] * seqs, seqs), rep)
     layout = StepLayout(kv_sharding=None if case.num_chips == 1 else kv_sharding,
@@ -416,9 +416,13 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
     step = jit_step(graphdef, treedef, layout)
     fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
+    state_shapes = tuple(x.shape for st in states for x in jax.tree.leaves(st))
     row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local, *state_shapes),
                        donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
     row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
+    if states:
+        from kernels_pallas.recurrent.layout import state_bytes
+        row["cost_model"]["state"] = sum(state_bytes(st) for st in states)
     row["cache_shape"] = list(local)
     if quantization is not None and row.get("status") == "compiled":
         row["quantization"] = quantization

@@ -4,6 +4,7 @@
     python scripts/tools/cost_model.py --model=llama-2-13b --batch=64,256 --kv_heads=8 --json
     python scripts/tools/cost_model.py --model=path/to/config.json --chip=v5e --plot=out.png
     python scripts/tools/cost_model.py --model=llama-3-8b --batch=1,64,256 --formats=bf16,fp8   # H100/H200 bounds
+    python scripts/tools/cost_model.py --model=qwen3-next-80b-a3b --state_vs_kv=1024,32768,262144  # hybrid caches
 
 The logic lives in `inference.tools.cost_model`; this file only reads flags and prints.
 """
@@ -30,6 +31,8 @@ _CHIP = flags.DEFINE_string("chip", "h100", "Chip preset: h100, h200, v5e, v6e."
 _FLOPS = flags.DEFINE_float("flops", None, "Peak FLOP/s, overriding the chip preset.")
 _BANDWIDTH = flags.DEFINE_float("bandwidth", None, "Memory bandwidth in bytes/s, overriding the chip preset.")
 _JSON = flags.DEFINE_bool("json", False, "Print a JSON list of rows instead of the table.")
+_STATE_VS_KV = flags.DEFINE_list("state_vs_kv", None, "Comma-separated contexts: print one sequence's KV bytes "
+                                  "(growing) beside its state bytes (constant; hybrid models) at each.")
 _PLOT = flags.DEFINE_string("plot", None, "Write a memory-bars + roofline figure to this path (needs matplotlib).")
 
 
@@ -38,6 +41,10 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
         config = cost_model.load_model_config(_MODEL.value)
+        if _STATE_VS_KV.value:
+            print(cost_model.state_vs_kv(config, cost_model.parse_int_list(_STATE_VS_KV.value, "--state_vs_kv"),
+                                         _BYTES.value))
+            return
         if _FORMATS.value:
             print(cost_model.bounds_table(config, cost_model.parse_int_list(_BATCH.value, "--batch"),
                                           _CONTEXT.value, _FORMATS.value))

@@ -315,3 +315,24 @@ def test_fp8_halves_the_hopper_decode_bound() -> None:
     table = cm.bounds_table(config, [1, 64], 1024)
     assert "h100" in table and "h200" in table and table.count("fp8") == 4
     assert f"{fp8.step_s * 1e3:7.2f}" in table
+
+
+def test_hybrid_state_bytes_are_constant_beside_growing_kv():
+    """Three Gated DeltaNet layers and one attention layer: only the attention layer's KV grows with the context;
+    the state is conv windows (bf16) plus float32 delta-rule states, the same at every context."""
+    base = MODEL_PRESETS["tiny-llama"]
+    config = base.replace(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    conv_channels = 2 * 2 * 8 + 4 * 16
+    state = 3 * (conv_channels * 3 * 2 + 4 * 8 * 16 * 4)
+    assert cm.state_bytes_per_sequence(config, 2) == state
+    kv_token = 2 * base.num_kv_heads * base.head_dim * 2  # one caching layer
+    for context in (16, 4096):
+        assert cm.kv_bytes_per_sequence(config, context, 2) == context * kv_token
+    step = cm.estimate_decode_step(config, 8, 4096, LECTURE_CHIP)
+    assert step.kv_bytes == 8 * (4096 * kv_token + 2 * state)  # a state is read and rewritten whole
+    table = cm.state_vs_kv(config, [16, 4096])
+    rows = [line.split() for line in table.splitlines()[2:]]
+    assert rows[0][2] == rows[1][2] == f"{state / 1e6:.2f}" and float(rows[1][1]) > float(rows[0][1])
+    assert cm.state_bytes_per_sequence(base, 2) == 0

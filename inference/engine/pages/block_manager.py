@@ -334,6 +334,11 @@ class BlockManager:
         if chain is not None:
             self._chains[child] = _Chain(chain.root, chain.generation, chain.hashes[:same // self.page_size])
 
+    def chain(self, seq: Sequence) -> _Chain | None:
+        """The chain hashes of `seq`'s computed full pages, if they count (of the current cache generation)."""
+        chain = self._chains.get(seq)
+        return chain if chain is not None and chain.generation == self._generation else None
+
     def _root(self, extra_key: Hashable) -> bytes:
         return hashlib.sha256(repr((self._generation, extra_key)).encode()).digest()
 

@@ -20,7 +20,7 @@ longest one every group can resume from, a fork shares from the point every grou
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence as Seq
+from typing import Callable, Hashable, Sequence as Seq
 
 from inference.engine.pages.block_manager import BlockManager, OutOfPagesError, pages_needed
 from inference.engine.sequence import Sequence
@@ -131,14 +131,25 @@ class KVCacheManager:
             for g in self.groups:
                 g.share(parent, child, points[0])
 
-    def match_prefix(self, seq: Sequence, extra_key: Hashable = None) -> int:
-        """Attach the longest cached prefix every group can resume from; returns the tokens it covers."""
+    def match_prefix(self, seq: Sequence, extra_key: Hashable = None,
+                     state_ok: Callable[[bytes], bool] | None = None) -> int:
+        """Attach the longest cached prefix every group can resume from; returns the tokens it covers. `state_ok`
+        (a hybrid model's state layers, inference/engine/pages/state_slots.py): whether the state after the page
+        of a chain hash is checkpointed; a hit must also end at such a page."""
         looked = [g.lookup(seq, extra_key) for g in self.groups]
         oks = [g.resumable(found) for g, (_, found) in zip(self.groups, looked)]
+        if state_ok is not None:
+            oks.append([True] + [state_ok(h) for h in looked[0][0]])
         m = max(i for i in range(min(map(len, oks))) if all(ok[i] for ok in oks))
         for g, (hashes, found) in zip(self.groups, looked):
             g.attach(seq, hashes, found, m)
         return seq.num_computed_tokens
+
+    def prefix_key(self, seq: Sequence, num_pages: int) -> bytes | None:
+        """The chain hash naming `seq`'s first `num_pages` pages (group 0's; every group roots its chain alike), or
+        None when it is not hashed (prefix caching off, or after a cache reset): a state checkpoint's key."""
+        chain = self.groups[0].chain(seq)
+        return chain.hashes[num_pages - 1] if chain is not None and 0 < num_pages <= len(chain.hashes) else None
 
     def commit_full_pages(self, seq: Sequence) -> int:
         return sum(g.commit_full_pages(seq) for g in self.groups)
