@@ -28,8 +28,9 @@ from tests.models.test_model import run_paged
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "families"
 FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "qwen3_next")
-# The families the engine serves end to end (a state layer's slots are the engine's to hand out: issue 37).
-ENGINE_FAMILIES = tuple(f for f in FAMILIES if f != "qwen3_next")
+# The families the engine serves end to end: these, and Granite-4.0-H (Mamba2; tests/models/test_granite_hybrid.py
+# checks its logits).
+ENGINE_FAMILIES = (*FAMILIES, "granitemoehybrid")
 HF_ATOL = 1e-4  # pagejax vs transformers, float32
 PAGED_ATOL = 2e-5  # paged vs cache-free, as in tests/models/test_model.py
 
