@@ -61,6 +61,8 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per st
 flags.DEFINE_enum("compare", None, ["hf", "llamacpp", "plain"], "Also run, on the same prompts: transformers' "
                   "generate (hf), llama.cpp on the same GGUF (llamacpp; needs llama-cpp-python), or pagejax without "
                   "speculation (plain, with --speculative).")
+flags.DEFINE_string("baseline_python", None, "--compare=hf/llamacpp: the Python that runs the other side (default: "
+                    "this one). Point it at a venv with the `reference` extra to keep torch out of this environment.")
 flags.DEFINE_integer("llamacpp_threads", 0, "--compare=llamacpp: llama.cpp's threads (0: every core). Use 1 on a "
                      "busy machine: its spinning workers collapse when the cores are shared (scripts/bench/llamacpp_bench.py).")
 flags.DEFINE_string("plot", None, "Write a PNG of the results here (scripts/bench/plot_benchmarks.py; needs matplotlib).")
@@ -186,11 +188,12 @@ def run_baseline_in_child(side: str, gguf_path: str, prompts: list[list[int]]) -
     the ratio."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
+    python = FLAGS.baseline_python or sys.executable
     if side == "hf":
-        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "hf_bench.py"), f"--gguf={gguf_path}",
+        cmd = [python, os.path.join(os.path.dirname(__file__), "hf_bench.py"), f"--gguf={gguf_path}",
                f"--prompts={f.name}"]
     else:
-        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), f"--gguf={gguf_path}",
+        cmd = [python, os.path.join(os.path.dirname(__file__), "llamacpp_bench.py"), f"--gguf={gguf_path}",
                f"--prompts={f.name}", f"--threads={FLAGS.llamacpp_threads}"]
     cmd.append(f"--output_len={FLAGS.output_len}")
     try:
