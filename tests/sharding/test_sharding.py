@@ -151,8 +151,8 @@ def worker() -> dict:
 
 
 # model -> (KV heads, TP sizes run alone, TP sizes run as 2 data-parallel replicas)
-MODELS = {"tiny-llama": (2, (1, 2), ()), "tiny-llama-9q3kv": (3, (1, 2, 4, 8), (1, 2, 4)),
-          "tiny-odd": (3, (1, 8), ()), "tiny-mha": (4, (1, 2, 4, 8), (4,)), "tiny-mistral": (2, (1, 2, 4, 8), (4,))}
+MODELS = {"tiny-llama": (2, (1, 2), ()), "tiny-llama-9q3kv": (3, (1, 2, 4, 8), (2,)),
+          "tiny-odd": (3, (1, 8), ()), "tiny-mha": (4, (1, 2, 8), ()), "tiny-mistral": (2, (1, 4, 8), (4,))}
 
 
 def _runs(worker, model: str) -> list[tuple[str, dict]]:
