@@ -77,7 +77,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
     ("inference.tools",),
     ("inference",),
-    ("scripts",),
+    ("scripts", "scripts.tools.aot_harness", "scripts.tools.aot_kernels", "scripts.tools.aot_steps"),
 )
 
 
