@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.attention", "models.mamba2"),
     ("models.mla", "models.moe", "models.gated_deltanet"),
     ("models.decoder", "models.batch_invariant"),
-    ("models.loaders",),
+    ("models.loaders", "models.loaders.hf_names"),
     ("models",),
     # configs.presets: instances of models.config, above every model module; the configs __init__ re-exports them.
     ("configs",),
