@@ -55,9 +55,9 @@ def step_cases(presets=STEP_PRESETS, decode_batches=(64,), layers: int | None = 
 def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float | None = None) -> dict:
     """What the cost model says the step holds: the weights (in the case's dtype, or `weight_bytes` a weight: 1 for
     fp8 / int8) and the KV cache in the case's dtype (per device under TP)."""
-    from inference.tools import cost_model
+    from inference.tools import model_bytes
 
-    weights = cost_model.weight_bytes(config, weight_bytes or jnp.dtype(case.dtype).itemsize)
+    weights = model_bytes.weight_bytes(config, weight_bytes or jnp.dtype(case.dtype).itemsize)
     kv = config.kv_cache_bytes(num_pages, case.page_size, case.dtype)
     per = case.num_chips
     kv_per_device = kv if config.is_mla else kv / per  # MLA's latent cache is replicated
@@ -68,9 +68,9 @@ def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_byt
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
     from configs.chips import CHIP_PRESETS
-    from inference.tools import cost_model
+    from inference.tools import model_bytes
 
-    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - cost_model.weight_bytes(
+    free = 0.9 * CHIP_PRESETS[chip].hbm_bytes * case.num_chips - model_bytes.weight_bytes(
         config, weight_bytes or jnp.dtype(case.dtype).itemsize)
     per_page = config.kv_cache_bytes(1, case.page_size, case.dtype)
     return int(max(case.shape[1], min(wanted, free // per_page)))
