@@ -74,7 +74,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.spec_decode",),
     ("inference.engine", "inference.engine.async_scheduling", "inference.engine.compile_budget"),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
-    ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
+    ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts",
+     "inference.entrypoints.replica"),
     ("inference.tools", "inference.tools.model_bytes", "inference.tools.cost_model_io"),
     ("inference",),
     ("scripts", "scripts.tools.aot_harness", "scripts.tools.aot_kernels", "scripts.tools.aot_steps"),
