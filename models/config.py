@@ -329,17 +329,15 @@ class ModelConfig:
         `jax.ShapeDtypeStruct`s (kernels_pallas/recurrent/layout.py): the conv state in `dtype` (the model's), the
         recurrent state in float32."""
         kind = self.layer_types[layer] if self.layer_types is not None else "full_attention"
+        from kernels_pallas.recurrent.layout import recurrent_state_spec
+
         if kind == "linear_attention":
-            from kernels_pallas.recurrent.layout import gated_delta_state_spec
-
-            return gated_delta_state_spec(num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim,
-                                          self.linear_num_value_heads, self.linear_key_head_dim,
-                                          self.linear_value_head_dim, dtype)
+            return recurrent_state_spec(num_slots, self.linear_conv_dim, self.linear_conv_kernel_dim,
+                                        self.linear_num_value_heads, self.linear_key_head_dim,
+                                        self.linear_value_head_dim, dtype)
         if kind == "mamba":  # the same two leaves: conv [N, C, K-1], SSD state [N, heads, head_dim, d_state]
-            from kernels_pallas.recurrent.layout import gated_delta_state_spec
-
-            return gated_delta_state_spec(num_slots, self.mamba_conv_dim, self.mamba_d_conv, self.mamba_num_heads,
-                                          self.mamba_head_dim, self.ssm_state_size, dtype)
+            return recurrent_state_spec(num_slots, self.mamba_conv_dim, self.mamba_d_conv, self.mamba_num_heads,
+                                        self.mamba_head_dim, self.ssm_state_size, dtype)
         raise ValueError(f"layer {layer} ({kind}) has no state cache layout; state layers are {STATE_LAYER_TYPES} "
                          "(a kind without a branch here needs one added)")
 

@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models.attention", "models.mamba2"),
     ("models.mla", "models.moe", "models.gated_deltanet"),
     ("models.decoder", "models.batch_invariant"),
-    ("models.loaders",),
+    ("models.loaders", "models.loaders.hf_names"),
     ("models",),
     # configs.presets: instances of models.config, above every model module; the configs __init__ re-exports them.
     ("configs",),
@@ -74,10 +74,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.spec_decode",),
     ("inference.engine", "inference.engine.async_scheduling", "inference.engine.compile_budget"),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
-    ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts"),
-    ("inference.tools",),
+    ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts",
+     "inference.entrypoints.replica"),
+    ("inference.tools", "inference.tools.model_bytes", "inference.tools.cost_model_io"),
     ("inference",),
-    ("scripts",),
+    ("scripts", "scripts.tools.aot_harness", "scripts.tools.aot_kernels", "scripts.tools.aot_steps"),
 )
 
 

@@ -28,19 +28,14 @@ from inference.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from inference.runtime.runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.engine.client import EngineClient
-from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, LoRAConfig, ParallelConfig,
-                                     check_dtype, default_page_size, QuantizationConfig, SpeculativeConfig)
-from inference.lora.manager import LoRAManager
+from inference.engine.config import (DTYPES, KV_CACHE_DTYPES, CacheConfig, EngineConfig, check_dtype,
+                                     default_page_size)
 from inference.lora.request import LoRARequest
-from inference.lora.slots import LoRASlots
-from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
-from inference.spec_decode.proposer import Proposer
 from inference.entrypoints.prompts import ParsedPrompt, PromptType, parse_prompts
+from inference.entrypoints.replica import build_replica_decoder, make_lora_manager, make_proposer, replica_meshes_for
 from inference.entrypoints.streaming import DeltaTracker, EngineLoop, StreamDelta
 from kernels_pallas.backend import target_backend
 from models.batch_invariant import make_batch_invariant
-from models.decoder import build_decoder, quantize_decoder
-from models.quantization.modes import is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +81,13 @@ def num_state_slots(config, budget: int, max_num_seqs: int, dtype, enable_prefix
     return required + checkpoints
 
 
-def _num_pages(cache: CacheConfig, kv_dtype, configs: list, state_bytes: int = 0) -> int:
-    """KV pages of `cache.page_size` tokens that the budget holds for every model in `configs` (the target, and a
-    draft model, whose cache has a slot for every target page since it runs on the target's page tables), after
-    `state_bytes` of state caches (a hybrid model's)."""
+def _num_pages(budget: int, cache: CacheConfig, kv_dtype, configs: list) -> int:
+    """KV pages of `cache.page_size` tokens that `budget` bytes (`kv_cache_budget`'s, less a hybrid model's state
+    caches) hold for every model in `configs` (the target, and a draft model, whose cache has a slot for every target
+    page since it runs on the target's page tables)."""
     # An int8 / fp8 cache keeps one float32 scale per token and KV head (kernels_pallas/kv_cache/writes.py).
     scale_bytes = 4 if cache.kv_cache_dtype in ("int8", "fp8") else 0
     bytes_per_token = sum(c.kv_bytes_per_token(jnp.dtype(kv_dtype).itemsize, scale_bytes=scale_bytes) for c in configs)
-    budget = kv_cache_budget(cache.kv_cache_memory_bytes, cache.memory_fraction) - state_bytes
     page_size = cache.page_size
     num_pages = int(budget // (bytes_per_token * page_size))
     while num_pages > 0 and sum(c.kv_cache_bytes(num_pages, page_size, kv_dtype) for c in configs) > budget:
@@ -191,24 +185,24 @@ class LLM:
         state_slots = num_state_slots(loaded.config, budget, config.scheduler.max_num_seqs, DTYPES[dtype],
                                       cache.enable_prefix_caching, spec.num_speculative_tokens if spec.method else 0)
         state_bytes = state_slots * loaded.config.state_bytes_per_sequence(DTYPES[dtype]) if state_slots else 0
-        num_pages = _num_pages(cache, kv_dtype, [loaded.config] + ([draft.config] if draft is not None else []),
-                               state_bytes)
+        num_pages = _num_pages(budget - state_bytes, cache, kv_dtype,
+                               [loaded.config] + ([draft.config] if draft is not None else []))
         page_size = cache.page_size
         if None in loaded.config.kv_group_windows:  # full-attention layers keep every page: the pool caps it
             context = min(context, num_pages * page_size)
         scheduler = dataclasses.replace(config.scheduler, max_model_len=context)
         engines = []
-        for mesh in _replica_meshes(parallel):
-            decoder = _build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=config.attn_impl,
-                                             seed=config.seed, quantization=quant)
+        for mesh in replica_meshes_for(parallel):
+            decoder = build_replica_decoder(loaded, mesh, dtype=DTYPES[dtype], attn_impl=config.attn_impl,
+                                            seed=config.seed, quantization=quant)
             if config.batch_invariant:  # models/batch_invariant.py (refuses MLA, MoE, no C++ kernels)
                 make_batch_invariant(decoder)
-            lora = _lora_manager(config.lora, decoder.config, loaded.config, dtype=DTYPES[dtype], mesh=mesh)
+            lora = make_lora_manager(config.lora, decoder.config, loaded.config, dtype=DTYPES[dtype], mesh=mesh)
             runner = ModelRunner(decoder, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                  config=loaded.config, lora=lora.slots if lora is not None else None,
                                  num_state_slots=state_slots, state_dtype=DTYPES[dtype])
-            proposer = _proposer(spec, draft, num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
-                                 kv_dtype=kv_dtype, attn_impl=config.attn_impl)
+            proposer = make_proposer(spec, draft, num_pages=num_pages, page_size=page_size, dtype=DTYPES[dtype],
+                                     kv_dtype=kv_dtype, attn_impl=config.attn_impl)
             engines.append(Engine(runner, self.tokenizer, scheduler, cache_config=cache, proposer=proposer,
                                   speculative_config=spec, lora=lora))
         self.runners = [e.runner for e in engines]  # one per data-parallel replica
@@ -406,72 +400,6 @@ class LLM:
         return self.tokenizer
 
 
-def _gguf_weights(quantization: str | None, loaded) -> dict | None:
-    """The GGUF file's quantized tensors for quantization="gguf" (the model must come from a .gguf file)."""
-    if quantization != "gguf":
-        return None
-    if not str(loaded.source).endswith(".gguf"):
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but the model comes from {loaded.source}; "
-                         "use 'int8' or 'int4' to quantize it")
-    from models.loaders.gguf_file import load_gguf_quantized
-    return load_gguf_quantized(loaded.source, loaded.config)
-
-
-def _calibration_tokens(quantization: str | None, loaded):
-    """AWQ's calibration token ids for quantization="int4-awq" (models/quantization/awq.py), else None."""
-    if quantization != "int4-awq":
-        return None
-    from inference.loading.shipped_text import calibration_token_ids
-    from models.quantization.awq import AWQConfig
-    return calibration_token_ids(loaded.tokenizer, loaded.config.vocab_size, AWQConfig().num_tokens)
-
-
-def _replica_meshes(parallel: ParallelConfig) -> list:
-    """One mesh per data-parallel replica, each `1 x tensor_parallel` over this process's own devices; [None] for a
-    single replica on one device (the plain path, no mesh)."""
-    if parallel.num_devices == 1:
-        return [None]
-    from sharding.mesh import make_mesh, replica_meshes
-    # Local devices: under jax.distributed every process runs its own replicas (scripts/generate.py splits the
-    # input across processes), so a replica never spans hosts.
-    return replica_meshes(make_mesh(data=parallel.data_parallel_size, model=parallel.tensor_parallel_size,
-                                    devices=jax.local_devices()))
-
-
-def _build_replica_decoder(loaded, mesh, *, dtype, attn_impl: str, seed: int, quantization: QuantizationConfig):
-    """The decoder of one replica: on one device (mesh None) or padded for `mesh` and placed shard by shard."""
-    weights = loaded.weights
-    if loaded.checkpoint is not None:  # an orbax folder: restored straight into the mesh layout where it can be
-        from models.loaders.orbax_checkpoint import restore_weights
-        from sharding.partition import checkpoint_shardings
-        shardings = None if mesh is None else checkpoint_shardings(loaded.config, mesh)
-        weights = restore_weights(loaded.checkpoint, loaded.config, shardings)
-    if mesh is None:
-        return build_decoder(loaded.config, weights, dtype=dtype, attn_impl=attn_impl, seed=seed,
-                             source=loaded.source, quantization=quantization.mode,
-                             gguf_weights=_gguf_weights(quantization.mode, loaded),
-                             quantization_group_size=quantization.group_size,
-                             calibration_tokens=_calibration_tokens(quantization.mode, loaded))
-    from sharding.partition import shard_decoder
-    if weights is not None and any(is_quantized(w) for w in weights.values()):
-        raise ValueError(f"{loaded.source} is an FP8 checkpoint; tensor_parallel_size or data_parallel_size > 1 "
-                         "loads float weights only (it pads heads, then quantizes): serve it on one device, or its "
-                         "float checkpoint with quantization='fp8'")
-    model = shard_decoder(loaded.config, weights, mesh, dtype=dtype, attn_impl=attn_impl, seed=seed,
-                          source=loaded.source)
-    if quantization.mode is not None:  # "fp8" (EngineConfig): the padded, sharded weights quantized in place;
-        quantize_decoder(model, quantization.mode)  # the runner places codes and scales (sharding/partition.py)
-    return model
-
-
-def _lora_manager(lora: LoRAConfig, padded, config, *, dtype, mesh) -> LoRAManager | None:
-    """The LoRA slots (for the replica's padded model and mesh) and their manager, or None without LoRA."""
-    if not lora.enable_lora:
-        return None
-    slots = LoRASlots(padded, max_loras=lora.max_loras, max_rank=lora.max_lora_rank, dtype=dtype, mesh=mesh)
-    return LoRAManager(slots, config, max_loras=lora.max_loras, max_rank=lora.max_lora_rank)
-
-
 def _per_prompt_lora(lora_request, count: int) -> list:
     """One LoRARequest (or None) per prompt: a single request (or None) for all, or a list aligned with them."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -481,17 +409,6 @@ def _per_prompt_lora(lora_request, count: int) -> list:
         raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one per prompt (None: the base "
                          "model) or a single LoRARequest for all")
     return loras
-
-
-def _proposer(spec: SpeculativeConfig, draft=None, **draft_kwargs) -> Proposer | None:
-    """The proposer of one replica: prompt lookup, or a draft model with its own KV cache over the target's pages
-    (`spec` already validated)."""
-    if spec.method is None:
-        return None
-    if spec.method == "ngram":
-        return PromptLookupProposer(NgramProposer(k=spec.num_speculative_tokens))
-    from inference.spec_decode.draft import make_draft_proposer
-    return make_draft_proposer(draft, k=spec.num_speculative_tokens, **draft_kwargs)
 
 
 @dataclasses.dataclass

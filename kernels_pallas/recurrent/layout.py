@@ -29,17 +29,19 @@ class RecurrentState:
         return self.conv.shape[0]
 
 
-def gated_delta_state_spec(num_slots: int, conv_dim: int, conv_kernel: int, num_value_heads: int, key_head_dim: int,
-                           value_head_dim: int, dtype=jnp.float32) -> RecurrentState:
-    """A Gated DeltaNet layer's state cache as `jax.ShapeDtypeStruct`s: conv [N, conv_dim, K-1] in `dtype`, the
-    delta-rule state [N, Hv, Dk, Dv] in float32 (transformers' `recurrent_states` per sequence)."""
-    if min(num_slots, conv_dim, conv_kernel - 1, num_value_heads, key_head_dim, value_head_dim) < 1:
+def recurrent_state_spec(num_slots: int, conv_dim: int, conv_kernel: int, num_heads: int, state_rows: int,
+                         state_cols: int, dtype=jnp.float32) -> RecurrentState:
+    """A state layer's cache as `jax.ShapeDtypeStruct`s: conv [N, conv_dim, K-1] in `dtype`, the recurrent state
+    [N, heads, rows, cols] in float32. One spec serves every state layer, since each keeps these two leaves: Gated
+    DeltaNet's delta-rule state is [N, Hv, Dk, Dv] (transformers' `recurrent_states` per sequence), Mamba2's SSD
+    state [N, heads, head_dim, d_state] (`ModelConfig.state_cache_spec` picks the dimensions by layer kind)."""
+    if min(num_slots, conv_dim, conv_kernel - 1, num_heads, state_rows, state_cols) < 1:
         raise ValueError(f"every state cache dimension must be >= 1 (and the conv kernel >= 2), got num_slots="
-                         f"{num_slots}, conv_dim={conv_dim}, conv_kernel={conv_kernel}, heads={num_value_heads}, "
-                         f"key_head_dim={key_head_dim}, value_head_dim={value_head_dim}")
+                         f"{num_slots}, conv_dim={conv_dim}, conv_kernel={conv_kernel}, heads={num_heads}, "
+                         f"state_rows={state_rows}, state_cols={state_cols}")
     return RecurrentState(
         conv=jax.ShapeDtypeStruct((num_slots, conv_dim, conv_kernel - 1), jnp.dtype(dtype)),
-        ssm=jax.ShapeDtypeStruct((num_slots, num_value_heads, key_head_dim, value_head_dim), jnp.float32))
+        ssm=jax.ShapeDtypeStruct((num_slots, num_heads, state_rows, state_cols), jnp.float32))
 
 
 def zero_state(spec: RecurrentState) -> RecurrentState:

@@ -73,12 +73,12 @@ def chip_spec():
 def model_section(llm, batches: list[int], rates: dict, spec) -> dict:
     """Each batch through `run_pagejax`, with its limits: a decode step must read the weights and the batch's KV
     (at the mean context of the decode phase), a prefill token costs 2 FLOPs per matrix parameter."""
-    from inference.tools import cost_model
+    from inference.tools import model_bytes
 
     config = llm.config
     weights = sum(leaf.nbytes for leaf in llm.runner.param_leaves)
     kv_per_token = config.kv_bytes_per_token(jnp.dtype(llm.runner.kv_caches[0].dtype).itemsize)
-    prefill_flops_per_token = 2 * cost_model.param_count(config).matrices
+    prefill_flops_per_token = 2 * model_bytes.param_count(config).matrices
     out = {"weights_bytes": weights, "kv_bytes_per_token": kv_per_token}
     for batch in batches:
         prompts = make_prompts(batch, FLAGS.input_len, config.vocab_size, seed=0)

@@ -6,7 +6,8 @@
     python scripts/tools/cost_model.py --model=llama-3-8b --batch=1,64,256 --formats=bf16,fp8   # H100/H200 bounds
     python scripts/tools/cost_model.py --model=qwen3-next-80b-a3b --state_vs_kv=1024,32768,262144  # hybrid caches
 
-The logic lives in `inference.tools.cost_model`; this file only reads flags and prints.
+The logic lives in `inference.tools.cost_model` (its inputs and outputs in `cost_model_io`); this file only reads
+flags and prints.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from inference.tools import cost_model
+from inference.tools import cost_model, cost_model_io
 
 _MODEL = flags.DEFINE_string("model", "llama-2-13b", "Model preset name, or a HF config.json (or folder holding one).")
 _BATCH = flags.DEFINE_list("batch", ["1"], "Comma-separated batch sizes (concurrent sequences).")
@@ -40,27 +41,27 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
-        config = cost_model.load_model_config(_MODEL.value)
+        config = cost_model_io.load_model_config(_MODEL.value)
         if _STATE_VS_KV.value:
-            print(cost_model.state_vs_kv(config, cost_model.parse_int_list(_STATE_VS_KV.value, "--state_vs_kv"),
-                                         _BYTES.value))
+            contexts = cost_model_io.parse_int_list(_STATE_VS_KV.value, "--state_vs_kv")
+            print(cost_model_io.state_vs_kv(config, contexts, _BYTES.value))
             return
         if _FORMATS.value:
-            print(cost_model.bounds_table(config, cost_model.parse_int_list(_BATCH.value, "--batch"),
-                                          _CONTEXT.value, _FORMATS.value))
+            print(cost_model_io.bounds_table(config, cost_model_io.parse_int_list(_BATCH.value, "--batch"),
+                                             _CONTEXT.value, _FORMATS.value))
             return
-        chip = cost_model.resolve_chip(_CHIP.value, _FLOPS.value, _BANDWIDTH.value)
+        chip = cost_model_io.resolve_chip(_CHIP.value, _FLOPS.value, _BANDWIDTH.value)
         report = cost_model.cost_report(
-            config, cost_model.parse_int_list(_BATCH.value, "--batch"), _CONTEXT.value, chip, _BYTES.value,
-            cost_model.parse_int_list(_KV_HEADS.value, "--kv_heads") or (None,))
+            config, cost_model_io.parse_int_list(_BATCH.value, "--batch"), _CONTEXT.value, chip, _BYTES.value,
+            cost_model_io.parse_int_list(_KV_HEADS.value, "--kv_heads") or (None,))
     except ValueError as e:
         sys.exit(f"error: {e}")
     if _JSON.value:
-        print(json.dumps(cost_model.json_rows(report), indent=1))
+        print(json.dumps(cost_model_io.json_rows(report), indent=1))
     else:
-        print(cost_model.format_report(report))
+        print(cost_model_io.format_report(report))
     if _PLOT.value:
-        cost_model.plot_report(report, _PLOT.value)
+        cost_model_io.plot_report(report, _PLOT.value)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import models.attention as attention_module
 from inference import LLM, SamplingParams
-from inference.tools.cost_model import param_count
+from inference.tools.model_bytes import param_count
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, .gguf file or HF folder.")

@@ -167,8 +167,7 @@ def compile_facts(module, chip: str, workload: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "tools"))
-    import aot_compile
+    from scripts.tools import aot_harness
 
     q_lens, kv_lens, max_q_len = WORKLOADS[workload]
     c = LLAMA3_8B
@@ -180,14 +179,14 @@ def compile_facts(module, chip: str, workload: str) -> dict:
               ((1,), jnp.int32)]
     from jax.sharding import NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(aot_compile._mesh(chip, 1), PartitionSpec())
+    sharding = NamedSharding(aot_harness.chip_mesh(chip, 1), PartitionSpec())
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
 
     def fn(*a):
         return module.ragged_paged_attention_tpu(*a, sm_scale=c["head_dim"] ** -0.5, max_q_len=max_q_len,
                                                  chip=chip)
 
-    row = aot_compile.compile_case(chip, 1, fn, tuple(args), cache_shapes=(shapes[1][0],))
+    row = aot_harness.compile_case(chip, 1, fn, tuple(args), cache_shapes=(shapes[1][0],))
     return {"status": row["status"], **({"error": row["error"]} if row.get("error") else {})}
 
 

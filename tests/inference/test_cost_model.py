@@ -12,6 +12,8 @@ import pytest
 from configs.chips import CHIP_PRESETS, ChipSpec, get_chip
 from configs.presets import MODEL_PRESETS, get_model_config
 from inference.tools import cost_model as cm
+from inference.tools import cost_model_io as cio
+from inference.tools import model_bytes as mb
 from models.config import ModelConfig
 from models.weights import num_params
 
@@ -40,7 +42,7 @@ def _run_script(*flags: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_parameter_count_matches_lecture(llama13b: ModelConfig) -> None:
-    params = cm.param_count(llama13b)
+    params = mb.param_count(llama13b)
     # The lecture's P = 2VD + 3DFL + (2DNH + 2DKH)L omits the norm vectors ...
     assert params.matrices == 13_015_449_600
     # ... which the full count (and ModelConfig.num_params) includes: two per layer plus the final one.
@@ -76,15 +78,15 @@ def test_lecture_step_time_and_throughput(lecture_rows) -> None:
     assert round(b1.tokens_per_s) == 125
     assert round(b64.tokens_per_s) == 2_689
     # Throughput approaches β / C as the batch grows; step time grows with it.
-    c = cm.kv_bytes_per_sequence(get_model_config("llama-2-13b"), 1024, 2)
+    c = mb.kv_bytes_per_sequence(get_model_config("llama-2-13b"), 1024, 2)
     assert lecture_rows[(40, 256)].tokens_per_s < LECTURE_CHIP.bandwidth_bytes_per_s / c
 
 
 def test_kv_heads_override_shrinks_kv_projections(llama13b: ModelConfig) -> None:
     gqa = cm.with_kv_heads(llama13b, 8)
     assert gqa.num_kv_heads == 8 and llama13b.num_kv_heads == 40
-    assert cm.param_count(gqa).matrices == 13_015_449_600 - 2 * 5120 * 32 * 128 * 40
-    assert cm.kv_bytes_per_token(gqa, 2) * 5 == cm.kv_bytes_per_token(llama13b, 2)
+    assert mb.param_count(gqa).matrices == 13_015_449_600 - 2 * 5120 * 32 * 128 * 40
+    assert mb.kv_bytes_per_token(gqa, 2) * 5 == mb.kv_bytes_per_token(llama13b, 2)
     assert cm.with_kv_heads(llama13b, None) is llama13b
 
 
@@ -137,9 +139,9 @@ def test_chip_presets() -> None:
                 "v6e": (918e12, 1.64e12)}
     assert {k: (c.flops_per_s, c.bandwidth_bytes_per_s) for k, c in CHIP_PRESETS.items()} == expected
     assert get_chip("TPU-v5e") is CHIP_PRESETS["v5e"]
-    custom = cm.resolve_chip("h100", bandwidth=4e12)
+    custom = cio.resolve_chip("h100", bandwidth=4e12)
     assert (custom.flops_per_s, custom.bandwidth_bytes_per_s) == (989e12, 4e12)
-    other = cm.resolve_chip("my-chip", flops=1e15, bandwidth=2e12)
+    other = cio.resolve_chip("my-chip", flops=1e15, bandwidth=2e12)
     assert (other.name, other.crossover_intensity, other.hbm_bytes) == ("my-chip", 500.0, None)
 
 
@@ -149,31 +151,31 @@ def test_chip_presets() -> None:
 def test_sliding_window_hook_caps_windowed_layers() -> None:
     windowed = get_model_config("mistral-7b")  # sliding_window=4096 on every layer
     base = windowed.replace(sliding_window=None)
-    assert cm.kv_bytes_per_sequence(windowed, 2048, 2) == cm.kv_bytes_per_sequence(base, 2048, 2)
-    assert cm.kv_bytes_per_sequence(windowed, 32768, 2) == cm.kv_bytes_per_sequence(base, 4096, 2)
+    assert mb.kv_bytes_per_sequence(windowed, 2048, 2) == mb.kv_bytes_per_sequence(base, 2048, 2)
+    assert mb.kv_bytes_per_sequence(windowed, 32768, 2) == mb.kv_bytes_per_sequence(base, 4096, 2)
     alternating = windowed.replace(
         layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(32)))
-    per_layer = cm.kv_bytes_per_token(base, 2) / 32
-    assert cm.kv_bytes_per_sequence(alternating, 32768, 2) == 16 * per_layer * (4096 + 32768)
+    per_layer = mb.kv_bytes_per_token(base, 2) / 32
+    assert mb.kv_bytes_per_sequence(alternating, 32768, 2) == 16 * per_layer * (4096 + 32768)
 
 
 def test_moe_decode_reads_only_the_routed_experts() -> None:
     lite = get_model_config("deepseek-v2-lite")
     expert = 3 * 2048 * 1408 * 2
-    total = cm.weight_bytes(lite, 2)
-    assert cm.weight_bytes_read(lite, 1, 2) == pytest.approx(total - 26 * (64 - 6) * expert)
-    assert cm.weight_bytes_read(lite, 1, 2) < cm.weight_bytes_read(lite, 8, 2) < cm.weight_bytes_read(lite, 512, 2)
-    assert cm.weight_bytes_read(lite, 512, 2) == pytest.approx(total, rel=1e-6)
-    assert cm.weight_bytes_read(get_model_config("llama-2-13b"), 1, 2) == cm.weight_bytes(
+    total = mb.weight_bytes(lite, 2)
+    assert mb.weight_bytes_read(lite, 1, 2) == pytest.approx(total - 26 * (64 - 6) * expert)
+    assert mb.weight_bytes_read(lite, 1, 2) < mb.weight_bytes_read(lite, 8, 2) < mb.weight_bytes_read(lite, 512, 2)
+    assert mb.weight_bytes_read(lite, 512, 2) == pytest.approx(total, rel=1e-6)
+    assert mb.weight_bytes_read(get_model_config("llama-2-13b"), 1, 2) == mb.weight_bytes(
         get_model_config("llama-2-13b"), 2)
 
 
 def test_mla_and_cla_cache_sizes() -> None:
     lite = get_model_config("deepseek-v2-lite")
-    assert cm.kv_bytes_per_token(lite, 2) == 27 * (512 + 64) * 2
-    assert cm.kv_bytes_per_sequence(lite, 1000, 2) == 1000 * 27 * 576 * 2
+    assert mb.kv_bytes_per_token(lite, 2) == 27 * (512 + 64) * 2
+    assert mb.kv_bytes_per_sequence(lite, 1000, 2) == 1000 * 27 * 576 * 2
     cla = get_model_config("llama-2-7b").replace(cla_factor=2)
-    assert cm.kv_bytes_per_token(cla, 2) == cm.kv_bytes_per_token(get_model_config("llama-2-7b"), 2) / 2
+    assert mb.kv_bytes_per_token(cla, 2) == mb.kv_bytes_per_token(get_model_config("llama-2-7b"), 2) / 2
 
 
 # ---- Presets ---------------------------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def test_mla_and_cla_cache_sizes() -> None:
     ("gemma-2-9b", 9_241_705_984), ("gemma-3-12b", 11_766_034_176), ("deepseek-v2-lite", 15_706_484_224),
 ])
 def test_real_presets_match_published_parameter_counts(name: str, params: int) -> None:
-    assert num_params(MODEL_PRESETS[name]) == cm.param_count(MODEL_PRESETS[name]).total == params
+    assert num_params(MODEL_PRESETS[name]) == mb.param_count(MODEL_PRESETS[name]).total == params
 
 
 # ---- config.json input -----------------------------------------------------------------------------------------
@@ -205,23 +207,23 @@ def _write_config(tmp_path, **changes) -> str:
 
 def test_config_json_path(tmp_path) -> None:
     path = _write_config(tmp_path)
-    config = cm.load_model_config(path)
+    config = cio.load_model_config(path)
     assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (2, 16, True)
     assert config.rope_scaling is not None and config.rope_scaling.kind == "llama3"
-    assert cm.load_model_config(str(tmp_path)) == config  # a folder holding config.json
-    assert cm.kv_bytes_per_token(config, 2) == 2 * 2 * 2 * 16 * 2
-    assert cm.param_count(config).total == num_params(config)
+    assert cio.load_model_config(str(tmp_path)) == config  # a folder holding config.json
+    assert mb.kv_bytes_per_token(config, 2) == 2 * 2 * 2 * 16 * 2
+    assert mb.param_count(config).total == num_params(config)
 
 
 def test_config_json_reads_windows_mla_and_experts_as_the_loader_does(tmp_path) -> None:
-    mistral = cm.load_model_config(_write_config(tmp_path, model_type="mistral", sliding_window=128))
-    assert cm.kv_bytes_per_sequence(mistral, 1000, 2) == 128 * cm.kv_bytes_per_token(mistral, 2)
-    deepseek = cm.load_model_config(_write_config(
+    mistral = cio.load_model_config(_write_config(tmp_path, model_type="mistral", sliding_window=128))
+    assert mb.kv_bytes_per_sequence(mistral, 1000, 2) == 128 * mb.kv_bytes_per_token(mistral, 2)
+    deepseek = cio.load_model_config(_write_config(
         tmp_path, model_type="deepseek_v2", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, rope_scaling=None))
-    assert cm.kv_bytes_per_token(deepseek, 2) == 2 * 40 * 2 and deepseek.num_experts == 8
+    assert mb.kv_bytes_per_token(deepseek, 2) == 2 * 40 * 2 and deepseek.num_experts == 8
     with pytest.raises(ValueError, match="unsupported model_type"):
-        cm.load_model_config(_write_config(tmp_path, model_type="mixtral"))
+        cio.load_model_config(_write_config(tmp_path, model_type="mixtral"))
 
 
 def test_launcher_reads_config_json(tmp_path) -> None:
@@ -273,13 +275,13 @@ def test_bad_inputs_raise_clear_errors(llama13b: ModelConfig) -> None:
     with pytest.raises(ValueError, match="kv_heads=7 does not divide num_heads=40"):
         cm.with_kv_heads(llama13b, 7)
     with pytest.raises(ValueError, match="context must be positive"):
-        cm.kv_bytes_per_sequence(llama13b, 0, 2)
+        mb.kv_bytes_per_sequence(llama13b, 0, 2)
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
-        cm.load_model_config("no-such-model")
+        cio.load_model_config("no-such-model")
     with pytest.raises(ValueError, match="--batch: 'x' is not an integer"):
-        cm.parse_int_list(["x"], "--batch")
+        cio.parse_int_list(["x"], "--batch")
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be positive"):
-        cm.resolve_chip("h100", bandwidth=0.0)
+        cio.resolve_chip("h100", bandwidth=0.0)
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -298,21 +300,21 @@ def test_plot_without_matplotlib_says_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     report = cm.cost_report(get_model_config("llama-2-13b"), [1], 1024, get_chip("h100"))
     with pytest.raises(ImportError, match="needs matplotlib, which is not installed: pip install matplotlib"):
-        cm.plot_report(report, str(tmp_path / "x.png"))
+        cio.plot_report(report, str(tmp_path / "x.png"))
 
 
 def test_fp8_halves_the_hopper_decode_bound() -> None:
     """FP8 weights and cache (1 byte an element) against bf16 on H100/H200: Llama-3-8B's batch-1 step reads 8.03 GB
     instead of 16.06 GB, 1.67 ms a token on an H200 (4.8 TB/s) instead of 3.35 ms."""
     config = get_model_config("llama-3-8b")
-    assert cm.format_bytes("fp8") == 1 and cm.format_bytes("bf16") == 2
+    assert mb.format_bytes("fp8") == 1 and mb.format_bytes("bf16") == 2
     with pytest.raises(ValueError, match="unknown format 'fp4'"):
-        cm.format_bytes("fp4")
+        mb.format_bytes("fp4")
     h200 = get_chip("h200")
-    bf16, fp8 = (cm.estimate_decode_step(config, 1, 1024, h200, cm.format_bytes(f)) for f in ("bf16", "fp8"))
+    bf16, fp8 = (cm.estimate_decode_step(config, 1, 1024, h200, mb.format_bytes(f)) for f in ("bf16", "fp8"))
     assert fp8.step_s == pytest.approx(bf16.step_s / 2)
     assert fp8.weight_bytes == pytest.approx(8.03e9, rel=1e-3)
-    table = cm.bounds_table(config, [1, 64], 1024)
+    table = cio.bounds_table(config, [1, 64], 1024)
     assert "h100" in table and "h200" in table and table.count("fp8") == 4
     assert f"{fp8.step_s * 1e3:7.2f}" in table
 
@@ -326,13 +328,13 @@ def test_hybrid_state_bytes_are_constant_beside_growing_kv():
                           linear_value_head_dim=16, linear_conv_kernel_dim=4)
     conv_channels = 2 * 2 * 8 + 4 * 16
     state = 3 * (conv_channels * 3 * 2 + 4 * 8 * 16 * 4)
-    assert cm.state_bytes_per_sequence(config, 2) == state
+    assert mb.state_bytes_per_sequence(config, 2) == state
     kv_token = 2 * base.num_kv_heads * base.head_dim * 2  # one caching layer
     for context in (16, 4096):
-        assert cm.kv_bytes_per_sequence(config, context, 2) == context * kv_token
+        assert mb.kv_bytes_per_sequence(config, context, 2) == context * kv_token
     step = cm.estimate_decode_step(config, 8, 4096, LECTURE_CHIP)
     assert step.kv_bytes == 8 * (4096 * kv_token + 2 * state)  # a state is read and rewritten whole
-    table = cm.state_vs_kv(config, [16, 4096])
+    table = cio.state_vs_kv(config, [16, 4096])
     rows = [line.split() for line in table.splitlines()[2:]]
     assert rows[0][2] == rows[1][2] == f"{state / 1e6:.2f}" and float(rows[1][1]) > float(rows[0][1])
-    assert cm.state_bytes_per_sequence(base, 2) == 0
+    assert mb.state_bytes_per_sequence(base, 2) == 0

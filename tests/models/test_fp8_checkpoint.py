@@ -19,9 +19,9 @@ from configs.presets import get_model_config
 from kernels_pallas.backend import compiling_for
 from inference import LLM, SamplingParams
 from models.decoder import build_decoder
-from models.loaders import hf_checkpoint as hf_loader
 from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8
 from models.loaders.hf_checkpoint import load_hf_folder
+from models.loaders.hf_names import hf_name
 from models.quantization.formats import QuantizedWeight
 from models.weights import expected_shapes
 
@@ -69,7 +69,7 @@ def write_fp8_folder(folder, layout: str, *, per_tensor: bool = False, seed: int
     for name, shape in expected_shapes(config).items():
         w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         leaf = name.rsplit(".", 1)[-1]
-        hf = hf_loader.hf_name(name)
+        hf = hf_name(name)
         if leaf in PROJS:
             q, scale, deq = _quantize_hf(np.ascontiguousarray(w.T), layout, per_tensor)
             state[hf] = q

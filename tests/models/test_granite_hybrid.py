@@ -18,7 +18,8 @@ from configs import get_model_config
 from kernels_pallas.recurrent.layout import zero_state
 from models.attention import AttentionMetadata
 from models.decoder import build_decoder
-from models.loaders.hf_checkpoint import config_from_hf, hf_name
+from models.loaders.hf_checkpoint import config_from_hf
+from models.loaders.hf_names import hf_name
 from tests.models.test_families import FIXTURES, HF_ATOL, _forward, _load
 
 FAMILY = "granitemoehybrid"

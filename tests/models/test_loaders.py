@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 from configs.presets import get_model_config
 from models.loaders import gguf_file as gguf_loader
 from models.loaders import hf_checkpoint as hf_loader
+from models.loaders import hf_names
 from models.config import ModelConfig, RopeScaling
 from models.loaders.gguf_file import (dequantize, fit_llama3_rope_scaling, llama3_rope_factors, load_gguf,
                                       permute_qk_llamacpp, unpermute_qk)
@@ -353,9 +354,9 @@ def test_unsupported_architecture(tmp_path):
 def _hf_state(config: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for name, w in weights.items():
-        if name.rsplit(".", 1)[-1] in hf_loader._LINEARS:
+        if name.rsplit(".", 1)[-1] in hf_names.LINEARS:
             w = w.T
-        out[hf_loader.hf_name(name)] = np.ascontiguousarray(w)
+        out[hf_names.hf_name(name)] = np.ascontiguousarray(w)
     return out
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from configs.presets import MODEL_PRESETS
 from models.weights import num_params
-from scripts.tools.aot_compile import CHIPS, kernel_cases, mosaic_gpu_cases
+from scripts.tools.aot_harness import CHIPS
+from scripts.tools.aot_kernels import kernel_cases, mosaic_gpu_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_MEMORY_PER_BLOCK = 232448  # H100/H200 opt-in maximum (configs/gpu_targets)
