@@ -11,8 +11,8 @@
 // worker is inside the job, so `fn` and what it points to may live on the caller's stack. Thread count: all
 // hardware threads (the caller plus std::thread::hardware_concurrency() - 1 workers), or $PAGEJAX_CPU_THREADS.
 // The spin: $PAGEJAX_CPU_SPIN_US microseconds (default 200). A spinning worker holds a core that XLA's own thread
-// pool may want for the parallel fusions between kernel calls: on 2 cores shared with other work, a chain of int8
-// matmuls and SwiGLU fusions ran faster with 0 (BENCHMARKS.md), so the knob is there to measure it on a machine.
+// pool may want for the parallel fusions between kernel calls; scripts/bench/cpu_spin_bench.py compares values
+// (on a loaded 2-core machine the runs disagreed, BENCHMARKS.md), so the default stays until a quiet run decides.
 
 #pragma once
 
