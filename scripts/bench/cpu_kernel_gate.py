@@ -9,6 +9,14 @@ a machine loaded by other work slows both alike, and the ratio is what counts):
     1536 -> 576), per-channel int8 weights, at 1 and 32 rows: the kernel ("native" build, and the scalar "portable"
     build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot), and
     XLA's float32 matmul of the same weights ("f32_xla": what the float32 model runs instead);
+  * grouped_matmul: one layer's seven linears with grouped int4 (group 32, zero points) and int8 (group 64) weights
+    at 1 and 32 rows: the kernel vs `formats.matmul(method="dequant")` with it switched off (XLA's dot of the
+    dequantized weight);
+  * kv_write: one layer's KV-cache write of a decode step (1 and 32 tokens, 3 KV heads, rows of 2 x 64, a float32
+    and an int8 cache of 512 pages of 16), donated so both paths write in place: the kernel vs the in-place
+    fori_loop of `kv_cache.writes.write_rows`;
+  * rope: one layer's RoPE (`models.layers.apply_rope` of q [T, 9, 64] and k [T, 3, 64]) at 1, 32 and 512 tokens:
+    with the tables kernel vs XLA's cos / sin fused into the rotation;
   * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32, int8 and fp8
     (float8_e4m3fn) caches, 1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
 Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
@@ -38,8 +46,11 @@ from kernels_pallas.attention.cpu import ragged_paged_attention_cpu  # noqa: E40
 from kernels_pallas.attention.reference import ragged_paged_attention_reference  # noqa: E402
 from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows  # noqa: E402
 from kernels_pallas.kv_cache.writes import quantize_cache  # noqa: E402
-from kernels_pallas.matmul import int8_cpu  # noqa: E402
+from kernels_pallas import rope_cpu  # noqa: E402
+from kernels_pallas.kv_cache import writes  # noqa: E402
+from kernels_pallas.matmul import grouped_cpu, int8_cpu  # noqa: E402
 from kernels_pallas.native import gate  # noqa: E402
+from models import layers  # noqa: E402
 from models.quantization import formats  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -96,6 +107,85 @@ def int8_layer(rows: int) -> dict:
     return timed_side_by_side(paths, (x,), FLAGS.rounds, FLAGS.calls)
 
 
+def forced(kernel: gate.CpuKernel, runs: bool):
+    """While tracing, `gate.runs_here` answers `runs` for `kernel` (whatever `MEASURED` says: both paths are timed)
+    and as before for the others."""
+    runs_here = gate.runs_here
+    if runs:
+        gate.require(kernel)
+    return mock.patch.object(gate, "runs_here", lambda k: runs if k == kernel else runs_here(k))
+
+
+def grouped_layer(rows: int, bits: int) -> dict:
+    rng = np.random.default_rng(rows + bits)
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+    quantize = functools.partial(formats.quantize_int4, group_size=32) if bits == 4 else functools.partial(
+        formats.quantize_int8, group_size=64)
+    weights = [quantize(rng.standard_normal(shape).astype(np.float32)) for shape in LAYER]
+
+    def layer(kernel: bool):
+        def run(x):
+            outs = []
+            for qw in weights:
+                xi = jnp.tile(x, (1, 3))[:, :qw.shape[0]]
+                with forced(grouped_cpu.KERNEL, kernel):
+                    outs.append(formats.matmul(xi, qw, method="dequant"))
+            return outs
+        return jax.jit(run)
+
+    paths = {"native": layer(True), "pure_jax": layer(False)}
+    for a, b in zip(paths["native"](x), paths["pure_jax"](x)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-3)
+    return timed_side_by_side(paths, (x,), FLAGS.rounds, FLAGS.calls)
+
+
+def kv_write(tokens: int, dtype) -> dict:
+    num_pages, page, kv_heads, dim = 512, 16, 3, 64
+    rng = np.random.default_rng(tokens)
+    rows = jnp.asarray(rng.standard_normal((tokens, kv_heads, 2 * dim)).astype(np.float32)).astype(dtype)
+    offsets = jnp.asarray(rng.choice(num_pages * page, tokens, replace=False).astype(np.int32) * 2 * dim)
+
+    def path(kernel: bool):
+        def run(cache, rows, offsets):
+            with forced(writes.WRITE_KERNEL, kernel):
+                return writes.write_rows([cache], [[(rows, offsets)]])[0]
+        return jax.jit(run, donate_argnums=0)
+
+    paths = {"native": path(True), "pure_jax": path(False)}
+    caches = {name: jnp.zeros((kv_heads, num_pages, page, 2 * dim), dtype) for name in paths}
+    caches = {name: fn(caches[name], rows, offsets) for name, fn in paths.items()}
+    np.testing.assert_array_equal(np.asarray(caches["native"]), np.asarray(caches["pure_jax"]))
+    times = {name: [] for name in paths}
+    for _ in range(FLAGS.rounds):  # as timed_side_by_side, each path writing into its own donated cache
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            for _ in range(FLAGS.calls):
+                caches[name] = fn(caches[name], rows, offsets)
+            jax.block_until_ready(caches[name])
+            times[name].append((time.perf_counter() - start) / FLAGS.calls)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def rope(tokens: int) -> dict:
+    rng = np.random.default_rng(tokens)
+    q = jnp.asarray(rng.standard_normal((tokens, 9, 64)).astype(np.float32))
+    k = jnp.asarray(rng.standard_normal((tokens, 3, 64)).astype(np.float32))
+    positions = jnp.asarray(rng.integers(0, 2048, tokens).astype(np.int32))
+    inv_freq = 1.0 / (100000.0 ** (np.arange(0, 64, 2, dtype=np.float64) / 64))
+
+    def path(kernel: bool):
+        def run(q, k, positions):
+            with forced(rope_cpu.KERNEL, kernel):
+                return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq)
+        return jax.jit(run)
+
+    paths = {"native": path(True), "pure_jax": path(False)}
+    args = (q, k, positions)
+    for a, b in zip(paths["native"](*args), paths["pure_jax"](*args)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    return timed_side_by_side(paths, args, FLAGS.rounds, FLAGS.calls)
+
+
 def attention(seqs: int, kv_dtype) -> dict:
     heads, kv_heads, dim, page, context = 9, 3, 64, 16, 256
     pages_per_seq = context // page
@@ -137,6 +227,11 @@ def main(argv):
               "cases": {}}
     print(f"{result['cpu']} ({result['isa']}, {result['cores']} cores), load {result['load_before']}", flush=True)
     cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 32)}
+    cases.update({f"grouped_matmul_int{b}_layer_m{m}": functools.partial(grouped_layer, m, b)
+                  for b in (4, 8) for m in (1, 32)})
+    cases.update({f"kv_write_{jnp.dtype(d).name}_t{t}": functools.partial(kv_write, t, d)
+                  for d in (jnp.float32, jnp.int8) for t in (1, 32)})
+    cases.update({f"rope_t{t}": functools.partial(rope, t) for t in (1, 32, 512)})
     cases.update({f"attention_{jnp.dtype(d).name}_b{s}": functools.partial(attention, s, d)
                   for d in (jnp.float32, jnp.int8, jnp.float8_e4m3fn) for s in (1, 32)})
     cases = {name: case for name, case in cases.items() if FLAGS.only in name}

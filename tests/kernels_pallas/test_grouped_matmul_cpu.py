@@ -81,7 +81,9 @@ def test_empty_k_gives_zeros(portable):
 
 
 @pytest.mark.parametrize("rows", [1, 32, 33])
-def test_dequant_matmul_takes_the_kernel_up_to_its_row_limit(rows):
+def test_dequant_matmul_takes_the_kernel_up_to_its_row_limit(rows, monkeypatch):
+    runs_here = gate.runs_here  # the row limit, whatever gate.MEASURED says of this CPU's ISA (AVX2: slower)
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: kernel == grouped_cpu.KERNEL or runs_here(kernel))
     rng = np.random.default_rng(rows)
     qw = modes.quantize_int4_minmax(rng.standard_normal((96, 80)).astype(np.float32), 32)
     x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
@@ -102,6 +104,8 @@ def test_dequant_of_a_weight_the_kernel_does_not_read_takes_xla():
 
 
 def test_pick_method_keeps_a_large_grouped_matrix_on_the_kernel(monkeypatch):
+    runs_here = gate.runs_here  # where the kernel runs (gate.MEASURED has it slower on AVX2: see the last lines)
+    monkeypatch.setattr(gate, "runs_here", lambda kernel: kernel == grouped_cpu.KERNEL or runs_here(kernel))
     big = formats.QuantizedWeight(q=np.zeros((576, 49152), np.int8), scale=np.ones((18, 49152), np.float32),
                                   bits=8, group_size=32, shape=(576, 49152))
     assert modes.pick_method(big, 1) == "dequant"  # the kernel reads the codes in place

@@ -32,7 +32,7 @@
 #include "scratch.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(PAGEJAX_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -250,9 +250,6 @@ struct Matmul {
 struct Int8Vector {
   using D = pagejax::Int8Dot;
   static constexpr int64_t kCols = D::kCols;
-  // Rows of x per strip chunk, their 4 accumulators each in registers: 3 of AVX2's 16 (2 and 4 measured slower
-  // on an AVX2 EPYC at 32 rows), 6 of NEON's 32 (as the VNNI path).
-  static constexpr int64_t kRowChunk = kCols == 32 ? 3 : 6;
   const Matmul& mm;
 
   // Rows 4b..4b+3 of W, columns n0 .. n0 + width (zero past K or past width), packed.
@@ -296,49 +293,62 @@ struct Int8Vector {
     }
   }
 
-  // One chunk of up to kRowChunk rows of x against the strip at n0: kFirst packs W (keeping it when `keep`).
-  template <bool kFirst>
-  void strip_chunk(int64_t n0, int64_t width, int64_t r0, bool keep, D::Packed* packed) const {
-    const int64_t k4 = (mm.k + 3) / 4, rows = std::min(kRowChunk, mm.m - r0);
-    D::Acc acc[kRowChunk][4];
-    for (int r = 0; r < kRowChunk; ++r)
-      for (int q = 0; q < 4; ++q) acc[r][q] = D::zero();
-    for (int64_t b = 0; b < k4; ++b) {
-      D::Packed own[4];
-      const D::Packed* v = own;
-      if constexpr (kFirst) {
-        piece(b, n0, width, own);
-        if (keep) std::copy(own, own + 4, packed + 4 * b);
-      } else {
-        v = packed + 4 * b;
-      }
-      for (int r = 0; r < kRowChunk; ++r) {
-        if (r >= rows) break;
-        const auto x4 = D::broadcast(mm.xu()[(r0 + r) * k4 + b]);
-        for (int q = 0; q < 4; ++q) acc[r][q] = D::dot(acc[r][q], v[q], x4);
-      }
+  // More rows: one strip of kCols columns per item, its K cut into blocks of kBlock 4-row groups. A block is packed
+  // once (kBlock * 4 pieces: 16 KiB on AVX2, in L1) and then run by every chunk of R rows of x, whose
+  // accumulators stay in registers within the block and carry over blocks in `carry` (L1/L2). Packing the whole
+  // strip (in L2 at K = 1536) for 3-row chunks that spilled accumulators measured half as fast (BENCHMARKS.md).
+  static constexpr int64_t kBlock = kCols == 32 ? 64 : 128;
+  // Rows per chunk, R x 4 accumulators in registers beside 2 x 4 weights (AVX2: 16 registers), 4 on NEON (32).
+  static constexpr int kRowChunk = kCols == 32 ? 2 : 4;
+
+  template <int R>
+  void chunk(const D::Packed* block, int64_t b0, int64_t b1, int64_t r0, D::Acc* carry) const {
+    const int64_t k4 = (mm.k + 3) / 4;
+    D::Acc acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < 4; ++q) acc[r][q] = b0 == 0 ? D::zero() : carry[(r0 + r) * 4 + q];
+    const uint32_t* x = mm.xu() + r0 * k4;
+    for (int64_t b = b0; b < b1; ++b) {
+      const D::Packed* v = block + 4 * (b - b0);
+      decltype(D::broadcast(0)) x4[R];
+      for (int r = 0; r < R; ++r) x4[r] = D::broadcast(x[r * k4 + b]);
+      for (int q = 0; q < 4; ++q)
+        for (int r = 0; r < R; ++r) acc[r][q] = D::dot(acc[r][q], v[q], x4[r]);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      alignas(64) int32_t sums[kCols];
-      D::columns(acc[r], sums);
-      for (int64_t j = 0; j < width; ++j) mm.out[(r0 + r) * mm.n + n0 + j] = mm.rescale(sums[j], r0 + r, n0 + j);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < 4; ++q) carry[(r0 + r) * 4 + q] = acc[r][q];
   }
 
   void strip(int64_t s) const {
-    const int64_t n0 = s * kCols, width = std::min(kCols, mm.n - n0);
-    const bool keep = mm.m > kRowChunk;
-    thread_local std::vector<D::Packed> packed;
-    if (keep) packed.resize(4 * ((mm.k + 3) / 4));
-    strip_chunk<true>(n0, width, 0, keep, packed.data());
-    for (int64_t r0 = kRowChunk; r0 < mm.m; r0 += kRowChunk) strip_chunk<false>(n0, width, r0, keep, packed.data());
+    const int64_t n0 = s * kCols, width = std::min(kCols, mm.n - n0), k4 = (mm.k + 3) / 4;
+    thread_local std::vector<D::Packed> block;
+    thread_local std::vector<D::Acc> carry;
+    block.resize(4 * kBlock);
+    carry.resize(4 * mm.m);
+    for (int64_t b0 = 0; b0 < k4; b0 += kBlock) {
+      const int64_t b1 = std::min(k4, b0 + kBlock);
+      for (int64_t b = b0; b < b1; ++b) {
+        D::Packed v[4];
+        piece(b, n0, width, v);
+        std::copy(v, v + 4, block.data() + 4 * (b - b0));
+      }
+      pagejax::for_row_chunks<kRowChunk>(mm.m, [&](auto rows, int64_t r0) {
+        chunk<decltype(rows)::value>(block.data(), b0, b1, r0, carry.data());
+      });
+    }
+    for (int64_t r = 0; r < mm.m; ++r) {
+      alignas(64) int32_t sums[kCols];
+      const D::Acc(&a)[4] = *reinterpret_cast<const D::Acc(*)[4]>(carry.data() + 4 * r);
+      D::columns(a, sums);
+      for (int64_t j = 0; j < width; ++j) mm.out[r * mm.n + n0 + j] = mm.rescale(sums[j], r, n0 + j);
+    }
   }
 };
 #define PAGEJAX_INT8_VECTOR 1
 #endif
 
 // Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
-// max and rint), so the AVX-512 build spells them out: 16 lanes, the same operations per element.
+// max and rint), so the AVX-512 and AVX2 builds spell them out: 16 or 8 lanes, the same operations per element.
 // Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
 void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
@@ -358,6 +368,37 @@ void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t
     _mm512_mask_cvtepi32_storeu_epi8(qr + c, first_lanes(k - c), q);
   }
   *xsum = _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__) && !defined(PAGEJAX_PORTABLE)
+  // 8 lanes, then the portable loop's operations on the tail. The max's NaN lanes keep the running max, as
+  // std::max(amax, NaN) does (vmaxps returns its second operand when either is NaN).
+  const int64_t k8 = k / 8 * 8;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t c = 0; c < k8; c += 8) vmax = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xr + c), abs_mask), vmax);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (int64_t c = k8; c < k; ++c) amax = std::max(amax, std::fabs(xr[c]));
+  const float scale = *xscale = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+  const float inv_scale = 1.f / scale;
+  const __m256 inv = _mm256_set1_ps(inv_scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i vsum = _mm256_setzero_si256();
+  for (int64_t c = 0; c < k8; c += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + c), inv);
+    v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN -> 0
+    v = _mm256_max_ps(lo, _mm256_min_ps(hi, v));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    vsum = _mm256_add_epi32(vsum, q);
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + c), _mm_packs_epi16(q16, q16));
+  }
+  alignas(32) int32_t partial[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(partial), vsum);
+  int32_t sum = 0;
+  for (int32_t v : partial) sum += v;
+  for (int64_t c = k8; c < k; ++c) sum += (qr[c] = quantize(xr[c], inv_scale));
+  *xsum = sum;
 #else
   const float inv_scale = 1.f / (*xscale = row_scale(xr, k));
   int32_t sum = 0;

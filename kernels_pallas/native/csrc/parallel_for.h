@@ -3,13 +3,16 @@
 // Why not XLA's intra-op pool (ffi::ThreadPool): its workers sleep between ops, and waking one costs tens of
 // microseconds on these VMs, longer than a batch-1 GEMV of a SmolLM2 layer (~30 us). Tasks scheduled there started
 // after the caller had done all the work, so a decode step ran on one core (measured: the same time with and
-// without helpers). These workers spin for a while after each job (kSpin, 0.2 ms), so the back-to-back
+// without helpers). These workers spin for a while after each job (by default 0.2 ms), so the back-to-back
 // kernel calls of a decode step find them awake, and then sleep on a condition variable.
 //
 // One job at a time: a call that finds the pool busy (another device's shard running concurrently, say) runs its
 // items on the calling thread. The caller always works too, and returns only after every item is done and no
 // worker is inside the job, so `fn` and what it points to may live on the caller's stack. Thread count: all
 // hardware threads (the caller plus std::thread::hardware_concurrency() - 1 workers), or $PAGEJAX_CPU_THREADS.
+// The spin: $PAGEJAX_CPU_SPIN_US microseconds (default 200). A spinning worker holds a core that XLA's own thread
+// pool may want for the parallel fusions between kernel calls; scripts/bench/cpu_spin_bench.py compares values
+// (on a loaded 2-core machine the runs disagreed, BENCHMARKS.md), so the default stays until a quiet run decides.
 
 #pragma once
 
@@ -69,11 +72,12 @@ class Workers {
   }
 
  private:
-  static constexpr std::chrono::microseconds kSpin{200};
+  std::chrono::microseconds spin_{200};
 
   Workers() {
     int64_t n = std::thread::hardware_concurrency();
     if (const char* env = std::getenv("PAGEJAX_CPU_THREADS")) n = std::atoll(env);
+    if (const char* env = std::getenv("PAGEJAX_CPU_SPIN_US")) spin_ = std::chrono::microseconds(std::atoll(env));
     for (int64_t i = 1; i < n; ++i) threads_.emplace_back([this] { loop(); });
     for (auto& t : threads_) t.detach();
   }
@@ -88,7 +92,7 @@ class Workers {
   void loop() {
     uint64_t seen = generation_.load();
     for (;;) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
+      const auto until = std::chrono::steady_clock::now() + spin_;
       for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
         cpu_relax();
         if (spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
