@@ -188,8 +188,9 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     if hasattr(engine, "persistent"):  # the kept decode batch (inference/engine/persistent_batch.py)
         profiler.patch(engine.persistent, "next_step", "batch_build")
         profiler.patch(engine.persistent, "keep", "batch_build")
-    profiler.patch(runner, "decode_step", "dispatch")
-    profiler.patch(runner, "prefill_step", "dispatch")
+    for name in ("decode_step", "prefill_step", "packed_decode_step", "packed_prefill_step"):
+        if hasattr(runner, name):  # the packed steps: what `execute` runs since the third round
+            profiler.patch(runner, name, "dispatch")
     profiler.patch(llm_engine, "feed_pending_tokens", "batch_build")
     profiler.patch(runner, "execute", "dispatch")  # returns at once (fetch=False): the jitted call, the token upload
     profiler.patch(runner, "fetch", "wait_readback")
