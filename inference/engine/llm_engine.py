@@ -103,7 +103,7 @@ class Engine:
         self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
         self.lora = lora
         scheduler_config = dataclasses.replace(scheduler_config, policy=scheduling_policy(
-            runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype, scheduler_config))
+            runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype, scheduler_config, self.num_spec))
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,

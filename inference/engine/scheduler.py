@@ -50,8 +50,9 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence computes exactly one token (the decode-shaped compiled step)."""
-        return all(n == 1 for n in self.num_new_tokens)
+        """Every sequence computes exactly one token (the decode-shaped compiled step); each computes at least one,
+        so the sum says it without a walk in Python."""
+        return sum(self.num_new_tokens) == len(self.num_new_tokens)
 
     @property
     def is_decode_phase(self) -> bool:
@@ -60,13 +61,14 @@ class ScheduledBatch:
 
     @property
     def speculative(self) -> bool:
-        return any(s.spec_tokens for s in self.seqs)
+        return any(map(_spec_tokens, self.seqs))
 
 
 #: The waiting order (priority, arrival), as a C-level key: the decode pass's order of the running sequences.
 _queue_key = operator.attrgetter("priority", "arrival_order")
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
+_spec_tokens = operator.attrgetter("spec_tokens")
 RUNNING = SequenceStatus.RUNNING
 
 

@@ -70,8 +70,9 @@ def test_llm_rejects_bad_arguments_before_loading_the_model():
 
 def test_auto_policy_is_mixed_under_ragged_kernels_and_prefill_first_under_the_reference():
     """`SchedulerConfig(policy="auto")`, the default: mixed steps where attention is a ragged kernel (each sequence
-    pays for its own query), prefill-first under the pure-JAX reference (every sequence pays for the longest query)
-    or where the token budget cannot hold a decode token per sequence; an explicit policy is kept."""
+    pays for its own query), prefill-first under the pure-JAX reference (every sequence pays for the longest query),
+    where the token budget cannot hold a decode token per sequence, or when speculating; an explicit policy is
+    kept."""
     from configs.presets import get_model_config
     from inference.engine.compile_budget import scheduling_policy
 
@@ -83,5 +84,6 @@ def test_auto_policy_is_mixed_under_ragged_kernels_and_prefill_first_under_the_r
     assert scheduling_policy(config, 16, "reference", None, auto) == "prefill_first"
     small_budget = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
     assert scheduling_policy(config, 16, "cpu", None, small_budget) == "prefill_first"
+    assert scheduling_policy(config, 16, "cpu", None, auto, num_spec=4) == "prefill_first"  # the verify family
     for policy in ("mixed", "prefill_first"):
         assert scheduling_policy(config, 16, "reference", None, SchedulerConfig(policy=policy)) == policy
