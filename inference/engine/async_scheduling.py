@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from inference.engine.outputs import RequestOutput
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduler import ScheduledBatch, token_limit
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import ModelInput, TokenFeed
 from inference.runtime.runner import PendingStep
@@ -163,8 +163,7 @@ def finishes_in_flight(engine: Engine, seq: Sequence) -> bool:
     need not give it a row that would be wasted."""
     if engine.in_flight is None or seq not in engine.in_flight.rows:
         return False
-    limit = seq.params.max_tokens
-    return (limit is not None and seq.num_output_tokens >= limit) or seq.num_tokens >= engine.max_model_len
+    return seq.num_tokens >= token_limit(seq, engine.max_model_len)
 
 
 def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOutput]:

@@ -46,11 +46,31 @@ def reads_padded_pages(config, page_size: int, attn_impl: str = "auto", kv_dtype
     False: there the reference runs only where a kernel cannot tile the shapes (or for MLA on TPU), and whether the
     finer ladder pays for its extra compiles there is unmeasured. `kv_dtype`: the cache's (the CPU kernel reads
     `cpu.KV_DTYPES`; None: one every kernel reads)."""
-    if target_backend() != "cpu":
-        return False
+    return target_backend() == "cpu" and attention_is_reference(config, page_size, attn_impl, kv_dtype)
+
+
+def attention_is_reference(config, page_size: int, attn_impl: str = "auto", kv_dtype=None) -> bool:
+    """Whether the steps' attention is the pure-JAX reference (GQA or MLA), the dispatchers' own answer."""
     if config.is_mla:
         return resolve_mla_impl(attn_impl, page_size, config.kv_lora_rank, config.qk_rope_head_dim) == "reference"
     return resolve_impl(attn_impl, page_size, config.head_dim, kv_dtype) == "reference"
+
+
+def scheduling_policy(config, page_size: int, attn_impl: str, kv_dtype, scheduler, num_spec: int = 0) -> str:
+    """The policy `SchedulerConfig(policy="auto")` runs: "mixed" (every running sequence's decode token and prompt
+    chunks in one step, so decode rows never sit out a prefill) where attention is a ragged kernel, which pays for
+    each sequence's own query; "prefill_first" under the pure-JAX reference, which pays for the step's longest query
+    in every sequence, when the token budget cannot hold a decode token for each of `max_num_seqs` sequences, or when
+    speculating (`num_spec` drafts: mixed verification steps add every prefill shape to the verify family,
+    `serving_variants`, several times the executables a process may map on CPU).
+    Measured on CPU (the C++ kernel): mixed held ITL p99 / p50 lower at the same throughput (BENCHMARKS.md, host
+    overhead, third round); on the accelerators' ragged kernels it follows vLLM V1's default, unmeasured here."""
+    if scheduler.policy != "auto":
+        return scheduler.policy
+    if num_spec or scheduler.max_num_batched_tokens < scheduler.max_num_seqs or \
+            attention_is_reference(config, page_size, attn_impl, kv_dtype):
+        return "prefill_first"
+    return "mixed"
 
 
 def padding_is_free(config, page_size: int, attn_impl: str = "auto", kv_dtype=None) -> bool:

@@ -19,7 +19,7 @@ from models.quantization.modes import check_quantization_args
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # int8 / fp8 (float8_e4m3fn): quantized on write with per-token-per-head scales (kernels_pallas/kv_cache/writes.py)
 KV_CACHE_DTYPES = {**DTYPES, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-POLICIES = ("mixed", "prefill_first")
+POLICIES = ("auto", "mixed", "prefill_first")  # "auto": the engine picks (compile_budget.scheduling_policy)
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
@@ -100,7 +100,8 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits and the prefill/decode policy (inference/engine/scheduler.py). `max_model_len` None: the
+    """Per-step limits and the prefill/decode policy (inference/engine/scheduler.py; "auto": mixed where attention is
+    a ragged kernel, prefill_first under the pure-JAX reference, `compile_budget.scheduling_policy`). `max_model_len` None: the
     model's context (capped by the page pool); the engine is given the resolved value. `async_scheduling`: dispatch
     each step before the previous step's tokens reach the host (inference/engine/async_scheduling.py; the outputs
     are the synchronous engine's, bit for bit in batch-invariant mode and to rounding otherwise; steps that cannot
@@ -108,7 +109,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    policy: str = "prefill_first"
+    policy: str = "auto"
     max_prefill_streak: int = 4
     max_model_len: int | None = None
     async_scheduling: bool = True

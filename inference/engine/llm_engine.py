@@ -18,7 +18,7 @@ import numpy as np
 
 from inference.runtime.batch import BucketLimits, ModelInput, build_model_input, bucket
 from inference.runtime.step_variants import StepFlags, fold_extras, penalty_length
-from inference.engine.compile_budget import padding_is_free, reads_padded_pages, warmup_serving
+from inference.engine.compile_budget import padding_is_free, reads_padded_pages, scheduling_policy, warmup_serving
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.pages.state_slots import StateSlotManager
 from inference.engine.metrics import EngineStats
@@ -102,12 +102,16 @@ class Engine:
                              f"{speculative_config.num_speculative_tokens}; build the proposer with the same count")
         self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
         self.lora = lora
+        scheduler_config = dataclasses.replace(scheduler_config, policy=scheduling_policy(
+            runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype, scheduler_config, self.num_spec))
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,
                                    admit=self._lora_fits if lora is not None else None,
-                                   finishing=lambda seq: finishes_in_flight(self, seq), state=self.state)
-        self.max_model_len = scheduler_config.max_model_len or runner.config.max_position_embeddings
+                                   finishing=lambda seq: finishes_in_flight(self, seq), state=self.state,
+                                   max_model_len=scheduler_config.max_model_len
+                                   or runner.config.max_position_embeddings)
+        self.max_model_len = self.scheduler.max_model_len
         # The bucket axes that buy nothing with the attention kernel the steps run (it depends on the cache dtype).
         free = padding_is_free(runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype)
         self.limits = BucketLimits(max_tokens=scheduler_config.max_num_batched_tokens,

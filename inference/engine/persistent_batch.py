@@ -6,8 +6,9 @@ from the `SamplingParams` (`SamplingTensors.from_params`) every step is per-sequ
 batch. Here the last decode step's arrays are kept, and the next step's are derived from them with array
 operations: every position and KV length moves on by one, the step index of every row too, and only the page-table
 rows of sequences whose table changed (`KVCacheManager.take_touched`: a new page at a page boundary, a copy on
-write) are rewritten from their tables. The one walk of the batch reads each sequence's computed-token count (to
-check that every row really moved on by one) and last token.
+write) are rewritten from their tables, found through a row index kept with the batch. Each sequence's
+computed-token count (to check that every row really moved on by one) and last token are read in C loops (`map`
+over the rows), with no per-row Python.
 
 Anything else (a sequence joins, leaves or is reordered, a prompt chunk, drafts, LoRA, more than one KV cache
 group, or a row that needs a mask, penalties, sparse edits or logprobs, whose arrays depend on more than the
@@ -29,6 +30,8 @@ from inference.runtime.step_variants import StepFlags
 from inference.sampling.sampler import SamplingTensors
 
 _computed = operator.attrgetter("num_computed_tokens")
+_token_ids = operator.attrgetter("token_ids")
+_last = operator.itemgetter(-1)
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class _Kept:
     flags: StepFlags
     starts: np.ndarray  # i64[n]: each row's computed tokens when the kept step was built
     steps: np.ndarray  # i32[n]: each row's generated-token index in that step
+    row_of: dict[Sequence, int]  # each sequence's row, so a changed page table is found without a walk
 
 
 class PersistentDecodeBatch:
@@ -69,7 +73,7 @@ class PersistentDecodeBatch:
         pages = inp.attn.page_indices
         padded_pages = pages.shape[1]
         if touched:
-            rows = [i for i, s in enumerate(seqs) if s in touched]
+            rows = sorted(kept.row_of[s] for s in touched if s in kept.row_of)  # the few changed tables
             if rows:
                 if max(len(seqs[i].pages) for i in rows) > padded_pages:  # a wider page bucket
                     self._kept = None
@@ -84,7 +88,7 @@ class PersistentDecodeBatch:
             return None
         size = inp.tokens.shape[0]
         tokens = np.zeros(size, np.int32)
-        tokens[:n] = [s.token_ids[-1] for s in seqs]
+        tokens[:n] = np.fromiter(map(_last, map(_token_ids, seqs)), np.int32, n)  # C loops over the rows
         positions = np.zeros(size, np.int32)
         positions[:n] = starts
         kv_lens = np.zeros(inp.attn.kv_lens.shape[0], np.int32)
@@ -116,4 +120,4 @@ class PersistentDecodeBatch:
             return
         starts = np.fromiter(map(_computed, seqs), np.int64, len(seqs))
         steps = np.asarray(sampling.step[:len(seqs)]).copy()
-        self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps)
+        self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps, {s: i for i, s in enumerate(seqs)})

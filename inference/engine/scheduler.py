@@ -25,9 +25,12 @@ there for one step), since every sample computes the last prompt token itself fr
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import dataclasses
 from typing import Callable
+
+import numpy as np
 
 from inference.engine.config import SchedulerConfig
 from inference.engine.pages.kv_cache_manager import KVCacheManager
@@ -47,8 +50,9 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence computes exactly one token (the decode-shaped compiled step)."""
-        return all(n == 1 for n in self.num_new_tokens)
+        """Every sequence computes exactly one token (the decode-shaped compiled step); each computes at least one,
+        so the sum says it without a walk in Python."""
+        return sum(self.num_new_tokens) == len(self.num_new_tokens)
 
     @property
     def is_decode_phase(self) -> bool:
@@ -57,12 +61,28 @@ class ScheduledBatch:
 
     @property
     def speculative(self) -> bool:
-        return any(s.spec_tokens for s in self.seqs)
+        return any(map(_spec_tokens, self.seqs))
 
 
-#: The waiting order (priority, arrival), as a C-level key: the decode pass sorts every running sequence each step.
+#: The waiting order (priority, arrival), as a C-level key: the decode pass's order of the running sequences.
 _queue_key = operator.attrgetter("priority", "arrival_order")
+_computed = operator.attrgetter("num_computed_tokens")
+_token_ids = operator.attrgetter("token_ids")
+_spec_tokens = operator.attrgetter("spec_tokens")
 RUNNING = SequenceStatus.RUNNING
+
+
+def token_limit(seq: Sequence, max_model_len: int) -> int:
+    """The token count at which `seq` surely finishes by length: its max_tokens, or the context."""
+    limit = seq.params.max_tokens
+    return max_model_len if limit is None else min(max_model_len, seq.num_prompt_tokens + limit)
+
+
+def uncomputed(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sequence's computed tokens and tokens still to compute, read in C loops (no per-row Python)."""
+    n = len(seqs)
+    computed = np.fromiter(map(_computed, seqs), np.int64, n)
+    return computed, np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - computed
 
 
 class Scheduler:
@@ -70,12 +90,14 @@ class Scheduler:
                  proposer: Callable[[Sequence], list[int]] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
                  admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
-                 finishing: Callable[[Sequence], bool] | None = None, state: StateSlotManager | None = None):
+                 finishing: Callable[[Sequence], bool] | None = None, state: StateSlotManager | None = None,
+                 max_model_len: int | None = None):
         """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
         `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too); `admit`
         says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots);
         `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them;
-        `state`: the state slots of a hybrid model's state layers (None: the model has none)."""
+        `state`: the state slots of a hybrid model's state layers (None: the model has none). `max_model_len`: the
+        engine's context; with `finishing`, only a sequence at its `token_limit` is asked (None: every one is)."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt
@@ -86,8 +108,17 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.awaiting_fork: list[Sequence] = []  # samples 1..n-1 of a request, until sample 0 has the prompt
+        self.max_model_len = max_model_len
         self.num_preemptions = 0
         self._prefill_streak = 0
+        # The decode pass's state between steps (`_schedule_decode`): the running sequences in queue order with
+        # their length limits, None after any change to `running` (rebuilt then); the rows the last pass checked
+        # (their next page is known to be private, so a row needs a page test only when it crosses a boundary).
+        self._order: tuple[list[Sequence], np.ndarray | None] | None = None
+        self._checked: set[Sequence] = set()
+        # That pass applies without drafts and with one KV cache group without a window (the page test's premise).
+        self._steady_pages = proposer is None and all(g.window is None for g in block_manager.groups) \
+            and block_manager.num_groups == 1
 
     def add(self, seq: Sequence) -> None:
         # With state layers a sample forks one token before the prompt's end: a 1-token prompt has nothing to share.
@@ -106,6 +137,8 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.awaiting_fork):
             if seq in queue:
                 queue.remove(seq)
+        self._order = None
+        self._checked.discard(seq)
         self.block_manager.release(seq)
         if self.state is not None:
             self.state.release(seq)
@@ -147,6 +180,7 @@ class Scheduler:
                 self.state.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
+            self._order = None
             forked.append(child)
         return forked
 
@@ -172,7 +206,8 @@ class Scheduler:
     def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None
                           ) -> ScheduledBatch | None:
         counts = [] if counts is None else counts
-        partial = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1 and s not in seqs]
+        running = self.running
+        partial = [running[i] for i in np.flatnonzero(uncomputed(running)[1] > 1).tolist() if running[i] not in seqs]
         if not partial and not self.waiting:  # the steady decode state: nothing to prefill
             return ScheduledBatch(seqs, counts) if seqs else None
         admitted = []
@@ -205,6 +240,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
+                self._order = None
                 admitted.append(seq)
             seqs.append(seq)
             counts.append(chunk)
@@ -259,42 +295,90 @@ class Scheduler:
             self.state.save_checkpoint(seq, key)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        if self._steady_pages:
+            return self._schedule_decode_steady()
+        return self._schedule_decode_general()
+
+    def _schedule_decode_steady(self) -> ScheduledBatch | None:
+        """The decode pass without drafts and with one KV cache group without a window: the general pass's result,
+        with per-row work only for the rows that need it. The queue order is kept while `running` does not change;
+        a row's computed and total tokens are read in C loops; only a row that joined the decode rows since the last
+        pass, opens a page now (its computed tokens a multiple of the page size), or reaches its length limit (when
+        `finishing` is set) goes through the general row logic. Every other row's next write lands in the page the
+        last pass made private for it, which nothing has shared or registered since (a fork or a preemption changes
+        `running`; only full pages are registered), so it is scheduled with no page work."""
+        if self._order is None:
+            order = sorted(self.running, key=_queue_key)
+            limit = self.max_model_len if self.finishing is not None else None
+            limits = np.fromiter((token_limit(s, limit) for s in order), np.int64, len(order)) \
+                if limit is not None else None
+            self._order = (order, limits)
+        order, limits = self._order
+        computed, left = uncomputed(order)
+        decoding = left == 1
+        if int(decoding.sum()) > self.config.max_num_seqs:  # the cap cuts the pass short: the general pass's order
+            self._checked = set()
+            return self._schedule_decode_general()
+        special = decoding & (computed % self.block_manager.page_size == 0)
+        checked = self._checked
+        if len(checked) < len(order):  # some rows have not been checked by an earlier pass
+            special |= decoding & ~np.fromiter(map(checked.__contains__, order), bool, len(order))
+        if self.finishing is not None:
+            special |= decoding & (computed + 1 >= limits) if limits is not None else decoding
+        rows = np.flatnonzero(special).tolist()
+        num_running = len(self.running)
+        for i in rows:
+            seq = order[i]
+            if seq.status is not RUNNING or (self.finishing is not None and self.finishing(seq)) \
+                    or not self._grow_decode_row(seq):
+                decoding[i] = False
+        if len(self.running) != num_running:  # preemptions: their victims leave the batch (the next pass reorders)
+            decoding &= np.fromiter((s.status is RUNNING for s in order), bool, len(order))
+        scheduled = order if decoding.all() else list(itertools.compress(order, decoding.tolist()))
+        self._checked = set(scheduled) if rows or len(checked) != len(scheduled) else checked
+        return ScheduledBatch(list(scheduled), [1] * len(scheduled)) if scheduled else None
+
+    def _schedule_decode_general(self) -> ScheduledBatch | None:
+        """Every decoding row in queue order, each checked for drafts, pages and preemption (`_grow_decode_row`)."""
         scheduled: list[Sequence] = []
-        in_place = self.block_manager.decode_in_place if self.proposer is None else None
-        running = RUNNING
         for seq in sorted(self.running, key=_queue_key):
-            if seq.status is not running or len(seq.token_ids) - seq.num_computed_tokens != 1:
+            if seq.status is not RUNNING or len(seq.token_ids) - seq.num_computed_tokens != 1:
                 continue  # preempted below while making room for an older sequence, or still prefilling
             if self.finishing is not None and self.finishing(seq):
                 continue
-            if in_place is not None and in_place(seq):  # steady decode: nothing to allocate, copy or preempt
+            if self._grow_decode_row(seq):
                 scheduled.append(seq)
                 if len(scheduled) == self.config.max_num_seqs:
                     break
-                continue
-            seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
-            if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
-                seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone
-            while not self.block_manager.can_grow(seq, seq.num_tokens):
-                victim = max(self.running, key=_queue_key)
-                if victim is seq and len(self.running) == 1:
-                    raise RuntimeError(f"sequence {seq.request_id} alone needs more pages than the cache holds")
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self.block_manager.grow(seq, seq.num_tokens + len(seq.spec_tokens))
-            scheduled.append(seq)
-            if len(scheduled) == self.config.max_num_seqs:
-                break
         counts = [1 + len(s.spec_tokens) for s in scheduled] if self.proposer is not None else [1] * len(scheduled)
         return ScheduledBatch(scheduled, counts) if scheduled else None
+
+    def _grow_decode_row(self, seq: Sequence) -> bool:
+        """Give a decoding row its drafts and the pages of its next write, preempting the newest sequences while
+        pages are short; whether the row still runs (it may have been the one preempted)."""
+        if self.proposer is None and self.block_manager.decode_in_place(seq):
+            return True  # steady decode: nothing to allocate, copy or preempt
+        seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
+        if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
+            seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone
+        while not self.block_manager.can_grow(seq, seq.num_tokens):
+            victim = max(self.running, key=_queue_key)
+            if victim is seq and len(self.running) == 1:
+                raise RuntimeError(f"sequence {seq.request_id} alone needs more pages than the cache holds")
+            self.preempt(victim)
+            if victim is seq:
+                break
+        if seq.status is not RUNNING:
+            return False
+        self.block_manager.grow(seq, seq.num_tokens + len(seq.spec_tokens))
+        return True
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
         """Free a sequence's pages and queue it for recomputation; `count=False` for a recompute the caller
         asked for (not a shortage of pages), which `num_preemptions` does not count."""
         self.running.remove(seq)
+        self._order = None
+        self._checked.discard(seq)
         self.block_manager.release(seq)
         if self.state is not None:
             self.state.release(seq)

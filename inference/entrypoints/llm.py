@@ -103,7 +103,7 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", kv_cache_dtype: str | None = None,
                  page_size: int | None = None, kv_cache_memory_bytes: int | None = None, memory_fraction: float = 0.5,
                  max_model_len: int | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 scheduling_policy: str = "prefill_first", enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "auto", enable_prefix_caching: bool = True,
                  speculative_method: str | None = None, num_speculative_tokens: int = 4,
                  speculative_model: str | None = None, speculative_adaptive: bool = False, attn_impl: str = "auto",
                  seed: int = 0, compilation_cache_dir: str | None = "default",

@@ -24,6 +24,7 @@ from flax import nnx
 from inference.lora.slots import LoRASlots
 from inference.runtime.reshard import reshard_all
 from inference.runtime.batch import ModelInput, SpecInput, TokenFeed, bucket
+from inference.runtime.packing import Packing, pack, unpack
 from inference.sampling.sampler import (SamplerOutput, SamplingTensors, compute_logprobs, process_logits, sample,
                                         sample_with_logprobs, token_rank)
 from inference.sampling.params import MAX_LOGPROBS, SAMPLING_EPS
@@ -115,6 +116,18 @@ def jit_step(graphdef, treedef, layout: StepLayout):
     abstract inputs."""
     return jax.jit(functools.partial(_step, graphdef, treedef, layout),
                    static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))
+
+
+def jit_packed_step(graphdef, treedef, layout: StepLayout):
+    """The jitted step over one packed buffer (`inference/runtime/packing.py`): `(param_leaves, kv_caches, buffer,
+    passed, lora=None, *, packing, use_filters, logprobs, prompt_logprobs)`, the step's `(inp, sampling)` unpacked
+    inside it, KV cache donated. What `ModelRunner.execute` runs: one host -> device copy per step."""
+    def packed(param_leaves, kv_caches, buffer, passed, lora=None, *, packing: Packing, **flags):
+        inp, sampling = unpack(packing, buffer, passed)
+        return _step(graphdef, treedef, layout, param_leaves, kv_caches, inp, sampling, lora, **flags)
+
+    return jax.jit(packed, static_argnames=("packing", "use_filters", "logprobs", "prompt_logprobs"),
+                   donate_argnums=(1,))
 
 
 def _logits(model, layout: StepLayout, hidden):
@@ -251,9 +264,13 @@ class ModelRunner:
             vocab_axis = "model" if padded.vocab_size % mesh.shape["model"] == 0 else None
             layout = dataclasses.replace(layout, kv_sharding=kv_sharding, logits_sharding=replicated(mesh),
                                          vocab_axis=vocab_axis)
-        # Two jitted functions, so each entry point keeps its own compilation cache (and count).
+        # Two jitted functions, so each entry point keeps its own compilation cache (and count): `execute` runs the
+        # packed ones (one host -> device copy a step); the plain ones take the step's pytrees as they are (device
+        # replays, `scripts/tools/aot_compile.py`, profiles).
         self.prefill_step = jit_step(self.graphdef, self.param_treedef, layout)
         self.decode_step = jit_step(self.graphdef, self.param_treedef, layout)
+        self.packed_prefill_step = jit_packed_step(self.graphdef, self.param_treedef, layout)
+        self.packed_decode_step = jit_packed_step(self.graphdef, self.param_treedef, layout)
         # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
         group_of = {padded.kv_layer(i): padded.kv_group(i) for i in padded.attention_layers}
         self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]
@@ -290,7 +307,7 @@ class ModelRunner:
     def num_compilations(self) -> dict[str, int]:
         """Compiled variants of each step so far (one per static bucket seen), and of the copy-on-write page copy
         (one per power-of-two count of copies)."""
-        return {"prefill": self.prefill_step._cache_size(), "decode": self.decode_step._cache_size(),
+        return {"prefill": self.packed_prefill_step._cache_size(), "decode": self.packed_decode_step._cache_size(),
                 "copy_pages": self._copy_pages._cache_size(), "copy_state_slots": self._copy_state._cache_size()}
 
     def noop_feed(self, num_tokens: int, num_seqs: int) -> TokenFeed:
@@ -307,7 +324,7 @@ class ModelRunner:
         if self.sleep_level:
             raise RuntimeError(f"the model runner is asleep (sleep level {self.sleep_level}: its KV cache"
                                f"{' and weights' if self.sleep_level == 2 else ''} are freed); call wake_up() first")
-        fn = self.decode_step if is_decode else self.prefill_step
+        fn = self.packed_decode_step if is_decode else self.packed_prefill_step
         lora = None
         if self.lora is not None:
             lora = self.lora.arrays
@@ -316,9 +333,12 @@ class ModelRunner:
         feed = inp.feed if inp.feed is not None else self.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0])
         if self._state_specs and inp.attn.state_slots is None:  # warm-up and other callers: every row on slot 0
             inp = inp.replace(attn=inp.attn.replace(state_slots=np.zeros(inp.logits_indices.shape[0], np.int32)))
-        inp = inp.replace(tokens=jax.device_put(inp.tokens, self.token_sharding), feed=feed)  # committed there, always
-        sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches, inp, sampling, lora,
-                                                   use_filters=use_filters, logprobs=logprobs,
+        # The step's numpy arrays in one buffer, one copy, committed to the runner's devices (the tokens must be,
+        # as the feed's device-side tokens are); device arrays (the feed's previous tokens) pass through.
+        packing, buffer, passed = pack((inp.replace(feed=feed), sampling))
+        sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches,
+                                                   jax.device_put(buffer, self.token_sharding), passed, lora,
+                                                   packing=packing, use_filters=use_filters, logprobs=logprobs,
                                                    prompt_logprobs=prompt_logprobs)
         spec = None
         if inp.spec is not None:

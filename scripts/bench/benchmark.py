@@ -58,6 +58,8 @@ flags.DEFINE_string("attn_impl", "auto", "pagejax's attention (LLM(attn_impl=)):
 flags.DEFINE_string("quantization", None, "pagejax's weights: None (--dtype), int8, int4, gguf (LLM(quantization=)).")
 flags.DEFINE_string("kv_cache_dtype", None, "pagejax's KV cache: None (the model dtype), float32, bfloat16, int8.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Prefill token budget per step.")
+flags.DEFINE_enum("scheduling_policy", "auto", ["auto", "mixed", "prefill_first"], "pagejax's scheduling policy "
+                  "(LLM(scheduling_policy=)); serving mode reports the ITL percentiles each gives.")
 flags.DEFINE_enum("compare", None, ["hf", "llamacpp", "plain"], "Also run, on the same prompts: transformers' "
                   "generate (hf), llama.cpp on the same GGUF (llamacpp; needs llama-cpp-python), or pagejax without "
                   "speculation (plain, with --speculative).")
@@ -152,7 +154,8 @@ def run_serving(llm: LLM) -> dict:
                 outputs.append(out)
                 engine.pop_finished(out.request_id)
     summary = summarize_requests(outputs, time.perf_counter() - start)
-    summary.update(request_rate=FLAGS.request_rate, engine=engine.metrics_summary())
+    summary.update(request_rate=FLAGS.request_rate, engine=engine.metrics_summary(),
+                   scheduling_policy=engine.scheduler.config.policy)
     return summary
 
 
@@ -235,7 +238,8 @@ def main(argv: list[str]) -> None:
               num_speculative_tokens=FLAGS.num_speculative_tokens, speculative_adaptive=FLAGS.speculative_adaptive,
               speculative_model=FLAGS.speculative_model if FLAGS.speculative == "draft" else None,
               max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len),
-              quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype, attn_impl=FLAGS.attn_impl)
+              quantization=FLAGS.quantization, kv_cache_dtype=FLAGS.kv_cache_dtype, attn_impl=FLAGS.attn_impl,
+              scheduling_policy=FLAGS.scheduling_policy)
     result: dict = {"pagejax": {"load_s": time.perf_counter() - t0}, "machine": machine(),
                     "config": {"model": FLAGS.model, "input_len": FLAGS.input_len, "output_len": FLAGS.output_len,
                                "dtype": resolve_dtype(FLAGS.dtype), "quantization": FLAGS.quantization,

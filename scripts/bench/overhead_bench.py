@@ -188,8 +188,9 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     if hasattr(engine, "persistent"):  # the kept decode batch (inference/engine/persistent_batch.py)
         profiler.patch(engine.persistent, "next_step", "batch_build")
         profiler.patch(engine.persistent, "keep", "batch_build")
-    profiler.patch(runner, "decode_step", "dispatch")
-    profiler.patch(runner, "prefill_step", "dispatch")
+    for name in ("decode_step", "prefill_step", "packed_decode_step", "packed_prefill_step"):
+        if hasattr(runner, name):  # the packed steps: what `execute` runs since the third round
+            profiler.patch(runner, name, "dispatch")
     profiler.patch(llm_engine, "feed_pending_tokens", "batch_build")
     profiler.patch(runner, "execute", "dispatch")  # returns at once (fetch=False): the jitted call, the token upload
     profiler.patch(runner, "fetch", "wait_readback")
@@ -273,6 +274,13 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     step_inp, step_sampling, _ = capture["step"]
     host_arrays = sum(isinstance(x, np.ndarray) for x in jax.tree.leaves((step_inp, step_sampling))) + \
         (2 if getattr(step_inp, "feed", None) is None else 0)
+    transfers = host_arrays  # each its own copy, unless the runner packs them (inference/runtime/packing.py)
+    if hasattr(runner, "packed_decode_step"):
+        from inference.runtime.packing import pack
+
+        feed = step_inp.feed or runner.noop_feed(step_inp.tokens.shape[0], step_inp.logits_indices.shape[0])
+        _, _, passed = pack((step_inp.replace(feed=feed), step_sampling))
+        transfers = 1 + sum(isinstance(x, np.ndarray) for x in passed)
     gaps = np.asarray(result["gaps"]) * 1e3  # every request's gaps between tokens, the whole run (prefill too)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
@@ -281,7 +289,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
             "recompiles_in_measured_run": recompiles,
-            "host_arrays_per_step": host_arrays,
+            "host_arrays_per_step": host_arrays, "host_to_device_copies_per_step": transfers,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
@@ -396,7 +404,8 @@ def main(argv: list[str]) -> None:
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
                       f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}  "
                       f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})  "
-                      f"recompiles {row['recompiles_in_measured_run']}  host arrays/step {row['host_arrays_per_step']}",
+                      f"recompiles {row['recompiles_in_measured_run']}  host arrays/step {row['host_arrays_per_step']}  "
+                      f"host->device copies/step {row['host_to_device_copies_per_step']}",
                       flush=True)
     result = {"benchmark": "overhead", "jax": jax.__version__, "decode_steps": FLAGS.decode_steps,
               "temperature": FLAGS.temperature, "rows": rows}

@@ -76,9 +76,9 @@ class StepTimer:
         self.execute_s: list[float] = []
         self.dispatch_s: list[float] = []
         self.captured = None
-        self._execute, self._decode = runner.execute, runner.decode_step
+        self._execute, self._decode = runner.execute, runner.packed_decode_step  # the one `execute` runs
         runner.execute = self._timed_execute
-        runner.decode_step = self._timed_decode
+        runner.packed_decode_step = self._timed_decode
 
     def _timed_decode(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -96,7 +96,7 @@ class StepTimer:
         return out
 
     def close(self) -> None:
-        self.runner.execute, self.runner.decode_step = self._execute, self._decode
+        self.runner.execute, self.runner.packed_decode_step = self._execute, self._decode
 
 
 @contextlib.contextmanager

@@ -66,3 +66,24 @@ def test_llm_rejects_bad_arguments_before_loading_the_model():
     """A bad value fails in the config, even with a model name that would not load."""
     with pytest.raises(ValueError, match="page_size"):
         LLM("no-such-model", page_size=0, compilation_cache_dir=None)
+
+
+def test_auto_policy_is_mixed_under_ragged_kernels_and_prefill_first_under_the_reference():
+    """`SchedulerConfig(policy="auto")`, the default: mixed steps where attention is a ragged kernel (each sequence
+    pays for its own query), prefill-first under the pure-JAX reference (every sequence pays for the longest query),
+    where the token budget cannot hold a decode token per sequence, or when speculating; an explicit policy is
+    kept."""
+    from configs.presets import get_model_config
+    from inference.engine.compile_budget import scheduling_policy
+
+    config = get_model_config("tiny-llama")
+    auto = SchedulerConfig()
+    assert auto.policy == "auto"
+    assert scheduling_policy(config, 16, "cpu", None, auto) == "mixed"
+    assert scheduling_policy(config, 16, "tpu", None, auto) == "mixed"
+    assert scheduling_policy(config, 16, "reference", None, auto) == "prefill_first"
+    small_budget = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    assert scheduling_policy(config, 16, "cpu", None, small_budget) == "prefill_first"
+    assert scheduling_policy(config, 16, "cpu", None, auto, num_spec=4) == "prefill_first"  # the verify family
+    for policy in ("mixed", "prefill_first"):
+        assert scheduling_policy(config, 16, "reference", None, SchedulerConfig(policy=policy)) == policy

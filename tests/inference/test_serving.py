@@ -28,7 +28,7 @@ def make_llm(**kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    """Shared by this module's tests (prefill_first, prefix caching on); they leave its weights as they were."""
+    """Shared by this module's tests (the default policy, prefix caching on); they leave its weights as they were."""
     return make_llm()
 
 
@@ -114,13 +114,12 @@ def test_forked_samples_share_the_prompt_and_copy_on_write(llm):
     assert forked.outputs[0].token_ids != forked.outputs[1].token_ids
 
 
-def test_mixed_policy_gives_the_same_outputs(llm):
+def test_mixed_policy_gives_the_same_outputs():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 512, int(rng.integers(5, 200))).tolist() for _ in range(10)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     mixed = make_llm(scheduling_policy="mixed", max_num_batched_tokens=64)
-    first = llm  # the module's engine: the default prefill_first policy (none of its cached prefixes starts these)
-    first.engine.reset_stats()
+    first = make_llm(scheduling_policy="prefill_first")
     a = mixed.generate(prompt_token_ids=prompts, sampling_params=params)
     b = first.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -227,7 +226,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache(llm):
 
 def test_prefill_first_never_starves_decode():
     """A stream of long prompts: at most max_prefill_streak prefill steps run while a sequence waits to decode."""
-    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=16)
+    llm = make_llm(max_num_batched_tokens=32, max_num_seqs=16, scheduling_policy="prefill_first")
     engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i in range(10):
         engine.add_request(f"long{i}", list(range(1 + i, 100 + i)), params)  # distinct: no prefix hits
