@@ -26,7 +26,7 @@ from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestOutput
 from inference.engine.scheduler import ScheduledBatch
 from inference.engine.sequence import Sequence, SequenceStatus
-from inference.engine.stop import check_stop, flush_text, match_stop_string
+from inference.engine.stop import check_stop, flush_text, longest_stop, match_stop_string
 from inference.runtime.runner import StepOutput
 from inference.sampling.params import SamplingParams
 
@@ -47,6 +47,7 @@ class FastRow:
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: they end it once min_tokens are out
     text: bool  # it detokenizes (a tokenizer, detokenize=True): one detokenizer add a token
     stop: tuple[str, ...]  # stop strings, matched once more than min_tokens tokens exist
+    lookback: int  # the longest stop string's length - 1: a new match starts at most this far before the new text
     min_tokens: int
     token_times: list[float] | None  # its request's metrics.token_times when it is sample 0 (its tokens are timed)
 
@@ -65,7 +66,8 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
         stop_ids |= engine.eos_token_ids
     text = engine.tokenizer is not None and params.detokenize
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
-    return FastRow(limit, frozenset(stop_ids), text, tuple(params.stop or ()) if text else (), params.min_tokens,
+    stop = params.stop if text else ()
+    return FastRow(limit, frozenset(stop_ids), text, stop, longest_stop(stop) - 1 if stop else 0, params.min_tokens,
                    times)
 
 
@@ -119,7 +121,7 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
                 before = len(seq.output_text)
                 seq.output_text += seq.detokenizer.add(ids[-1])
                 if row.stop and len(ids) - seq.num_prompt_tokens > row.min_tokens:
-                    stop = match_stop_string(seq, before, row.stop)
+                    stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
                     if stop is not None:
                         seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush
                         finish(engine, seq, "stop")
@@ -245,10 +247,9 @@ def request_output(engine: Engine, request: Request) -> RequestOutput:
     # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
     prompt_lp = (list(request.seqs[0].prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None \
         else None
-    return DeferredRequestOutput.of(states, _completions, request_id=request.request_id, prompt=request.prompt,
-                                    prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_lp,
-                                    finished=None not in [state[3] for state in states], metrics=request.metrics,
-                                    error=request.error)
+    return DeferredRequestOutput.of(states, _completions, request.request_id, request.prompt,
+                                    request.prompt_token_ids, prompt_lp, None not in [state[3] for state in states],
+                                    request.metrics, request.error)
 
 
 def _completions(states: list[tuple]) -> list[CompletionOutput]:

@@ -87,9 +87,9 @@ class DeferredRequestOutput(RequestOutput):
     and logprobs, so a deferred build gives exactly what an eager one would have."""
 
     @classmethod
-    def of(cls, states: Any, build: Callable[[Any], list[CompletionOutput]], *, request_id: str,
-           prompt: str | None, prompt_token_ids: list[int], prompt_logprobs, finished: bool,
-           metrics: RequestMetrics | None, error: str | None) -> "DeferredRequestOutput":
+    def of(cls, states: Any, build: Callable[[Any], list[CompletionOutput]], request_id: str, prompt: str | None,
+           prompt_token_ids: list[int], prompt_logprobs, finished: bool, metrics: RequestMetrics | None,
+           error: str | None, /) -> "DeferredRequestOutput":
         """`build(states)` makes the completions on first read. The engine makes one of these per request per
         step, so it is made without `__init__` (which, the dataclass's, takes `outputs`: `dataclasses.replace`)."""
         out = cls.__new__(cls)

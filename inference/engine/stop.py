@@ -18,7 +18,7 @@ from inference.engine.sequence import Sequence
 
 
 @functools.lru_cache(maxsize=1024)
-def _longest(stop: tuple[str, ...]) -> int:
+def longest_stop(stop: tuple[str, ...]) -> int:
     """The longest stop string's length (a request's stop strings are a tuple, checked at every token)."""
     return max(map(len, stop))
 
@@ -43,7 +43,8 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
         before = len(seq.output_text)
         _append_text(seq, tokenizer)
         if params.stop and seq.num_output_tokens > params.min_tokens:
-            stop = match_stop_string(seq, before, params.stop)
+            # A new match can only end in the new text: look back by the longest stop string.
+            stop = match_stop_string(seq, max(0, before - longest_stop(params.stop) + 1), params.stop)
             if stop is not None:
                 return "stop", stop
     if not below_min and not params.ignore_eos and token in eos_token_ids:
@@ -57,11 +58,9 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
     return None, None
 
 
-def match_stop_string(seq: Sequence, before: int, stops: tuple[str, ...]) -> str | None:
-    """The first of `stops` found in the text added since `before` (then the text is cut at it, or after it with
+def match_stop_string(seq: Sequence, start: int, stops: tuple[str, ...]) -> str | None:
+    """The first of `stops` found in the text from `start` on (then the text is cut at it, or after it with
     `include_stop_str_in_output`), or None."""
-    # A new match can only end in the new text: look back by the longest stop string.
-    start = max(0, before - _longest(stops) + 1)
     text = seq.output_text
     for stop in stops:
         at = text.find(stop, start)

@@ -241,7 +241,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
-        self.text = ""
+        self._deltas: list[str] = []
 
     def _join(self, ids: list[int]) -> bytes | None:
         """The ids' bytes under a byte-level decoder; None without one (or for an id past the table, which the
@@ -273,14 +273,21 @@ class IncrementalDetokenizer:
     def add(self, new_ids: int | Iterable[int]) -> str:
         """Append generated ids; return the text that became final (possibly "")."""
         ids = self._ids
-        ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
-        unread = self._join(ids[self._read_offset:]) if self._whole else None
-        if unread is not None:  # the window's text is the read part's, then the unread bytes decoded alone
+        if isinstance(new_ids, int):
+            ids.append(new_ids)
+        else:
+            ids.extend(new_ids)
+        unread = None
+        if self._whole:  # the window's text is the read part's, then the unread bytes decoded alone
+            read = self._read_offset
+            unread = self._join(ids[read:]) if len(ids) - read != 1 or ids[read] >= len(self._bytes) \
+                else self._bytes[ids[read]]
+        if unread is not None:
             try:
                 delta, whole = unread.decode(), True
             except UnicodeDecodeError:
                 delta, whole = unread.decode("utf-8", "replace"), False
-            if not delta or delta.endswith(_REPLACEMENT_CHAR):
+            if not delta or delta[-1] == _REPLACEMENT_CHAR:
                 return ""
         else:
             prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
@@ -291,7 +298,7 @@ class IncrementalDetokenizer:
             whole = self._is_whole(ids[self._read_offset:])
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         self._whole = whole
-        self.text += delta
+        self._deltas.append(delta)
         return delta
 
     def finish(self) -> str:
@@ -306,8 +313,13 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset = len(ids)
         self._whole = self._bytes is not None
-        self.text += delta
+        self._deltas.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """All the text emitted so far (kept as its deltas: appending to a string attribute copies it)."""
+        return "".join(self._deltas)
 
 
 # ---------------------------------------------------------------- helpers
