@@ -72,7 +72,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup",
      "inference.runtime.step_variants"),
     ("inference.spec_decode",),
-    ("inference.engine", "inference.engine.async_scheduling", "inference.engine.compile_budget"),
+    ("inference.engine", "inference.engine.async_scheduling", "inference.engine.compile_budget",
+     "inference.engine.fold"),
     # The offline API and the HTTP server over its engine loop (one row: the server imports streaming).
     ("inference.entrypoints", "inference.entrypoints.openai", "inference.entrypoints.prompts",
      "inference.entrypoints.replica"),

@@ -8,7 +8,6 @@ Everything here is host-side Python over numpy; the only device work is the runn
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 import threading
@@ -22,24 +21,24 @@ from inference.engine.compile_budget import padding_is_free, reads_padded_pages,
 from inference.engine.pages.kv_cache_manager import KVCacheManager
 from inference.engine.pages.state_slots import StateSlotManager
 from inference.engine.metrics import EngineStats
-from inference.engine.logprobs import TokenTexts, logprobs_dict
-from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestMetrics, RequestOutput
+from inference.engine.logprobs import TokenTexts
+from inference.engine import fold
+from inference.engine.outputs import RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.token_mask import allowed_row, restrict_rows
 from inference.sampling.params import SamplingParams
-from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step, drop_placeholder,
+from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step,
                                               feed_pending_tokens, finishes_in_flight, fold_in_flight,
                                               merge_outputs)
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.persistent_batch import PersistentDecodeBatch
-from inference.engine.sequence import Sequence, SequenceStatus
+from inference.engine.sequence import Sequence
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
-from inference.engine.stop import check_stop, flush_text
 from inference.structured.manager import StructuredOutputManager
 from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
@@ -380,154 +379,13 @@ class Engine:
                 seq.spec_tokens = tokens
         return proposal.draft_probs
 
-    def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
-        now = time.perf_counter()
-        touched: dict[str, Request] = {}
-        verified: list[tuple[Sequence, int]] = []  # (sequence, drafts accepted) for the proposer's hook
-        sampled: list[tuple[Sequence, int]] = []  # (sequence, row) that got a token: folded together below
-        tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
-        offset = 0
-        for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            request = self.requests[seq.request_id]
-            touched[seq.request_id] = request
-            first_row, offset = offset, offset + count
-            try:
-                if seq.spec_tokens:
-                    verified.append((seq, int(out.num_accepted[i])))
-                    self._accept_speculation(seq, request, out, i, now)
-                    continue
-                if out.prompt_logprob is not None and seq.params.prompt_logprobs is not None:
-                    self._record_prompt_logprobs(seq, out, first_row, count)
-                if self._advance(seq, count):  # else a prefill chunk that does not reach the end: nothing sampled
-                    seq.token_ids.append(tokens[i])
-                    sampled.append((seq, i))
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-                self._fail(seq, exc)
-        self._fold_tokens(sampled, out, now)
-        if verified:
-            self.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
-        return [self._output(r) for r in touched.values()]
-
-    def _fold_tokens(self, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
-        """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
-        metrics, logprobs, stop checks, text. One request's failure fails only it."""
-        requests = self.requests
-        for seq, row in sampled:
-            try:
-                self._after_token(seq, requests[seq.request_id], out, row, now)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-                self._fail(seq, exc)
-
-    def _advance(self, seq: Sequence, count: int) -> bool:
-        """The bookkeeping of a step that computed `count` tokens of `seq` and needs none of its outputs (computed
-        tokens, full pages into the prefix cache, forks of `n` samples); whether the step sampled a token for it."""
-        before = seq.num_computed_tokens
-        seq.num_computed_tokens = after = before + count
-        # A sequence's registered chain always ends at its last full computed page, so only a step that completes
-        # a page (or the first, which starts the chain) has anything to register.
-        if before == 0 or before // self.page_size != after // self.page_size:
-            self.block_manager.commit_full_pages(seq)
-            if self.state is not None:
-                self.scheduler.checkpoint_state(seq)
-        if self.scheduler.fork_due(seq):
-            self.scheduler.fork_samples(seq)
-        return after >= len(seq.token_ids)
-
-    def _accept_speculation(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
-        """Keep the accepted drafts and the one token after them; roll back the rest (KV past the accepted
-        tokens is never read again, and whole pages past them go back to the pool)."""
-        proposed, accepted = len(seq.spec_tokens), int(out.num_accepted[row])
-        seq.spec_tokens = []
-        if self.state is not None and accepted < proposed:  # its slot holds the state after the last draft
-            self.state.keep_spec_state(seq, row, accepted)
-        seq.num_computed_tokens += 1 + accepted
-        self.block_manager.commit_full_pages(seq)
-        self.stats.record_speculation(proposed, accepted)
-        if self.adaptive_k is not None:
-            self.adaptive_k.update(seq, proposed, accepted)
-        for token in out.emitted[row][:accepted + 1]:
-            self._append_token(seq, request, int(token), out, row, now)
-            if seq.is_finished:
-                return
-        self.block_manager.truncate(seq, seq.num_tokens)
-
-    def _record_prompt_logprobs(self, seq: Sequence, out: StepOutput, offset: int, count: int) -> None:
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)  # position 0 has no logprob
-        start = seq.num_computed_tokens
-        for j in range(count):
-            pos = start + j + 1  # the prompt position this row predicts
-            if pos >= seq.num_prompt_tokens:
-                break
-            if pos < len(seq.prompt_logprobs):
-                continue  # recomputed after a preemption: already recorded
-            row, k = offset + j, seq.params.prompt_logprobs
-            seq.prompt_logprobs.append(logprobs_dict(
-                seq.token_ids[pos], out.prompt_logprob[row], out.prompt_rank[row], out.prompt_top_ids[row][:k],
-                out.prompt_top_logprobs[row][:k], self._texts(seq.params)))
-
-    def _append_token(self, seq: Sequence, request: Request, token: int, out: StepOutput, row: int,
-                      now: float) -> None:
-        seq.token_ids.append(token)
-        self._after_token(seq, request, out, row, now)
-
-    def _after_token(self, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
-        """The bookkeeping of the token that ends `seq.token_ids`: metrics, logprobs, stop checks and text."""
-        token = seq.token_ids[-1]
-        metrics = request.metrics
-        if seq.index == 0:
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-                metrics.num_cached_tokens = seq.num_cached_tokens
-                self.stats.cached_prompt_tokens += seq.num_cached_tokens
-            metrics.token_times.append(now)
-        if seq.params.logprobs is not None:
-            k = seq.params.logprobs
-            seq.output_logprobs.append(logprobs_dict(token, out.logprob[row], out.rank[row], out.top_ids[row][:k],
-                                                     out.top_logprobs[row][:k], self._texts(seq.params)))
-            seq.cumulative_logprob += float(out.logprob[row])
-        reason, stop_reason = check_stop(seq, self.tokenizer, self.eos_token_ids, self.max_model_len)
-        if reason is None and seq.params.structured_outputs is not None and self.structured.sync(seq):
-            reason = "stop"  # the grammar is complete: nothing but EOS could follow
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            flush_text(seq)
-            self._finish(seq, reason)
-
-    def _texts(self, params: SamplingParams) -> TokenTexts | None:
-        """Decoded tokens for logprob entries; none when the request set detokenize=False (vLLM's)."""
-        return self._token_texts if params.detokenize else None
-
-    def _fail(self, seq: Sequence, exc: Exception) -> None:
-        """Finish `seq` with "error" after an exception while folding its step: its request fails, no other."""
-        log.exception("request %s failed", seq.request_id, exc_info=exc)
-        self.requests[seq.request_id].error = f"{type(exc).__name__}: {exc}"
-        self._finish(seq, "error")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        drop_placeholder(self.in_flight, seq)
-        seq.finish_reason = reason
-        seq.status = SequenceStatus.FINISHED
-        self.scheduler.remove(seq)
-        self.structured.release(seq.seq_id)
-        request = self.requests[seq.request_id]
-        if request.finished:
-            request.metrics.finished_time = time.perf_counter()
-
-    # ---- outputs ----------------------------------------------------------------------------------------------
-    def _output(self, request: Request) -> RequestOutput:
-        """The request's output now. Its completions are captured (token counts, text, reasons: what later steps
-        change) and built only when read (`DeferredRequestOutput`)."""
-        pending = self.in_flight.rows if self.in_flight is not None else ()
-        states = [(seq, len(seq.token_ids) - (seq in pending), seq.output_text, seq.finish_reason, seq.stop_reason,
-                   len(seq.output_logprobs), seq.cumulative_logprob) for seq in request.seqs]
-        first = request.seqs[0]
-        # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
-        prompt_lp = (list(first.prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None else None
-        return DeferredRequestOutput(functools.partial(_completions, states), request_id=request.request_id,
-                                     prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-                                     prompt_logprobs=prompt_lp, finished=all(s.is_finished for s in request.seqs),
-                                     metrics=request.metrics, error=request.error)
+    # ---- the fold and the outputs (inference/engine/fold.py): methods of the engine ---------------------------
+    _process = fold.process
+    _fold_tokens = fold.fold_tokens
+    _advance = fold.advance
+    _fail = fold.fail
+    _finish = fold.finish
+    _output = fold.request_output
 
     def output_of(self, request_id: str) -> RequestOutput:
         """The current output of a request that has not been popped."""
@@ -541,15 +399,3 @@ class Engine:
             if request is not None and request.finished:
                 del self.requests[request_id]
 
-
-def _completions(states: list[tuple]) -> list[CompletionOutput]:
-    """The completions of `Engine._output`'s captured states (the placeholder of an in-flight token excluded)."""
-    out = []
-    for seq, end, text, finish_reason, stop_reason, num_logprobs, cumulative in states:
-        asked = seq.params.logprobs is not None
-        out.append(CompletionOutput(
-            index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],
-            logprobs=seq.output_logprobs[:num_logprobs] if asked else None, finish_reason=finish_reason,
-            stop_reason=stop_reason, logprobs_mode=seq.params.logprobs_mode if asked else None,
-            cumulative_logprob=cumulative if asked else None))
-    return out

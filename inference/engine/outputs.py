@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclasses.dataclass
@@ -86,22 +86,25 @@ class DeferredRequestOutput(RequestOutput):
     callers never read (`LLM.generate` reads only final outputs). Later steps only append to a sequence's tokens
     and logprobs, so a deferred build gives exactly what an eager one would have."""
 
-    def __init__(self, build: Callable[[], list[CompletionOutput]] | None = None, *, request_id: str,
-                 prompt: str | None, prompt_token_ids: list[int], prompt_logprobs, finished: bool,
-                 metrics: RequestMetrics | None = None, error: str | None = None,
-                 outputs: list[CompletionOutput] | None = None):
-        """`build` makes the completions on first read; `outputs` (what `dataclasses.replace` passes) gives them."""
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.prompt_logprobs, self.finished, self.metrics, self.error = prompt_logprobs, finished, metrics, error
-        if outputs is not None or build is None:
-            self.outputs = outputs if outputs is not None else []
-        else:
-            self._build = build
+    @classmethod
+    def of(cls, states: Any, build: Callable[[Any], list[CompletionOutput]], request_id: str, prompt: str | None,
+           prompt_token_ids: list[int], prompt_logprobs, finished: bool, metrics: RequestMetrics | None,
+           error: str | None, /) -> "DeferredRequestOutput":
+        """`build(states)` makes the completions on first read. The engine makes one of these per request per
+        step, so it is made without `__init__` (which, the dataclass's, takes `outputs`: `dataclasses.replace`)."""
+        out = cls.__new__(cls)
+        out.__dict__ = {"request_id": request_id, "prompt": prompt, "prompt_token_ids": prompt_token_ids,
+                        "prompt_logprobs": prompt_logprobs, "finished": finished, "metrics": metrics, "error": error,
+                        "_states": states, "_build_from": build}
+        return out
 
     def __getattr__(self, name: str):
-        if name != "outputs" or "_build" not in self.__dict__:  # only `outputs` is ever missing
+        if name != "outputs":  # only `outputs` is ever missing
             raise AttributeError(name)
-        self.outputs = self.__dict__.pop("_build")()
+        fields = self.__dict__
+        if "_states" not in fields:
+            raise AttributeError(name)
+        self.outputs = fields.pop("_build_from")(fields.pop("_states"))
         return self.outputs
 
     def __eq__(self, other) -> bool:  # equal to the plain output it stands for

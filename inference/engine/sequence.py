@@ -46,6 +46,7 @@ class Sequence:
     output_text: str = ""
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
+    fast_row: Any = None  # the fold's per-sequence constants (inference/engine/fold.py), made after its first token
 
     @property
     def pages(self) -> list[int]:

@@ -18,7 +18,7 @@ from inference.engine.sequence import Sequence
 
 
 @functools.lru_cache(maxsize=1024)
-def _longest(stop: tuple[str, ...]) -> int:
+def longest_stop(stop: tuple[str, ...]) -> int:
     """The longest stop string's length (a request's stop strings are a tuple, checked at every token)."""
     return max(map(len, stop))
 
@@ -44,13 +44,9 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
         _append_text(seq, tokenizer)
         if params.stop and seq.num_output_tokens > params.min_tokens:
             # A new match can only end in the new text: look back by the longest stop string.
-            start = max(0, before - _longest(tuple(params.stop)) + 1)
-            for stop in params.stop:
-                at = seq.output_text.find(stop, start)
-                if at >= 0:
-                    end = at + len(stop) if params.include_stop_str_in_output else at
-                    seq.output_text = seq.output_text[:end]
-                    return "stop", stop
+            stop = match_stop_string(seq, max(0, before - longest_stop(params.stop) + 1), params.stop)
+            if stop is not None:
+                return "stop", stop
     if not below_min and not params.ignore_eos and token in eos_token_ids:
         return "stop", None
     if not below_min and token in params.stop_token_ids:
@@ -60,6 +56,18 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
     if seq.num_tokens >= max_model_len:
         return "length", None
     return None, None
+
+
+def match_stop_string(seq: Sequence, start: int, stops: tuple[str, ...]) -> str | None:
+    """The first of `stops` found in the text from `start` on (then the text is cut at it, or after it with
+    `include_stop_str_in_output`), or None."""
+    text = seq.output_text
+    for stop in stops:
+        at = text.find(stop, start)
+        if at >= 0:
+            seq.output_text = text[:at + len(stop) if seq.params.include_stop_str_in_output else at]
+            return stop
+    return None
 
 
 def flush_text(seq: Sequence) -> None:

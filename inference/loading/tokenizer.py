@@ -8,6 +8,7 @@ pre-tokenizer of the original tokenizer.json for each llama.cpp pre-tokenizer na
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -89,6 +90,7 @@ class Tokenizer:
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
         self.chat_template = chat_template
         self._compiled_template: Any = None
+        self._token_bytes: dict[bool, list[bytes] | None] = {}  # `token_bytes`, made on first use
 
     # ---------------------------------------------------------------- constructors
 
@@ -201,6 +203,15 @@ class Tokenizer:
         return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               **variables)
 
+    def token_bytes(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """Each id's bytes under this tokenizer's decoder when it is byte-level alone (GPT-2's ByteLevel: a decode
+        is the ids' bytes joined, decoded as UTF-8 with replacement), b"" for a skipped special token; None for any
+        other decoder. Checked once against the library's decode of every id alone; any difference: None."""
+        key = bool(skip_special_tokens)
+        if key not in self._token_bytes:
+            self._token_bytes[key] = _byte_level_table(self._tk, key)
+        return self._token_bytes[key]
+
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
@@ -213,6 +224,11 @@ class IncrementalDetokenizer:
     the start of a decode, so decoding tokens one at a time is wrong. As in vLLM, we decode a short window
     `ids[prefix:]` and the same window without the unread tokens, and emit the difference only when the window no
     longer ends in U+FFFD (an incomplete character).
+
+    With a byte-level decoder (`Tokenizer.token_bytes`) a decode is the ids' bytes joined and decoded with
+    replacement, done here without the library; and while the window's read part is whole UTF-8 its text is a
+    prefix of the window's, so the difference is the unread tokens' bytes decoded alone: one small decode a token
+    instead of two, with the same deltas (the fold runs this for every sequence at every step).
     """
 
     _PROMPT_CONTEXT = 5  # prompt tokens kept as left context so the first delta gets its leading space right
@@ -220,37 +236,127 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._bytes = tokenizer.token_bytes(skip_special_tokens)  # None: decode through the library
         self._ids: list[int] = list(prompt_ids)[-self._PROMPT_CONTEXT:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""
+        self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
+        self._deltas: list[str] = []
+
+    def _join(self, ids: list[int]) -> bytes | None:
+        """The ids' bytes under a byte-level decoder; None without one (or for an id past the table, which the
+        library then decodes from here on)."""
+        table = self._bytes
+        if table is not None:
+            try:
+                return b"".join([table[i] for i in ids])
+            except IndexError:
+                self._bytes = None
+        return None
+
+    def _is_whole(self, ids: list[int]) -> bool:
+        data = self._join(ids)
+        if data is None:
+            return False
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return False
+        return True
 
     def _decode(self, ids: list[int]) -> str:
+        data = self._join(ids)
+        if data is not None:
+            return data.decode("utf-8", "replace")
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, new_ids: int | Iterable[int]) -> str:
         """Append generated ids; return the text that became final (possibly "")."""
-        self._ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self.text += delta
+        ids = self._ids
+        if isinstance(new_ids, int):
+            ids.append(new_ids)
+        else:
+            ids.extend(new_ids)
+        unread = None
+        if self._whole:  # the window's text is the read part's, then the unread bytes decoded alone
+            read = self._read_offset
+            unread = self._join(ids[read:]) if len(ids) - read != 1 or ids[read] >= len(self._bytes) \
+                else self._bytes[ids[read]]
+        if unread is not None:
+            try:
+                delta, whole = unread.decode(), True
+            except UnicodeDecodeError:
+                delta, whole = unread.decode("utf-8", "replace"), False
+            if not delta or delta[-1] == _REPLACEMENT_CHAR:
+                return ""
+        else:
+            prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+            new_text = self._decode(ids[self._prefix_offset:])
+            if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+                return ""
+            delta = new_text[len(prefix_text):]
+            whole = self._is_whole(ids[self._read_offset:])
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        self._whole = whole
+        self._deltas.append(delta)
         return delta
 
     def finish(self) -> str:
         """Flush what is held back at the end of generation (a truncated character comes out as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self.text += delta
+        ids = self._ids
+        unread = self._join(ids[self._read_offset:]) if self._whole else None
+        if unread is not None:
+            delta = unread.decode("utf-8", "replace")
+        else:
+            prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+            new_text = self._decode(ids[self._prefix_offset:])
+            delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(ids)
+        self._whole = self._bytes is not None
+        self._deltas.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """All the text emitted so far (kept as its deltas: appending to a string attribute copies it)."""
+        return "".join(self._deltas)
 
 
 # ---------------------------------------------------------------- helpers
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return {c: b for b, c in chars.items()}
+
+
+def _byte_level_table(tk: tokenizers.Tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """`Tokenizer.token_bytes`: the library's ByteLevel decoder maps each character of a token to its byte when all
+    of them are in the alphabet, else takes the token's UTF-8 bytes; skipped special tokens give nothing. Checked
+    against the library's decode of the added tokens and the byte tokens, each alone."""
+    if not isinstance(tk.decoder, decoders.ByteLevel):
+        return None
+    to_byte = _unicode_to_byte()
+    added = tk.get_added_tokens_decoder()
+    table = [b""] * tk.get_vocab_size(with_added_tokens=True)
+    for token, i in tk.get_vocab(with_added_tokens=True).items():
+        if skip_special_tokens and i in added and added[i].special:
+            continue
+        try:
+            table[i] = bytes([to_byte[c] for c in token])
+        except KeyError:
+            table[i] = token.encode()
+    checked = sorted({*added, *filter(None, map(tk.token_to_id, to_byte))})
+    alone = tk.decode_batch([[i] for i in checked], skip_special_tokens=skip_special_tokens)
+    if any(table[i].decode("utf-8", "replace") != text for i, text in zip(checked, alone)):
+        return None
+    return table
+
 
 def _token_at(tokens: Sequence[str], token_id: int | None) -> str | None:
     return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None

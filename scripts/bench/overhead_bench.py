@@ -172,6 +172,7 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     import inference.engine.async_scheduling as async_scheduling
     import inference.engine.llm_engine as llm_engine
     import inference.engine.stop as stop
+    from inference.loading.tokenizer import IncrementalDetokenizer
     from inference.sampling.sampler import SamplingTensors
 
     engine, runner = llm.engine, llm.runner
@@ -197,9 +198,11 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(engine, "_process", "process")
     profiler.patch(async_scheduling, "fold", "process")
     profiler.patch(async_scheduling, "advance", "process")
-    profiler.patch(llm_engine, "check_stop", "stop_checks")
+    folding = getattr(llm_engine, "fold", llm_engine)  # the fold's own module (inference/engine/fold.py) if any
+    profiler.patch(folding, "check_stop", "stop_checks")
     profiler.patch(stop, "_append_text", "detokenize")
-    profiler.patch(llm_engine, "flush_text", "detokenize")
+    profiler.patch(folding, "flush_text", "detokenize")
+    profiler.patch(IncrementalDetokenizer, "add", "detokenize")  # also the fold's fast path's one add a token
     profiler.patch(engine, "_output", "outputs")
 
 

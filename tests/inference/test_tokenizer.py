@@ -127,6 +127,55 @@ def test_incremental_detokenizer_with_prompt_context(tok):
     assert "".join(detok.add(i) for i in completion) + detok.finish() == " Paris, of course."
 
 
+class _LibraryDetokenizer(IncrementalDetokenizer):
+    """The detokenizer with every decode through the library (`tokenizers`), as before the byte-level path."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._bytes, self._whole = None, False
+
+
+def test_byte_level_detokenizer_equals_the_library_decodes(tok):
+    """The byte-level path (`Tokenizer.token_bytes`: one small decode a token, no library call) gives the deltas of
+    the library's two decodes a token, on random ids: multi-byte characters cut across tokens, single-byte tokens
+    that make invalid UTF-8, special tokens kept or skipped, ids past the vocabulary (the library drops them),
+    prompt context, several ids an add, and the flush."""
+    import random
+
+    vocab = tok.backend.get_vocab_size()
+    assert tok.token_bytes(True) is not None and tok.token_bytes(False) is not None
+    rng = random.Random(0)
+    common = tok.encode("Hello wörld 😀 日本語 ça va?\n\n def f(x): return x**2 🎉🇫🇷 ") + list(range(17))
+    byte_tokens = [i for i in map(tok.token_to_id, "ĠâĤ¬ðŁĺĢÃ©íłĢ¿") if i is not None]  # bytes of €, 😀, é, ...
+    assert len(byte_tokens) >= 10
+    for trial in range(300):
+        pool = [common, byte_tokens, range(vocab), range(vocab, vocab + 64)][rng.choice([0, 0, 1, 2, 3])]
+        ids = [rng.choice(pool) if rng.random() < 0.8 else rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        skip = trial % 2 == 0
+        fast = tok.detokenizer(skip_special_tokens=skip, prompt_ids=prompt)
+        library = _LibraryDetokenizer(tok, skip_special_tokens=skip, prompt_ids=prompt)
+        i = 0
+        while i < len(ids):
+            chunk = ids[i:i + rng.choice([1, 1, 2, 3])]
+            i += len(chunk)
+            arg = chunk[0] if len(chunk) == 1 else chunk
+            assert fast.add(arg) == library.add(arg), (trial, ids, prompt)
+        assert fast.finish() == library.finish() and fast.text == library.text, (trial, ids, prompt)
+
+
+def test_token_bytes_only_for_a_byte_level_decoder(tok):
+    from tokenizers import Tokenizer as Backend, decoders, models
+
+    metaspace = Backend(models.BPE({"▁a": 0, "b": 1}, []))
+    metaspace.decoder = decoders.Metaspace()
+    assert Tokenizer(metaspace).token_bytes(True) is None
+    detok = Tokenizer(metaspace).detokenizer()
+    assert detok.add([0, 1]) + detok.finish() == metaspace.decode([0, 1])
+    table = tok.token_bytes(True)
+    assert table[tok.eos_token_id] == b"" and tok.token_bytes(False)[tok.eos_token_id] == tok.eos_token.encode()
+
+
 def test_from_folder_matches_from_gguf(tmp_path, tok, info):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
