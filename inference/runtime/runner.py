@@ -122,11 +122,12 @@ def jit_packed_step(graphdef, treedef, layout: StepLayout):
     """The jitted step over one packed buffer (`inference/runtime/packing.py`): `(param_leaves, kv_caches, buffer,
     passed, lora=None, *, packing, use_filters, logprobs, prompt_logprobs)`, the step's `(inp, sampling)` unpacked
     inside it, KV cache donated. What `ModelRunner.execute` runs: one host -> device copy per step."""
-    def packed(param_leaves, kv_caches, buffer, passed, lora=None, *, packing: Packing, **flags):
+    def packed_step(param_leaves, kv_caches, buffer, passed, lora=None, *, packing: Packing, **flags):
         inp, sampling = unpack(packing, buffer, passed)
         return _step(graphdef, treedef, layout, param_leaves, kv_caches, inp, sampling, lora, **flags)
 
-    return jax.jit(packed, static_argnames=("packing", "use_filters", "logprobs", "prompt_logprobs"),
+    # Named for traces: scripts/bench/trace_summary.py finds the step as the program whose name says "step".
+    return jax.jit(packed_step, static_argnames=("packing", "use_filters", "logprobs", "prompt_logprobs"),
                    donate_argnums=(1,))
 
 

@@ -15,7 +15,7 @@ def summarize_trace(planes, top: int = 10) -> dict:
     """Kernels by name per step from a profiler trace. GPU: kernel events on the device's stream lines, steps the
     most frequent program on its "XLA Modules" line. CPU (--smoke): XLA's thunk events on its threads, steps the
     most frequent jitted call on the python thread (the line named after the script). A step is preferably a
-    program whose name says "step" (the runner's `_step`). Busy = the union of kernel intervals within a step."""
+    program whose name says "step" (the runner's `packed_step`). Busy = the union of kernel intervals within a step."""
     device = [p for p in planes if p.name.startswith("/device:")]
     kernels, steps = [], []
     for plane in device or planes:

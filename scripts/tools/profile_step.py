@@ -156,12 +156,13 @@ def measured_generation(llm: LLM, prompts: list[list[int]], output_len: int) -> 
 
 
 def count_transfers(llm: LLM, captured) -> int:
-    """Host-to-device transfers of one decode step through `runner.execute`, from jax's transfer-guard log (a
-    separate replay: the guard slows dispatch, so it stays off in the timed run)."""
+    """Host-to-device transfers of one decode step through `runner.execute`, explicit ones (the packed buffer's
+    `device_put`) included, from jax's transfer-guard log (a separate replay: the guard slows dispatch, so it stays
+    off in the timed run)."""
     inp, sampling, kwargs = captured
     log = tempfile.NamedTemporaryFile(suffix=".log", delete=False).name
     try:
-        with stderr_to(log), jax.transfer_guard("log"):
+        with stderr_to(log), jax.transfer_guard("log_explicit"):
             llm.runner.execute(inp, sampling, is_decode=True, **kwargs)
         with open(log) as f:
             return len(re.findall(r"host-to-device transfer", f.read()))

@@ -31,7 +31,7 @@ def test_gpu_report_smoke(tmp_path):
         assert row["decode_tok_s"] > 0 and 0 < row["itl_p50_fraction_of_copy_floor"]
         assert 0 < row["prefill_fraction_of_matmul_rate"]
     trace = r["trace"]
-    assert trace["step"] == "PjitFunction(_step)" and trace["steps"] >= 2
+    assert trace["step"] == "PjitFunction(packed_step)" and trace["steps"] >= 2
     assert 0 < trace["busy_ms_median"] <= trace["spacing_ms_median"] and trace["top_kernels"]
     assert r["families"] and all(f["ok"] for f in r["families"].values())
     table = md.read_text()
