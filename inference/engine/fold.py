@@ -24,7 +24,7 @@ from typing import Any
 from inference.engine.async_scheduling import drop_placeholder
 from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestOutput
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduler import ScheduledBatch, token_limit
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.engine.stop import check_stop, flush_text, longest_stop, match_stop_string
 from inference.runtime.runner import StepOutput
@@ -58,16 +58,13 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     params = seq.params
     if params.logprobs is not None or params.structured_outputs is not None:
         return None
-    limit = engine.max_model_len
-    if params.max_tokens is not None:
-        limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop_ids |= engine.eos_token_ids
     text = engine.tokenizer is not None and params.detokenize
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
-    return FastRow(limit, frozenset(stop_ids), text, stop, longest_stop(stop) - 1 if stop else 0, params.min_tokens,
+    return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop, longest_stop(stop) - 1 if stop else 0, params.min_tokens,
                    times)
 
 
