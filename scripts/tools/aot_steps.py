@@ -64,6 +64,21 @@ def cost_model_bytes(config, case: StepCase, num_pages: int, weight_bytes: float
     return {"weights": int(weights / per), "kv": int(kv_per_device), "total": int(weights / per + kv_per_device)}
 
 
+def cut_layer_kinds(kinds: tuple[str, ...], n: int) -> tuple[str, ...]:
+    """The layer kinds of an n-layer cut of a model: its first n, except that every kind the model has keeps a layer
+    (Granite-4.0-H's first attention layer is its sixth: a 2-layer cut of plain first layers would have no KV cache
+    and compile no attention)."""
+    picked = list(kinds[:n])
+    missing = [k for k in dict.fromkeys(kinds) if k not in picked]
+    if len(dict.fromkeys(kinds)) > n:
+        raise ValueError(f"--layers={n} cannot hold one layer of each of the model's kinds {sorted(set(kinds))}: "
+                         f"pass --layers={len(set(kinds))} or more")
+    for i in reversed(range(n)):
+        if missing and picked.count(picked[i]) > 1:
+            picked[i] = missing.pop()
+    return tuple(picked)
+
+
 def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_bytes: float | None = None) -> int:
     """Pages of cache the engine would give this step: `wanted`, or what 90% of the chips' HBM holds beside the
     weights (at least one page per sequence, so a model that cannot fit still meets the compiler's verdict)."""
@@ -92,7 +107,7 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
 
     config = get_model_config(case.preset)
     if case.layers:
-        kinds = config.layer_types and config.layer_types[:case.layers]  # the first layers' kinds (a hybrid's too)
+        kinds = config.layer_types and cut_layer_kinds(config.layer_types, case.layers)
         config = config.replace(num_layers=case.layers, layer_types=kinds, name=f"{config.name}-{case.layers}-layers")
     if case.num_chips > 1 and needs_padding(config, case.num_chips):
         return {"case": case.name, "what": "step", "chip": chip, "status": "skipped",
