@@ -223,7 +223,7 @@ TP_ALL = ((1, 1), (2, 1), (4, 1), (8, 1))
 # session's one-device SmolLM2, and tiny-llama-9q3kv covers its grouping at every size.
 PLAN = {"tiny-llama": ((1, 1), (2, 1)), "tiny-llama-9q3kv": TP_ALL + ((2, 2),), "tiny-odd": ((1, 1), (8, 1)),
         "tiny-mha": ((1, 1), (2, 1), (8, 1)), "tiny-mistral": ((1, 1), (4, 1), (8, 1), (4, 2)), "smollm2-135m": ((4, 2),),
-        "tiny-deepseek-v2": ((1, 1), (2, 1), (8, 1), (4, 2)),  # MLA: 4 heads padded to 8 at TP 8; MoE layers
+        "tiny-deepseek-v2": ((1, 1), (8, 1), (4, 2)),  # MLA: 4 heads padded to 8 at TP 8, 1 a device at TP 4; MoE
         "tiny-deepseek-odd": ((1, 1), (8, 1))}  # and the experts' width padded
 
 

@@ -208,13 +208,13 @@ def test_mla_tensor_and_data_parallel_equal_one_device(worker):
     replicated on every device of a replica (it has no head axis), outputs equal to one device."""
     runs = worker["results"]["tiny-deepseek-v2"]
     ref = runs["1"]
-    for name in ("2", "8", "dp2-tp4"):
+    for name in ("8", "dp2-tp4"):  # 1 head a device in each replica at TP 4; 4 heads padded to 8 at TP 8
         run = runs[name]
         assert run["tokens"] == ref["tokens"] and run["sampled"] == ref["sampled"], name
         assert run["tokens_after_update"] == ref["tokens"][0]
         for got, want in zip(run["prompt_logprobs"], ref["prompt_logprobs"]):
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
-    for tp in (2, 8):
+    for tp in (8,):
         run = runs[str(tp)]
         assert run["kv_devices"] == tp and run["kv_bytes_per_device"] == ref["kv_bytes_total"]  # replicated
         assert run["param_bytes_per_device"] < ref["param_bytes_total"]
