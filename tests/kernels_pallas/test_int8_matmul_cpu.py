@@ -1,7 +1,8 @@
 """The C++ W8A8 matmul (XLA FFI) quantizes x's rows, takes the exact int32 dot and rescales: against a numpy model of
 those steps, bit for bit, for each build this CPU runs (`BUILDS`: VNNI, AVX2, NEON dotprod, the scalar loop), over row
-counts on both sides of its row-streaming path (M <= 4) and around its 6-row chunks, K not a multiple of 4 or 16 and
-column counts around its 64-column pieces; and the W8A8 matmul gives the same bits with the kernel as without."""
+counts on both sides of its row-streaming path (M <= 4) and around its 6-row chunks, K not a multiple of 4 or 16,
+column counts around its 64-column pieces and an N wide enough for its multi-strip items; and the W8A8 matmul gives
+the same bits with the kernel as without."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def w8a8_numpy(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (3, 37, 130), (4, 9, 1),  # row streaming (M <= 4)
                                    (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129),
-                                   (60, 600, 70)])  # M * K past the size quantized on the worker threads
+                                   (60, 600, 70),  # M * K past the size quantized on the worker threads
+                                   (9, 200, 8250)])  # N wide enough for several strips an item (the LM head's)
 def test_matches_the_w8a8_model_bit_for_bit(build, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)

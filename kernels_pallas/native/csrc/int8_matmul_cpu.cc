@@ -319,28 +319,41 @@ struct Int8Vector {
       for (int q = 0; q < 4; ++q) carry[(r0 + r) * 4 + q] = acc[r][q];
   }
 
-  void strip(int64_t s) const {
-    const int64_t n0 = s * kCols, width = std::min(kCols, mm.n - n0), k4 = (mm.k + 3) / 4;
+  // Strips per work item: a wide N (the LM head's 49152 columns) takes 4 adjacent AVX2 strips per item, so each
+  // item reads 128 contiguous bytes of every W row it walks (rows N bytes apart: a TLB miss each at that N) where
+  // one strip read 32; its K blocks shrink to keep the packed block at 16 KiB. 1.1x on the LM head at 32 rows
+  // (BENCHMARKS.md). Fewer columns keep one strip an item, so both threads have items.
+  static constexpr int64_t kMaxSub = kCols == 32 ? 4 : 1;
+  static int64_t strips_per_item(int64_t n) { return n >= 64 * kMaxSub * kCols ? kMaxSub : 1; }
+
+  void strip(int64_t item, int64_t sub) const {
+    const int64_t n0 = item * sub * kCols, k4 = (mm.k + 3) / 4, bsize = kBlock / sub;
     thread_local std::vector<D::Packed> block;
     thread_local std::vector<D::Acc> carry;
     block.resize(4 * kBlock);
-    carry.resize(4 * mm.m);
-    for (int64_t b0 = 0; b0 < k4; b0 += kBlock) {
-      const int64_t b1 = std::min(k4, b0 + kBlock);
-      for (int64_t b = b0; b < b1; ++b) {
-        D::Packed v[4];
-        piece(b, n0, width, v);
-        std::copy(v, v + 4, block.data() + 4 * (b - b0));
-      }
+    carry.resize(4 * mm.m * sub);
+    const int64_t strips = std::min(sub, (mm.n - n0 + kCols - 1) / kCols);
+    for (int64_t b0 = 0; b0 < k4; b0 += bsize) {
+      const int64_t b1 = std::min(k4, b0 + bsize);
+      for (int64_t t = 0; t < strips; ++t)
+        for (int64_t b = b0; b < b1; ++b) {
+          D::Packed v[4];
+          piece(b, n0 + t * kCols, std::min(kCols, mm.n - n0 - t * kCols), v);
+          std::copy(v, v + 4, block.data() + 4 * (t * bsize + b - b0));
+        }
       pagejax::for_row_chunks<kRowChunk>(mm.m, [&](auto rows, int64_t r0) {
-        chunk<decltype(rows)::value>(block.data(), b0, b1, r0, carry.data());
+        for (int64_t t = 0; t < strips; ++t)
+          chunk<decltype(rows)::value>(block.data() + 4 * t * bsize, b0, b1, r0, carry.data() + 4 * mm.m * t);
       });
     }
-    for (int64_t r = 0; r < mm.m; ++r) {
-      alignas(64) int32_t sums[kCols];
-      const D::Acc(&a)[4] = *reinterpret_cast<const D::Acc(*)[4]>(carry.data() + 4 * r);
-      D::columns(a, sums);
-      for (int64_t j = 0; j < width; ++j) mm.out[r * mm.n + n0 + j] = mm.rescale(sums[j], r, n0 + j);
+    for (int64_t t = 0; t < strips; ++t) {
+      const int64_t c0 = n0 + t * kCols, width = std::min(kCols, mm.n - c0);
+      for (int64_t r = 0; r < mm.m; ++r) {
+        alignas(64) int32_t sums[kCols];
+        const D::Acc(&a)[4] = *reinterpret_cast<const D::Acc(*)[4]>(carry.data() + 4 * mm.m * t + 4 * r);
+        D::columns(a, sums);
+        for (int64_t j = 0; j < width; ++j) mm.out[r * mm.n + c0 + j] = mm.rescale(sums[j], r, c0 + j);
+      }
     }
   }
 };
@@ -475,8 +488,9 @@ void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, f
              [&](int64_t i) { mm.vnni_strip(i); });
 #elif defined(PAGEJAX_INT8_VECTOR)
   const Int8Vector vec{mm};
+  const int64_t sub = Int8Vector::strips_per_item(n);
   run_vector(mm, 0, [&](int64_t i, int64_t rows_per_item, int32_t* p) { vec.rows(i, rows_per_item, p); },
-             Int8Vector::kCols, [&](int64_t i) { vec.strip(i); });
+             sub * Int8Vector::kCols, [&](int64_t i) { vec.strip(i, sub); });
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
 #endif
