@@ -5,8 +5,8 @@ through XLA's FFI.
 copy of the weight on every call and reads it back, so a batch-1 step with SmolLM2's 4-bit (or GGUF Q4_1 / Q8_0)
 weights was far slower than int8. The kernel computes the same product group by group from the codes (float32
 activations, float32 accumulation; the order of additions differs from XLA's dot, so results agree to float
-rounding, not bit for bit). Built on first use by `native/build.py`; whether "dequant" takes it is
-`native.gate.runs_here(KERNEL)` (`models.quantization.formats.grouped_kernel_runs`).
+rounding, not bit for bit): AVX-512 intrinsics where the CPU has them, else (AVX2, NEON) one vector-extension
+source. Built on first use by `native/build.py`; whether "dequant" takes it is `native.gate.runs_here(KERNEL)` (`models.quantization.formats.grouped_kernel_runs`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ KERNEL = gate.CpuKernel("pagejax_grouped_matmul_cpu", "PagejaxGroupedMatmulCpu")
 
 def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: int, group_size: int,
                        zero_point: jax.Array | None = None, offset: jax.Array | None = None,
-                       portable: bool = False) -> jax.Array:
+                       build: str = "native") -> jax.Array:
     """float32 x [M, K] @ W -> float32 [M, N] for W given as `QuantizedWeight` fields: codes `q` (int8 [K, N] for
     8 bits; uint8 [K/2, N] for 4, two codes a byte as `quantization.pack_int4` packs them), `scale` [K/g, N] and
-    at most one of `zero_point` (int8) / `offset` (float32) [K/g, N]. CPU only. `portable` builds the path without
-    AVX-512 (what a CPU without it runs; tests compare both)."""
+    at most one of `zero_point` (int8) / `offset` (float32) [K/g, N]. CPU only. `build` names the library build
+    (`gate.BUILDS`: "native"; "portable", the scalar loop; "avx2", the vector-extension path an AVX-512 CPU does not
+    run natively; tests compare them)."""
     if x.ndim != 2 or q.ndim != 2:
         raise ValueError(f"expected x [M, K] and codes [rows, N], got shapes {list(x.shape)} and {list(q.shape)}")
     m, k = x.shape
@@ -43,7 +44,7 @@ def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: in
                          f"{x.dtype}{list(x.shape)}, q {q.dtype}{list(q.shape)}, scale {list(scale.shape)}, "
                          f"zero_point {None if zero_point is None else list(zero_point.shape)}, offset "
                          f"{None if offset is None else list(offset.shape)}")
-    kernel = KERNEL.portable() if portable else KERNEL
+    kernel = KERNEL.build(build)
     gate.require(kernel)
     unused = jnp.zeros((1, 1), jnp.float32)
     zero = zero_point if zero_point is not None else jnp.zeros((1, 1), jnp.int8)

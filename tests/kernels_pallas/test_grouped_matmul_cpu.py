@@ -1,5 +1,5 @@
-"""The C++ grouped-weight matmul (XLA FFI) against `x @ qw.dequantize()`, for both of its paths (AVX-512 where the
-CPU has it, and the portable one): 8-bit groups (GGUF Q8_0), 4-bit with an integer zero point
+"""The C++ grouped-weight matmul (XLA FFI) against `x @ qw.dequantize()`, for each build this CPU runs (AVX-512 or
+the vector-extension path, the AVX2 build, the scalar loop): 8-bit groups (GGUF Q8_0), 4-bit with an integer zero point
 (`quantize_int4`, GGUF Q4_0) and with a float minimum (the "int4" mode, GGUF Q4_1); row counts on both sides of its
 2-row register blocks, column counts around its 16- and 64-column vectors and 1024-column items, K cut into several
 parts; and where `matmul(method="dequant")` and `pick_method` send what."""
@@ -28,11 +28,16 @@ FORMS = {
 }
 
 
-def run_kernel(x, qw, portable=False):
+# The builds this CPU can run: native (AVX-512, or the vector-extension path on AVX2 / NEON), the scalar loop, and the
+# AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the vector-extension path too).
+BUILDS = ["native", "portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else [])]
+
+
+def run_kernel(x, qw, build="native"):
     fn = lambda a: grouped_cpu.grouped_matmul_cpu(  # noqa: E731
         a, jnp.asarray(qw.q), jnp.asarray(qw.scale), bits=qw.bits, group_size=qw.group_size,
         zero_point=None if qw.zero_point is None else jnp.asarray(qw.zero_point),
-        offset=None if qw.offset is None else jnp.asarray(qw.offset), portable=portable)
+        offset=None if qw.offset is None else jnp.asarray(qw.offset), build=build)
     return np.asarray(jax.jit(fn)(x))
 
 
@@ -40,16 +45,16 @@ def test_kernel_builds_where_a_compiler_is():
     assert gate.unavailable_reason(grouped_cpu.KERNEL) is None
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("m,k,n,g", [(1, 576, 192, 32), (2, 64, 70, 32), (3, 128, 5, 64), (5, 256, 1100, 128),
                                      (1, 1536, 33, 32)])
-def test_matches_the_dequantized_product(portable, form, m, k, n, g):
+def test_matches_the_dequantized_product(build, form, m, k, n, g):
     rng = np.random.default_rng(m * 100 + k + n)
     qw = FORMS[form](rng.standard_normal((k, n)).astype(np.float32), g)
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = x.astype(np.float64) @ np.asarray(qw.dequantize(), np.float64)
-    got = run_kernel(x, qw, portable)
+    got = run_kernel(x, qw, build)
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
@@ -72,10 +77,10 @@ def test_rejects_inconsistent_inputs():
         call(x[0], qw.q, qw.scale, bits=4, group_size=32)
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_empty_k_gives_zeros(portable):
+@pytest.mark.parametrize("build", BUILDS)
+def test_empty_k_gives_zeros(build):
     fn = jax.jit(lambda a, q, s: grouped_cpu.grouped_matmul_cpu(a, q, s, bits=8, group_size=32,
-                                                                portable=portable))
+                                                                build=build))
     got = fn(np.zeros((2, 0), np.float32), np.zeros((0, 7), np.int8), np.zeros((0, 7), np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.zeros((2, 7), np.float32))
 

@@ -22,6 +22,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(PAGEJAX_PORTABLE)
 #include <immintrin.h>
 #define PAGEJAX_GROUPED_AVX512 1
+#elif !defined(PAGEJAX_PORTABLE)
+// Below AVX-512 (AVX2, NEON): `vector_group`, written once in GCC / Clang vector extensions.
+#define PAGEJAX_GROUPED_VECTOR 1
 #endif
 
 namespace ffi = xla::ffi;
@@ -227,6 +230,127 @@ struct Grouped {
   }
 #endif
 
+#ifdef PAGEJAX_GROUPED_VECTOR
+  // Vector code for every ISA below AVX-512: 8 floats a vector, which the compiler maps to an AVX2 register or a
+  // pair of NEON ones. Per group, the strip's codes become a float tile once (tile[i * 64 + c] = z[g * gs + i, n0 +
+  // c], zero past `width`), then each row's dot with it runs in registers (`vector_rows`).
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef int8_t i8x8 __attribute__((vector_size(8)));
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+  void convert_group(int64_t g, int64_t n0, int64_t width, float* tile) const {
+    if (bits == 4) {
+      const int64_t half = gs / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const uint8_t* row = q + (g * half + i) * n + n0;
+        float* lo = tile + i * kStrip;
+        float* hi = tile + (half + i) * kStrip;
+        if (width == kStrip) {
+          for (int64_t c = 0; c < kStrip; ++c) {
+            lo[c] = static_cast<float>(row[c] & 0x0F);
+            hi[c] = static_cast<float>(row[c] >> 4);
+          }
+        } else {
+          for (int64_t c = 0; c < kStrip; ++c) {
+            const uint8_t b = c < width ? row[c] : 0;
+            lo[c] = static_cast<float>(b & 0x0F);
+            hi[c] = static_cast<float>(b >> 4);
+          }
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < gs; ++i) {
+        const int8_t* row = reinterpret_cast<const int8_t*>(q) + (g * gs + i) * n + n0;
+        float* t = tile + i * kStrip;
+        if (width == kStrip) {
+          for (int64_t c = 0; c < kStrip; ++c) t[c] = static_cast<float>(row[c]);
+        } else {
+          for (int64_t c = 0; c < kStrip; ++c) t[c] = c < width ? static_cast<float>(row[c]) : 0.f;
+        }
+      }
+    }
+  }
+
+  static v8 tile_load(const float* p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+  }
+
+  // Row r0 (and r0 + 1 when kTwo) x the strip's columns: the dots with group g's tile, accumulated in named
+  // variables (an indexed array of vectors, g++ kept on the stack, loading and storing it on every i), then the
+  // group's terms added into dst (set when g is the item's first group). One row: all 8 vectors of the strip; two
+  // rows: 4 vectors (half the strip, from vector v0), so 8 accumulators either way.
+  template <bool kTwo>
+  void vector_rows(int64_t r0, int64_t n0, int64_t width, int v0, int64_t g, bool first, const float* tile,
+                   float* dst) const {
+    const float* x0 = x + r0 * k + g * gs;
+    const float* x1 = kTwo ? x0 + k : x0;
+    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+    const float* t = tile + 8 * v0;
+    for (int64_t i = 0; i < gs; ++i, t += kStrip) {
+      const v8 xa = v8{} + x0[i];
+      const v8 w0 = tile_load(t), w1 = tile_load(t + 8), w2 = tile_load(t + 16), w3 = tile_load(t + 24);
+      a0 += xa * w0;
+      a1 += xa * w1;
+      a2 += xa * w2;
+      a3 += xa * w3;
+      if constexpr (kTwo) {
+        const v8 xb = v8{} + x1[i];
+        a4 += xb * w0;
+        a5 += xb * w1;
+        a6 += xb * w2;
+        a7 += xb * w3;
+      } else {
+        a4 += xa * tile_load(t + 32);
+        a5 += xa * tile_load(t + 40);
+        a6 += xa * tile_load(t + 48);
+        a7 += xa * tile_load(t + 56);
+      }
+    }
+    const v8 all[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    const int64_t vecs = kTwo ? 4 : 8;  // per row
+    for (int r = 0; r < (kTwo ? 2 : 1); ++r) {
+      const v8 sum = v8{} + xs[(r0 + r) * groups() + g];
+      float* out = dst + (r0 + r) * n + n0;
+      for (int64_t t = 0; t < vecs; ++t) {
+        const int64_t c = 8 * (v0 + t), gc = g * n + n0 + c;
+        if (c >= width) break;
+        v8 d = all[r * vecs + t];
+        if (c + 8 <= width) {  // y + scale * (dot - zero * sum) + offset * sum, 8 columns
+          if (zero != nullptr) {
+            i8x8 z;
+            __builtin_memcpy(&z, zero + gc, sizeof z);
+            d -= __builtin_convertvector(__builtin_convertvector(z, i32x8), v8) * sum;  // int32 first: g++
+            // converts int8 lanes straight to float one by one
+          }
+          v8 y = (first ? v8{} : tile_load(out + c)) + tile_load(scale + gc) * d;
+          if (offset != nullptr) y += tile_load(offset + gc) * sum;
+          __builtin_memcpy(out + c, &y, sizeof y);
+        } else {  // the strip's last columns
+          for (int64_t l = 0; c + l < width; ++l) {
+            const float dot = zero == nullptr ? d[l] : d[l] - static_cast<float>(zero[gc + l]) * sum[0];
+            float y = (first ? 0.f : out[c + l]) + scale[gc + l] * dot;
+            if (offset != nullptr) y += offset[gc + l] * sum[0];
+            out[c + l] = y;
+          }
+        }
+      }
+    }
+  }
+
+  void vector_group(int64_t n0, int64_t width, int64_t g0, int64_t g1, float* dst) const {
+    float* tile = pagejax::scratch<float, 2>(gs * kStrip);  // per thread: each worker converts its own
+    for (int64_t g = g0; g < g1; ++g) {
+      convert_group(g, n0, width, tile);
+      int64_t r0 = 0;
+      for (; r0 + 2 <= m; r0 += 2)
+        for (int v0 = 0; v0 < 8; v0 += 4) vector_rows<true>(r0, n0, width, v0, g, g == g0, tile, dst);
+      if (r0 < m) vector_rows<false>(r0, n0, width, 0, g, g == g0, tile, dst);
+    }
+  }
+#endif
+
   // Columns [c0, c1) over groups [g0, g1), strip by strip, so each code row of the item is read front to back.
   void item(int64_t c0, int64_t c1, int64_t g0, int64_t g1, float* dst) const {
     for (int64_t n0 = c0; n0 < c1; n0 += kStrip) {
@@ -236,6 +360,9 @@ struct Grouped {
         tiled(n0, width, g0, g1, dst);
         continue;
       }
+#elif defined(PAGEJAX_GROUPED_VECTOR)
+      vector_group(n0, width, g0, g1, dst);
+      continue;
 #endif
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = std::min(kRows, m - r0);
