@@ -16,7 +16,6 @@ from flax import nnx
 
 from kernels_pallas import rope_cpu
 from kernels_pallas.backend import target_backend
-from kernels_pallas.matmul.f32_gemv_cpu import f32_gemv_cpu, gemv_runs
 from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
@@ -36,14 +35,6 @@ def pad_rows_for_gemm(x: jax.Array) -> jax.Array:
     if x.ndim != 2 or x.shape[0] >= GPU_MIN_GEMM_ROWS or target_backend() != "gpu":
         return x
     return jnp.pad(x, ((0, GPU_MIN_GEMM_ROWS - x.shape[0]), (0, 0)))
-
-
-def dense_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """x @ w (x @ w.T with `transposed`: a tied LM head) for an unquantized weight: the C++ few-row float32 kernel
-    where `f32_gemv_cpu.gemv_runs` says so (batch-1 decode on CPU), else XLA's dot."""
-    if x.dtype == jnp.float32 and gemv_runs(math.prod(x.shape[:-1]), w):
-        return f32_gemv_cpu(x, w, transposed=transposed)
-    return x @ (w.T if transposed else w)
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -69,7 +60,7 @@ class Linear(nnx.Module):
         if is_quantized(kernel):
             y = quantized_matmul(rows, kernel, self.matmul_method)
         else:
-            y = invariant_matmul(rows, kernel) if self.batch_invariant else dense_matmul(rows, kernel)
+            y = invariant_matmul(rows, kernel) if self.batch_invariant else rows @ kernel
         y = y[:x.shape[0]] if rows is not x else y
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
@@ -124,7 +115,7 @@ class Embed(nnx.Module):
         table = self.embedding.get_value()
         if is_quantized(table):
             return quantized_matmul(x, table, self.matmul_method)
-        return invariant_matmul(x, table, transposed=True) if self.batch_invariant else dense_matmul(x, table, True)
+        return invariant_matmul(x, table, transposed=True) if self.batch_invariant else x @ table.T
 
 
 def activation(x: jax.Array, kind: str) -> jax.Array:

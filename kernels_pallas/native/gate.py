@@ -109,16 +109,12 @@ MEASURED: dict[str, dict[str, bool]] = {
     # Every kernel on: the AVX-512 VNNI end-to-end runs of BENCHMARKS.md (kernels on vs PAGEJAX_CPU_KERNELS=0).
     "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
                     "pagejax_grouped_matmul_cpu": True, "pagejax_write_rows_cpu": True,
-                    "pagejax_rope_tables_cpu": True,
-                    # The few-row f32 matmul is not measured there: off, so that float32 path stays XLA's as before.
-                    "pagejax_f32_gemv_cpu": False},
+                    "pagejax_rope_tables_cpu": True},
     # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, the attention kernel (f32, int8 and fp8 caches), the
     # KV write and the RoPE tables beat XLA at 1 and 32 rows; the grouped matmul's vector path beats XLA's dot of the
-    # dequantized weight at 1 row but not at 32; the few-row f32 matmul was no faster than XLA's one-thread dot on a
-    # loaded machine (both cores busy with other work): off until a quiet run says otherwise.
+    # dequantized weight at 1 row but not at 32.
     "avx2": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
-             "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True,
-             "pagejax_f32_gemv_cpu": False},
+             "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True},
 }
 
 

@@ -12,10 +12,6 @@ a machine loaded by other work slows both alike, and the ratio is what counts):
   * grouped_matmul: one layer's seven linears with grouped int4 (group 32, zero points) and int8 (group 64) weights
     at 1 and 32 rows: the kernel vs `formats.matmul(method="dequant")` with it switched off (XLA's dot of the
     dequantized weight); the weights are the jitted function's arguments, as a model's are;
-  * f32_gemv: the seven float32 linears of all 30 layers (425 MB: from memory, as in a decode step, not from the
-    L3 cache one layer's 14 MB would sit in) at 1, 2 and 4 rows, and the tied LM head (x @ E^T, E 49152 x 576) at 1
-    row: the few-row kernel (`models.layers.dense_matmul` with it) vs XLA's dot; the weight bytes read per call over
-    the time give each path's GB/s;
   * kv_write: one layer's KV-cache write of a decode step (1 and 32 tokens, 3 KV heads, rows of 2 x 64, a float32
     and an int8 cache of 512 pages of 16), donated so both paths write in place: the kernel vs the in-place
     fori_loop of `kv_cache.writes.write_rows`;
@@ -52,7 +48,7 @@ from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows  # noqa: E4
 from kernels_pallas.kv_cache.writes import quantize_cache  # noqa: E402
 from kernels_pallas import rope_cpu  # noqa: E402
 from kernels_pallas.kv_cache import writes  # noqa: E402
-from kernels_pallas.matmul import f32_gemv_cpu, grouped_cpu, int8_cpu  # noqa: E402
+from kernels_pallas.matmul import grouped_cpu, int8_cpu  # noqa: E402
 from kernels_pallas.native import gate  # noqa: E402
 from models import layers  # noqa: E402
 from models.quantization import formats  # noqa: E402
@@ -141,27 +137,6 @@ def grouped_layer(rows: int, bits: int) -> dict:
     for a, b in zip(paths["native"](x, weights), paths["pure_jax"](x, weights)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-3)
     return timed_side_by_side(paths, (x, weights), FLAGS.rounds, FLAGS.calls)
-
-
-def f32_gemv(rows: int, head: bool) -> dict:
-    """A layer's float32 linears (or the tied head) through `layers.dense_matmul`, the kernel forced on and off."""
-    rng = np.random.default_rng(rows)
-    shapes = ((49152, 576),) if head else LAYER * 30
-    weights = [jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
-    x = jnp.asarray(rng.standard_normal((rows, 1536)).astype(np.float32))
-
-    def path(kernel: bool):
-        def run(x, weights):
-            with forced(f32_gemv_cpu.KERNEL, kernel):
-                return [layers.dense_matmul(x[:, :w.shape[1 if head else 0]], w, head) for w in weights]
-        return jax.jit(run)
-
-    paths = {"native": path(True), "pure_jax": path(False)}
-    for a, b in zip(paths["native"](x, weights), paths["pure_jax"](x, weights)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-    times = timed_side_by_side(paths, (x, weights), FLAGS.rounds, FLAGS.calls)
-    weight_bytes = sum(w.size * 4 for w in weights)
-    return {**times, "GBps": {name: weight_bytes / t / 1e9 for name, t in times.items()}}
 
 
 def kv_write(tokens: int, dtype) -> dict:
@@ -254,8 +229,6 @@ def main(argv):
     cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 32)}
     cases.update({f"grouped_matmul_int{b}_layer_m{m}": functools.partial(grouped_layer, m, b)
                   for b in (4, 8) for m in (1, 32)})
-    cases.update({f"f32_gemv_layer_m{m}": functools.partial(f32_gemv, m, False) for m in (1, 2, 4)})
-    cases["f32_gemv_head_m1"] = functools.partial(f32_gemv, 1, True)
     cases.update({f"kv_write_{jnp.dtype(d).name}_t{t}": functools.partial(kv_write, t, d)
                   for d in (jnp.float32, jnp.int8) for t in (1, 32)})
     cases.update({f"rope_t{t}": functools.partial(rope, t) for t in (1, 32, 512)})
@@ -264,9 +237,7 @@ def main(argv):
     cases = {name: case for name, case in cases.items() if FLAGS.only in name}
     for name, case in cases.items():
         times = case()
-        rates = times.pop("GBps", {})  # the weight bytes a call reads over its time, where a case gives them
         entry = {f"{path}_ms": t * 1e3 for path, t in times.items()}
-        entry.update({f"{path}_GBps": r for path, r in rates.items()})
         entry["kernel_speedup"] = times["pure_jax"] / times["native"]
         result["cases"][name] = entry
         print(f"{name:28s} " + "  ".join(f"{k} {v:8.3f}" for k, v in entry.items()), flush=True)

@@ -18,14 +18,14 @@ from kernels_pallas.attention import cpu
 from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.kv_cache.layout import kv_cache_spec
 from kernels_pallas.kv_cache.writes import WRITE_KERNEL
-from kernels_pallas.matmul import f32_gemv_cpu, grouped_cpu, int8_cpu
+from kernels_pallas.matmul import grouped_cpu, int8_cpu
 from kernels_pallas.native.build import KernelBuildError
 from models import layers
 from models.quantization import formats
 from tests.kernels_pallas.test_ragged_paged_attention import make_case
 
 KERNELS = {"attention": cpu.KERNEL, "kv_write": WRITE_KERNEL, "rope": rope_cpu.KERNEL, "int8_matmul": int8_cpu.KERNEL,
-           "grouped_matmul": grouped_cpu.KERNEL, "f32_gemv": f32_gemv_cpu.KERNEL}
+           "grouped_matmul": grouped_cpu.KERNEL}
 
 
 class Keep(logging.Handler):
@@ -64,7 +64,6 @@ def main():
         "rope": lambda: kernels_called(lambda p: layers.rope_tables(p, inv_freq), positions),
         "int8_matmul": lambda: kernels_called(lambda a: formats.matmul(a, per_channel, "int8"), x),
         "grouped_matmul": lambda: kernels_called(lambda a: formats.matmul(a, grouped, "dequant"), x),
-        "f32_gemv": lambda: kernels_called(lambda a: layers.dense_matmul(a, jnp.asarray(w)), x[:1]),
     }
     first = {name: site() for name, site in sites.items()}
     second = {name: site() for name, site in sites.items()}

@@ -88,39 +88,3 @@ def test_aarch64_library_compiles_and_uses_sdot(tmp_path):
 def test_driver_natively(tmp_path):
     out = run_driver(tmp_path, os.environ.get("CXX") or "g++", ["-march=native"], [])
     assert "0 failed" in out
-
-
-GEMV_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "f32_gemv_driver.cc")
-GEMV_SHAPES = [(1, 576, 96, 0), (2, 37, 17, 0), (4, 130, 2100, 0), (1, 576, 300, 1), (3, 37, 9, 1)]
-
-
-def run_gemv_driver(tmp_path, cxx: str, flags: list[str], runner: list[str]) -> str:
-    """The few-row float32 matmul (`f32_gemv_driver.cc`) on cases checked against numpy's float64 product."""
-    cases, exe = str(tmp_path / "gemv_cases.bin"), str(tmp_path / f"gemv-{len(os.listdir(tmp_path))}")
-    with open(cases, "wb") as f:
-        for m, k, n, transposed in GEMV_SHAPES:
-            rng = np.random.default_rng(m * 1000 + k + n)
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
-            want = (x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)).astype(np.float32)
-            f.write(np.array([m, k, n, transposed], np.int64).tobytes())
-            for a in (x, w, want):
-                f.write(np.ascontiguousarray(a).tobytes())
-    shared = [f for f in compile_flags() if f not in ("-shared", "-fPIC")]
-    compiled = subprocess.run([cxx, *shared, *flags, GEMV_DRIVER, "-o", exe], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
-    with open(cases, "rb") as stdin:
-        ran = subprocess.run([*runner, exe], stdin=stdin, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PAGEJAX_CPU_THREADS": "2"})
-    assert ran.returncode == 0 and f"{len(GEMV_SHAPES)} cases, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    return ran.stdout
-
-
-@needs_cross
-def test_aarch64_f32_gemv_matches_numpy_under_qemu(tmp_path):
-    run_gemv_driver(tmp_path, CROSS, [f"-march={MARCH}"], [QEMU, "-L", SYSROOT])
-
-
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler")
-def test_f32_gemv_driver_natively(tmp_path):
-    run_gemv_driver(tmp_path, os.environ.get("CXX") or "g++", ["-march=native"], [])

@@ -29,7 +29,7 @@ from kernels_pallas.native import gate
 from models import layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SITES = ("attention", "f32_gemv", "grouped_matmul", "int8_matmul", "kv_write", "rope")
+SITES = ("attention", "grouped_matmul", "int8_matmul", "kv_write", "rope")
 needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
                                reason="no C++ compiler: the kernels never run here")
 
