@@ -38,16 +38,18 @@ engine loop's pause, call it); an abort drops the sequence's placeholder at once
 from __future__ import annotations
 
 import dataclasses
+import collections
 import itertools
 import logging
+import operator
 import time
 from typing import Any
 
 import numpy as np
 
 from inference.engine.outputs import RequestOutput
-from inference.engine.scheduler import ScheduledBatch, token_limit
-from inference.engine.sequence import Sequence
+from inference.engine.scheduler import ScheduledBatch, token_limit, uncomputed
+from inference.engine.sequence import Sequence, SequenceStatus
 from inference.runtime.batch import ModelInput, TokenFeed
 from inference.runtime.runner import PendingStep
 
@@ -56,6 +58,13 @@ from inference.runtime.runner import PendingStep
 Engine = Any
 
 log = logging.getLogger(__name__)
+
+_spec_tokens = operator.attrgetter("spec_tokens")
+_computed = operator.attrgetter("num_computed_tokens")
+_token_ids = operator.attrgetter("token_ids")
+_request_id = operator.attrgetter("request_id")
+_status = operator.attrgetter("status")
+FINISHED = SequenceStatus.FINISHED
 
 PLACEHOLDER = -1  # a token id no vocabulary has: the in-flight step's sampled token, until it is folded
 
@@ -78,11 +87,19 @@ class AsyncStats:
     wasted_rows: int = 0  # rows of sequences that the previous step's token had finished
 
 
-def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[str]:
-    """Why `batch` must run synchronously (the in-flight step folded first); empty: it may overlap."""
-    pending = in_flight.rows if in_flight is not None else {}
-    reasons = set()
-    for seq, count in zip(batch.seqs, batch.num_new_tokens):
+@dataclasses.dataclass
+class ParamsChecked:
+    """The sequences of the last step whose parameters need no synchronous step (`sync_reasons`): a step of the
+    same sequences, in the same order (the steady decode state), skips the per-row parameter checks."""
+
+    seqs: list[Sequence] | None = None
+
+
+def _params_reasons(seqs: list[Sequence]) -> tuple[set[str], bool]:
+    """The reasons that follow from the rows' sampling parameters (a row's prompt logprobs only while it still
+    predicts a prompt position), and whether they hold for every later step of these rows (no prompt logprobs)."""
+    reasons, lasting = set(), True
+    for seq in seqs:
         params = seq.params
         if params.structured_outputs is not None:
             reasons.add("structured_outputs")
@@ -90,12 +107,37 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None) -> set[s
             reasons.add("penalties")
         if params.bad_words:
             reasons.add("bad_words")
-        if seq.spec_tokens:
-            reasons.add("speculative")
-        if params.prompt_logprobs is not None and seq.predicts_prompt:
-            reasons.add("prompt_logprobs")
-        if seq in pending and not (count == 1 and seq.num_computed_tokens == seq.num_tokens - 1):
-            reasons.add("recompute")
+        if params.prompt_logprobs is not None:
+            lasting = False
+            if seq.predicts_prompt:
+                reasons.add("prompt_logprobs")
+    return reasons, lasting
+
+
+def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
+                 checked: ParamsChecked | None = None) -> set[str]:
+    """Why `batch` must run synchronously (the in-flight step folded first); empty: it may overlap. `checked`: kept
+    across steps, so the parameter checks run only when the batch's sequences change; the rest are array
+    operations over the batch."""
+    seqs = batch.seqs
+    if checked is not None and checked.seqs is not None and checked.seqs == seqs:  # identities compared in C
+        reasons = set()
+    else:
+        reasons, lasting = _params_reasons(seqs)
+        if checked is not None:
+            checked.seqs = list(seqs) if lasting and not reasons else None
+    if any(map(_spec_tokens, seqs)):
+        reasons.add("speculative")
+    pending = in_flight.rows if in_flight is not None else None
+    if pending:
+        # A sequence whose placeholder is not its only uncomputed token, computed by this step as a plain decode row.
+        n = len(seqs)
+        fed = np.fromiter(map(pending.__contains__, seqs), bool, n)
+        if fed.any():
+            _, left = uncomputed(seqs)
+            plain = (np.fromiter(batch.num_new_tokens, np.int64, n) == 1) & (left == 1)
+            if (fed & ~plain).any():
+                reasons.add("recompute")
     return reasons
 
 
@@ -122,9 +164,13 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
 def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
     """The host bookkeeping of a dispatched step that needs no token (`Engine._advance`, as the synchronous
     `Engine._process` does before it appends a token), and a placeholder for each token the step samples."""
+    seqs = batch.seqs
+    if engine.state is None and not engine.scheduler.awaiting_fork and batch.is_decode \
+            and not operator.countOf(map(_status, seqs), FINISHED):
+        return _advance_decode(engine, seqs, pending)
     rows: dict[Sequence, int] = {}
     request_ids: dict[str, None] = {}
-    for i, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+    for i, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens)):
         if seq.is_finished:  # the previous step's token (or an abort) ended it: this row's token is discarded
             engine.async_stats.wasted_rows += 1
             continue
@@ -138,6 +184,29 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFl
     return InFlightStep(pending, rows, list(request_ids))
 
 
+def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep) -> InFlightStep:
+    """`advance` of a step whose every row computes one token, none finished, with no state layers and no samples
+    waiting to fork: `Engine._advance`'s bookkeeping as array operations and C loops over the rows, with per-row
+    Python only where a row fills a page (its chain hash is registered)."""
+    n = len(seqs)
+    after = np.fromiter(map(_computed, seqs), np.int64, n) + 1
+    collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
+    sampled = after >= np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+    # A row's first step (after == 1) starts its chain; a step that fills a page registers it (`fold.advance`).
+    for i in np.flatnonzero((after == 1) | (after % engine.page_size == 0)).tolist():
+        try:
+            engine.block_manager.commit_full_pages(seqs[i])
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+            engine._fail(seqs[i], exc)
+            sampled[i] = False
+    if sampled.all():
+        rows = dict(zip(seqs, range(n)))
+    else:
+        rows = dict(zip(itertools.compress(seqs, sampled.tolist()), np.flatnonzero(sampled).tolist()))
+    collections.deque(map(list.append, map(_token_ids, rows), itertools.repeat(PLACEHOLDER)), 0)
+    return InFlightStep(pending, rows, list(dict.fromkeys(map(_request_id, seqs))))
+
+
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     """Fetch the in-flight step's tokens and fold them in: each replaces its placeholder, then logprobs, stop checks
     and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced. If the
@@ -149,13 +218,14 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
         for seq in rows:
             seq.token_ids.pop()
             engine._fail(seq, exc)
-        return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
+        return engine._outputs(in_flight.request_ids)
     now = time.perf_counter()
     tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
-    for seq, row in rows.items():
-        seq.token_ids[-1] = tokens[row]  # in place of the placeholder (an aborted sequence is no longer in `rows`)
+    # Each in place of its placeholder (an aborted sequence is no longer in `rows`), in C loops over the rows.
+    collections.deque(map(operator.setitem, map(_token_ids, rows), itertools.repeat(-1),
+                          map(tokens.__getitem__, rows.values())), 0)
     engine._fold_tokens(list(rows.items()), out, now)
-    return [engine._output(engine.requests[rid]) for rid in in_flight.request_ids if rid in engine.requests]
+    return engine._outputs(in_flight.request_ids)
 
 
 def finishes_in_flight(engine: Engine, seq: Sequence) -> bool:
@@ -198,7 +268,7 @@ def merge_outputs(*groups: list[RequestOutput]) -> list[RequestOutput]:
 def async_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
     """One step of the async engine for a scheduled `batch` (under the engine's lock); see the module docstring."""
     prev = engine.in_flight
-    reasons = sync_reasons(batch, prev)
+    reasons = sync_reasons(batch, prev, engine.params_checked)
     if not reasons:
         pending = engine._execute(batch, prev, fetch=False)
         if prev is not None:

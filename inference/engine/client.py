@@ -37,8 +37,8 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def step(self) -> list[RequestOutput]:
-        """One model step; an output for every request that advanced."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One model step; an output for every request that advanced (`finished_only`: for those that finished)."""
 
     def has_unfinished_requests(self) -> bool: ...
 

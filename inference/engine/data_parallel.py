@@ -16,6 +16,7 @@ engine having to split its step in two.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -117,13 +118,14 @@ class DataParallelEngine:
                 self._settle(out.request_id)
         return outputs
 
-    def step(self) -> list[RequestOutput]:
-        """One step of every replica that has work, run concurrently; the outputs of all of them."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One step of every replica that has work, run concurrently; the outputs of all of them (`finished_only`:
+        of the requests that finished, as `Engine.step`)."""
         active = [e for e in self.engines if e.has_unfinished_requests()]
         if len(active) <= 1:
-            results = [e.step() for e in active]
+            results = [e.step(finished_only) for e in active]
         else:
-            results = list(self._executor().map(Engine.step, active))
+            results = list(self._executor().map(functools.partial(Engine.step, finished_only=finished_only), active))
         outputs = [out for result in results for out in result]
         for out in outputs:
             if out.finished:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from inference.engine.async_scheduling import drop_placeholder
@@ -96,7 +97,7 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
     fold_tokens(engine, sampled, out, now)
     if verified:
         engine.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
-    return [request_output(engine, r) for r in touched.values()]
+    return outputs(engine, touched)
 
 
 def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
@@ -233,6 +234,17 @@ def finish(engine: Engine, seq: Sequence, reason: str) -> None:
     request = engine.requests[seq.request_id]
     if request.finished:
         request.metrics.finished_time = time.perf_counter()
+        engine.finished_ids.add(seq.request_id)
+
+
+def outputs(engine: Engine, request_ids: Iterable[str]) -> list[RequestOutput]:
+    """The outputs of the (not popped) requests a step advanced, in order; during a `step(finished_only=True)` only
+    those of finished requests (`Engine.finished_ids`), the others not built at all."""
+    requests, output = engine.requests, engine._output
+    if engine.finished_only:
+        done = engine.finished_ids
+        return [output(requests[rid]) for rid in request_ids if rid in done and rid in requests]
+    return [output(requests[rid]) for rid in request_ids if rid in requests]
 
 
 def request_output(engine: Engine, request: Request) -> RequestOutput:

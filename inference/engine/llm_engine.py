@@ -29,7 +29,7 @@ from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.token_mask import allowed_row, restrict_rows
 from inference.sampling.params import SamplingParams
-from inference.engine.async_scheduling import (AsyncStats, InFlightStep, async_step,
+from inference.engine.async_scheduling import (AsyncStats, InFlightStep, ParamsChecked, async_step,
                                               feed_pending_tokens, finishes_in_flight, fold_in_flight,
                                               merge_outputs)
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
@@ -139,7 +139,12 @@ class Engine:
         self.async_scheduling = scheduler_config.async_scheduling and not self.num_spec
         self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
         self.async_stats = AsyncStats()
+        self.params_checked = ParamsChecked()  # sync_reasons' parameter checks, skipped while the rows are the same
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
+        # Requests whose every sequence finished, not popped yet: a `step(finished_only=True)` builds outputs only
+        # for these (fold.outputs).
+        self.finished_ids: set[str] = set()
+        self.finished_only = False  # set for the length of one `step`: which outputs it builds
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
         # Every step returns its tokens this wide (`TokenFeed`). Engines built over one runner (an LLM rebuilt with
         # other limits, the server's) share it: the width only grows, so no engine's steps outgrow another's feed.
@@ -284,21 +289,33 @@ class Engine:
         return self.proposer.reserve(seq, k)  # the slots (and pages) to reserve; `_run_draft` fills them
 
     # ---- stepping ---------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; return an output for every request that advanced (finished ones included)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one model step; return an output for every request that advanced (finished ones included), or with
+        `finished_only` only for those that finished (the same outputs, filtered by `out.finished`).
+
+        Why the option: building an output is per-request work on the step's critical path; a caller that reads
+        only final outputs (`LLM.generate`) need not pay it for every request at every step, a streaming one does."""
         with self._lock:
-            undelivered, self._undelivered = self._undelivered, []
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return merge_outputs(undelivered, fold_in_flight(self))
-            now = time.perf_counter()
-            for seq in batch.admitted:  # only a sequence that joins now can be scheduled for the first time
-                metrics = self.requests[seq.request_id].metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = now
-            if self.async_scheduling:
-                return merge_outputs(undelivered, async_step(self, batch))
-            return merge_outputs(undelivered, self._process(batch, self._execute(batch)))
+            self.finished_only = finished_only
+            try:
+                outputs = self._step()
+            finally:
+                self.finished_only = False
+            return [out for out in outputs if out.finished] if finished_only else outputs
+
+    def _step(self) -> list[RequestOutput]:
+        undelivered, self._undelivered = self._undelivered, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return merge_outputs(undelivered, fold_in_flight(self))
+        now = time.perf_counter()
+        for seq in batch.admitted:  # only a sequence that joins now can be scheduled for the first time
+            metrics = self.requests[seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        if self.async_scheduling:
+            return merge_outputs(undelivered, async_step(self, batch))
+        return merge_outputs(undelivered, self._process(batch, self._execute(batch)))
 
     def _execute(self, batch: ScheduledBatch, in_flight: InFlightStep | None = None,
                  fetch: bool = True) -> StepOutput | PendingStep:
@@ -386,6 +403,7 @@ class Engine:
     _fail = fold.fail
     _finish = fold.finish
     _output = fold.request_output
+    _outputs = fold.outputs
 
     def output_of(self, request_id: str) -> RequestOutput:
         """The current output of a request that has not been popped."""
@@ -398,4 +416,5 @@ class Engine:
             request = self.requests.get(request_id)
             if request is not None and request.finished:
                 del self.requests[request_id]
+                self.finished_ids.discard(request_id)
 

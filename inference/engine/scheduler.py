@@ -356,8 +356,9 @@ class Scheduler:
     def _grow_decode_row(self, seq: Sequence) -> bool:
         """Give a decoding row its drafts and the pages of its next write, preempting the newest sequences while
         pages are short; whether the row still runs (it may have been the one preempted)."""
-        if self.proposer is None and self.block_manager.decode_in_place(seq):
-            return True  # steady decode: nothing to allocate, copy or preempt
+        if self.proposer is None and (self.block_manager.decode_in_place(seq)
+                                      or self.block_manager.decode_open_page(seq)):
+            return True  # steady decode: nothing to copy or preempt, at most one fresh page to append
         seq.spec_tokens = self.proposer(seq) if self.proposer is not None else []
         if seq.spec_tokens and not self.block_manager.can_grow(seq, seq.num_tokens + len(seq.spec_tokens)):
             seq.spec_tokens = []  # short of pages: verify nothing rather than preempt anyone

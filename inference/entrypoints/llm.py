@@ -327,7 +327,7 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=num_requests, desc="generating", unit="req")
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):  # only final outputs are read: build no others
                 if out.finished and out.request_id not in finished:
                     finished[out.request_id] = out
                     if bar is not None:

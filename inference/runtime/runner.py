@@ -453,10 +453,17 @@ class ModelRunner:
         return reshard_all(leaves, self.param_shardings)
 
 
+def noop_feed_arrays(num_tokens: int, num_seqs: int, width: int) -> TokenFeed:
+    """A token feed that writes nothing (every entry dropped at the token bucket), all numpy: what a step without
+    an in-flight predecessor carries (`ModelRunner.noop_feed`), and what a deviceless compile of the step gives it
+    (`scripts/tools/aot_steps.py`)."""
+    return TokenFeed(prev=np.zeros(width, np.int32), dst=np.full(num_seqs, num_tokens, np.int32),
+                     src=np.zeros(num_seqs, np.int32))
+
+
 @functools.lru_cache(maxsize=256)
 def _noop_feed(num_tokens: int, num_seqs: int, width: int, sharding: jax.sharding.Sharding) -> TokenFeed:
     """`ModelRunner.noop_feed`'s arrays, read-only: `prev` on the device, as a real feed's (the step's output) is."""
-    dst = np.full(num_seqs, num_tokens, np.int32)
-    src = np.zeros(num_seqs, np.int32)
-    dst.flags.writeable = src.flags.writeable = False
-    return TokenFeed(prev=jax.device_put(np.zeros(width, np.int32), sharding), dst=dst, src=src)
+    feed = noop_feed_arrays(num_tokens, num_seqs, width)
+    feed.dst.flags.writeable = feed.src.flags.writeable = False
+    return feed.replace(prev=jax.device_put(feed.prev, sharding))

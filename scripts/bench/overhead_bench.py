@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import inspect
 import json
 import os
 import subprocess
@@ -70,6 +71,10 @@ def define_flags() -> None:
     flags.DEFINE_string("baseline", None, "A git commit (or a checkout's path) whose engine is measured beside this "
                         "tree's in the same run: each size runs in a fresh process of that tree, then of this one, "
                         "alternating, with this script (rows tagged tree=base / tree=this).")
+    flags.DEFINE_enum("step_outputs", "finished", ["finished", "all"], "Which outputs each step builds: "
+                      "'finished' as LLM.generate steps (`Engine.step(finished_only=True)`: only finished requests' "
+                      "outputs), 'all' as streaming and the server do (every advanced request's, every step). A tree "
+                      "whose engine has no such option builds all (the row's step_outputs says which ran).")
     flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
                       "out of the collector's generations), to see whether collections cause the dispatch spikes.")
 
@@ -204,6 +209,8 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
     profiler.patch(folding, "flush_text", "detokenize")
     profiler.patch(IncrementalDetokenizer, "add", "detokenize")  # also the fold's fast path's one add a token
     profiler.patch(engine, "_output", "outputs")
+    if hasattr(engine, "_outputs"):  # the step's outputs, built for the requests the caller reads (fold.outputs)
+        profiler.patch(engine, "_outputs", "outputs")
 
 
 def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, repeats: int) -> dict:
@@ -214,6 +221,10 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
     params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
                              stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
+
+    finished_only = FLAGS.step_outputs == "finished" and \
+        "finished_only" in inspect.signature(engine.step).parameters
+    step_kwargs = {"finished_only": True} if finished_only else {}
 
     def run(profiler: PhaseProfiler | None) -> dict:
         engine.reset_prefix_cache()
@@ -228,13 +239,13 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
                 profiler_totals = dict(profiler.totals)
                 gc_before = gc_timer.snapshot()
                 t0 = time.perf_counter()
-                outs = engine.step()
+                outs = engine.step(**step_kwargs)
                 steps.append((time.perf_counter() - t0,
                               {k: profiler.totals[k] - profiler_totals.get(k, 0.0) for k in PHASES}))
                 gc_steps.append([sum(a - b for a, b in zip(gc_timer.snapshot()[0], gc_before[0])),
                                  *(a - b for a, b in zip(gc_timer.snapshot()[1], gc_before[1]))])
             else:
-                outs = engine.step()
+                outs = engine.step(**step_kwargs)
             for out in outs:
                 if out.finished:
                     gaps.extend(out.metrics.inter_token_latencies)
@@ -296,7 +307,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
-            "gc_frozen": FLAGS.gc_freeze, "policy": engine.scheduler.config.policy,
+            "gc_frozen": FLAGS.gc_freeze, "step_outputs": "finished" if finished_only else "all",
+            "policy": engine.scheduler.config.policy,
             "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
             "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
@@ -344,6 +356,7 @@ def _forwarded() -> dict[str, str]:
     """The flags a side-by-side run hands to each of its processes."""
     return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
             "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze,
+            "step_outputs": FLAGS.step_outputs,
             **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
 

@@ -92,14 +92,16 @@ def kv_pages_that_fit(config, chip: str, case: StepCase, wanted: int, weight_byt
 
 
 def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantization: str | None = None) -> dict:
-    """Lower and compile the engine's jitted step (inference/runtime/runner.py) for `case` from abstract inputs;
+    """Lower and compile the engine's jitted step as `ModelRunner.execute` runs it (inference/runtime/runner.py: the
+    packed step, one int32 buffer of the step's arrays) for `case` from abstract inputs;
     with `hlo_dir`, its optimized HLO goes to `hlo_dir/<chip>_<case>.hlo`; `quantization` ("fp8", "int8"): the
     weights as `LLM(quantization=...)` holds them, with the GEMMs' operand dtypes reported (`dot_operand_dtypes`)."""
     from flax import nnx
 
     from configs import get_model_config
     from inference.runtime.batch import ModelInput
-    from inference.runtime.runner import StepLayout, jit_step
+    from inference.runtime.packing import pack
+    from inference.runtime.runner import StepLayout, jit_packed_step, noop_feed_arrays
     from inference.sampling.sampler import SamplingTensors
     from inference.sampling.params import SamplingParams
     from models.decoder import Decoder, quantize_decoder
@@ -146,17 +148,20 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
     empty = ModelInput.empty(tokens, seqs, pages_per_seq, max_q, num_groups=groups)
     if states:
         empty = empty.replace(attn=empty.attn.replace(state_slots=np.arange(1, seqs + 1, dtype=np.int32)))
-    inp = abstract(empty, rep)
-    sampling = abstract(SamplingTensors.from_params([SamplingParams()] * seqs, [0] * seqs, [0] * seqs, seqs), rep)
+    # The step `ModelRunner.execute` runs: its numpy arrays packed into one int32 buffer, with the token feed every
+    # step carries (a no-op one here, of the case's sequence width), the feed's previous tokens passed as an array.
+    sampling = SamplingTensors.from_params([SamplingParams()] * seqs, [0] * seqs, [0] * seqs, seqs)
+    packing, buffer, passed = pack((empty.replace(feed=noop_feed_arrays(tokens, seqs, seqs)), sampling))
     layout = StepLayout(kv_sharding=None if case.num_chips == 1 else kv_sharding,
                         logits_sharding=None if case.num_chips == 1 else rep,
                         vocab_axis="model" if case.num_chips > 1 and config.vocab_size % case.num_chips == 0
                         else None)
-    step = jit_step(graphdef, treedef, layout)
-    fn = functools.partial(step, use_filters=False, logprobs=False, prompt_logprobs=False)
+    step = jit_packed_step(graphdef, treedef, layout)
+    fn = functools.partial(step, packing=packing, use_filters=False, logprobs=False, prompt_logprobs=False)
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
     state_shapes = tuple(x.shape for st in states for x in jax.tree.leaves(st))
-    row = compile_case(chip, case.num_chips, fn, (leaves, caches, inp, sampling), cache_shapes=(local, *state_shapes),
+    row = compile_case(chip, case.num_chips, fn, (leaves, caches, abstract(buffer, rep), abstract(passed, rep)),
+                       cache_shapes=(local, *state_shapes),
                        donate_argnums=(1,), hlo_path=hlo_dir and os.path.join(hlo_dir, f"{chip}_{case.name}.hlo"))
     row["cost_model"] = cost_model_bytes(config, case, num_pages, per_weight)
     if states:

@@ -277,3 +277,45 @@ def test_a_narrower_engine_over_the_same_runner_keeps_the_token_feed_wide_enough
     together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids for p in prompts[:2]]
     assert [len(t) for t in together] == [6] * 6 and list(together[:2]) == list(alone)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_finished_only_steps_return_the_finished_outputs_of_full_steps(tiny_llama, async_scheduling):
+    """`Engine.step(finished_only=True)` (what `LLM.generate` steps with) returns, step for step, exactly the
+    outputs of `step()` that are finished, in the same order, across arrivals, an abort, a stop string and a
+    `settle` between steps; the not-finished ones are never built."""
+    config = dataclasses.replace(tiny_llama.engine.scheduler.config, async_scheduling=async_scheduling)
+    rng = np.random.default_rng(3)
+    requests = [(f"q{i}", rng.integers(1, 200, int(rng.integers(2, 12))).tolist(),
+                 SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=int(rng.integers(1, 9)),
+                                ignore_eos=True, stop_token_ids=[7] if i % 3 == 0 else None)) for i in range(12)]
+    per_step, built = [], []
+    for finished_only in (False, True):
+        tiny_llama.engine.reset_prefix_cache()
+        engine = Engine(tiny_llama.runner, tiny_llama.tokenizer, config)
+        output = engine._output
+        engine._output = lambda request: built.append(finished_only) or output(request)
+        steps, step = [], 0
+        pending = list(requests)
+        while pending or engine.has_unfinished_requests():
+            for _ in range(2 if step % 3 == 0 else 0):
+                if pending:
+                    engine.add_request(*pending.pop(0))
+            if step == 4:
+                engine.abort("q1")
+                engine.pop_finished("q1")  # the caller has it: no later step reports it
+            if step == 6:
+                engine.settle()
+            outs = engine.step(finished_only=finished_only)
+            steps.append([(o.request_id, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                          for o in outs if o.finished])
+            for o in outs:
+                if o.finished:
+                    engine.pop_finished(o.request_id)
+            step += 1
+        assert not engine.finished_ids and not engine.requests
+        per_step.append(steps)
+    assert per_step[0] == per_step[1]
+    reported = [rid for step in per_step[1] for rid, _, _ in step]
+    assert len(reported) == len(set(reported)) and set(reported) | {"q1"} == {rid for rid, _, _ in requests}
+    assert built.count(True) < built.count(False)  # unfinished outputs were not built

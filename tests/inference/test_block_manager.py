@@ -89,6 +89,39 @@ def test_allocate_and_release():
         BlockManager(0, 16)
 
 
+def test_decode_open_page_is_grow_at_a_page_boundary():
+    """The scheduler's shortcut for a decode row whose next write opens a page (`decode_open_page`) leaves the
+    manager as `grow` of one more token does (table, free list, touched); it declines everywhere else (mid-page,
+    a window, nothing allocatable) without changing anything."""
+    states = []
+    for fast in (True, False):
+        bm = BlockManager(6, 4, enable_prefix_caching=True)
+        seq = make_seq(list(range(9)))
+        bm.grow(seq, 8)
+        seq.num_computed_tokens = 8  # 2 full pages computed; token 8 opens page 2
+        bm.commit_full_pages(seq)
+        bm.take_touched()
+        if fast:
+            assert bm.decode_open_page(seq)
+        else:
+            assert bm.grow(seq, 9) == []
+        states.append((list(seq.pages), list(bm.free_pages), bm.take_touched() == {seq}, list(bm.ref_counts)))
+    assert states[0] == states[1]
+    seq.num_computed_tokens = 9  # mid-page: nothing to open
+    assert not bm.decode_open_page(seq) and len(seq.pages) == 3
+    windowed = BlockManager(6, 4, window=4)
+    other = make_seq(list(range(5)))
+    windowed.grow(other, 4)
+    other.num_computed_tokens = 4
+    assert not windowed.decode_open_page(other) and len(other.pages) == 1
+    full = BlockManager(1, 4)
+    last = make_seq(list(range(5)))
+    full.grow(last, 4)
+    last.num_computed_tokens = 4
+    full.take_touched()
+    assert not full.decode_open_page(last) and len(last.pages) == 1 and not full.take_touched()
+
+
 def test_prefix_hit_200_token_system_prompt():
     bm = BlockManager(64, 16)
     kv = FakeKV(bm)

@@ -213,6 +213,19 @@ class BlockManager:
         k = seq.num_computed_tokens // self.page_size
         return k < len(table) and self.ref_counts[table[k]] == 1 and table[k] not in self.page_hash
 
+    def decode_open_page(self, seq: Sequence) -> bool:
+        """For a steady decode row whose next write opens a page, with a page allocatable: append it and return
+        True (what `grow(seq, seq.num_computed_tokens + 1)` does then: no window, so nothing to release, and the
+        one written page is the fresh one, so nothing to copy or forget); False leaves the general path to it."""
+        if self.window is not None or not self.num_free_pages:
+            return False
+        table = self.table(seq)
+        if seq.num_computed_tokens // self.page_size != len(table):
+            return False
+        self.touched.add(seq)
+        table.append(self._allocate())
+        return True
+
     def take_touched(self) -> set[Sequence]:
         """The sequences whose table changed since the last call (see `touched`)."""
         touched, self.touched = self.touched, set()

@@ -98,6 +98,11 @@ class KVCacheManager:
                                       f"{num_tokens} tokens of sequence {seq.seq_id}")
         return [g.grow(seq, num_tokens) for g in self.groups]
 
+    def decode_open_page(self, seq: Sequence) -> bool:
+        """A steady decode row's next write opens a page and one was appended (`BlockManager.decode_open_page`);
+        False: nothing changed, the general `can_grow` / `grow` decide."""
+        return len(self.groups) == 1 and self.groups[0].decode_open_page(seq)
+
     def decode_in_place(self, seq: Sequence) -> bool:
         """Whether a steady decode row's next write needs no page work (`BlockManager.decode_in_place`): then
         `can_grow` and `grow` of `seq.num_computed_tokens + 1` tokens would do nothing."""
