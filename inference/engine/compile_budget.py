@@ -63,8 +63,10 @@ def scheduling_policy(config, page_size: int, attn_impl: str, kv_dtype, schedule
     in every sequence, when the token budget cannot hold a decode token for each of `max_num_seqs` sequences, or when
     speculating (`num_spec` drafts: mixed verification steps add every prefill shape to the verify family,
     `serving_variants`, several times the executables a process may map on CPU).
-    Measured on CPU (the C++ kernel): mixed held ITL p99 / p50 lower at the same throughput (BENCHMARKS.md, host
-    overhead, third round); on the accelerators' ragged kernels it follows vLLM V1's default, unmeasured here."""
+    Measured on CPU (the C++ kernel): mixed held ITL p99 / p50 lower while prompts arrive (BENCHMARKS.md, host
+    overhead, third round), and lost throughput on a whole batch at once (fourth round): the engine runs "auto"'s
+    mixed steps prefill_first where only final outputs are read (`Engine._step`). On the accelerators' ragged
+    kernels it follows vLLM V1's default, unmeasured here."""
     if scheduler.policy != "auto":
         return scheduler.policy
     if num_spec or scheduler.max_num_batched_tokens < scheduler.max_num_seqs or \

@@ -101,8 +101,13 @@ class Engine:
                              f"{speculative_config.num_speculative_tokens}; build the proposer with the same count")
         self.adaptive_k = AdaptiveK(self.num_spec) if speculative_config.adaptive and self.num_spec else None
         self.lora = lora
-        scheduler_config = dataclasses.replace(scheduler_config, policy=scheduling_policy(
-            runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype, scheduler_config, self.num_spec))
+        policy = scheduling_policy(runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype,
+                                   scheduler_config, self.num_spec)
+        # "auto" chose mixed steps for inter-token latency while prompts arrive; a caller that reads only final
+        # outputs (`step(finished_only=True)`: LLM.generate) sees no inter-token latency, and there prefill_first
+        # steps gave more throughput (BENCHMARKS.md, host overhead, fourth round): those steps run prefill_first.
+        self.throughput_first_offline = scheduler_config.policy == "auto" and policy == "mixed"
+        scheduler_config = dataclasses.replace(scheduler_config, policy=policy)
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    proposer=self._propose if self.num_spec else None,
                                    on_preempt=proposer.forget if proposer is not None else None,
@@ -305,7 +310,7 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         undelivered, self._undelivered = self._undelivered, []
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(throughput_first=self.finished_only and self.throughput_first_offline)
         if batch is None:
             return merge_outputs(undelivered, fold_in_flight(self))
         now = time.perf_counter()

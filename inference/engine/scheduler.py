@@ -185,8 +185,10 @@ class Scheduler:
         return forked
 
     # ---- the step ---------------------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
-        if self.config.policy == "mixed":
+    def schedule(self, throughput_first: bool = False) -> ScheduledBatch | None:
+        """The next step's batch under the configured policy; `throughput_first` runs a mixed policy's step as
+        prefill_first (the engine asks for it where nobody reads tokens between steps: see `Engine._step`)."""
+        if self.config.policy == "mixed" and not throughput_first:
             return self._schedule_mixed()
         prefill_due = self._prefill_streak < self.config.max_prefill_streak or not any(
             len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running)

@@ -126,6 +126,38 @@ def test_mixed_policy_gives_the_same_outputs():
     assert mixed.engine.stats.decode_steps < first.engine.stats.decode_steps  # decodes rode along with prefills
 
 
+def test_auto_runs_generate_prefill_first_and_streams_mixed():
+    """scheduling_policy="auto" (mixed under the C++ kernel): `generate`, which reads only final outputs, runs no step
+    that mixes decode rows with prompt chunks (prefill-first steps gave more throughput on a whole batch); a caller
+    stepping for every output (streaming, the server) gets mixed steps; the tokens are the same."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 512, int(rng.integers(5, 200))).tolist() for _ in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = make_llm(scheduling_policy="auto", max_num_batched_tokens=64)
+    assert llm.engine.scheduler.config.policy == "mixed" and llm.engine.throughput_first_offline
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded(**kw):
+        batch = schedule(**kw)
+        if batch is not None:
+            steps.append(sorted(set(batch.num_new_tokens) - {0}))
+        return batch
+
+    llm.engine.scheduler.schedule = recorded
+    offline = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    mixes = sum(1 for sizes in steps if 1 in sizes and max(sizes) > 1)
+    assert steps and mixes == 0
+    steps.clear()
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"s{i}", prompt, params)
+    streamed = {}
+    while llm.engine.has_unfinished_requests():
+        streamed |= {o.request_id: o.outputs[0].token_ids for o in llm.engine.step() if o.finished}
+    assert any(1 in sizes and max(sizes) > 1 for sizes in steps)  # decode rows rode along with prompt chunks
+    assert [streamed[f"s{i}"] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in offline]
+
+
 def test_priority_jumps_the_queue():
     llm = make_llm(max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
