@@ -308,7 +308,9 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
             "gc_frozen": FLAGS.gc_freeze, "step_outputs": "finished" if finished_only else "all",
-            "policy": engine.scheduler.config.policy,
+            # the policy the steps ran: "auto"'s mixed steps run prefill_first where only final outputs are read
+            "policy": "prefill_first" if finished_only and getattr(engine, "throughput_first_offline", False)
+            else engine.scheduler.config.policy,
             "itl_p50_ms": float(np.percentile(gaps, 50)), "itl_p99_ms": float(np.percentile(gaps, 99)),
             "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
