@@ -65,8 +65,8 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     text = engine.tokenizer is not None and params.detokenize
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
-    return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop, longest_stop(stop) - 1 if stop else 0, params.min_tokens,
-                   times)
+    return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop,
+                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times)
 
 
 def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:

@@ -68,11 +68,12 @@ def cut_layer_kinds(kinds: tuple[str, ...], n: int) -> tuple[str, ...]:
     """The layer kinds of an n-layer cut of a model: its first n, except that every kind the model has keeps a layer
     (Granite-4.0-H's first attention layer is its sixth: a 2-layer cut of plain first layers would have no KV cache
     and compile no attention)."""
+    distinct = list(dict.fromkeys(kinds))
+    if len(distinct) > n:
+        raise ValueError(f"--layers={n} cannot hold one layer of each of the model's kinds {sorted(distinct)}: "
+                         f"pass --layers={len(distinct)} or more")
     picked = list(kinds[:n])
-    missing = [k for k in dict.fromkeys(kinds) if k not in picked]
-    if len(dict.fromkeys(kinds)) > n:
-        raise ValueError(f"--layers={n} cannot hold one layer of each of the model's kinds {sorted(set(kinds))}: "
-                         f"pass --layers={len(set(kinds))} or more")
+    missing = [k for k in distinct if k not in picked]
     for i in reversed(range(n)):
         if missing and picked.count(picked[i]) > 1:
             picked[i] = missing.pop()
