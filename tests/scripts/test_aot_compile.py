@@ -51,11 +51,12 @@ def _row(rows: dict, chip: str, case: str) -> dict:
     return rows[(chip, case)]
 
 
-def _selected_chips(request) -> set[str]:
+def _selected_chips(request, test: str | None = None) -> set[str]:
     """The chips of the tests this session will run that use the requesting fixture (`-k h100` compiles for H100
-    only, as CI's GPU stage does)."""
+    only, as CI's GPU stage does); with `test`, of that test function's only."""
     return {item.callspec.params["chip"] for item in request.session.items
-            if request.fixturename in getattr(item, "fixturenames", ()) and "chip" in item.callspec.params}
+            if request.fixturename in getattr(item, "fixturenames", ()) and "chip" in item.callspec.params
+            and test in (None, item.originalname)}
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +138,13 @@ def test_real_size_step_compiles_with_the_cost_models_memory(chip, tp, kind, ste
 @pytest.fixture(scope="module")
 def fp8_step_rows(request, tmp_path_factory):
     rows = {}
-    chips = _selected_chips(request)
+    whole = _selected_chips(request, "test_fp8_steps_compile_with_fp8_gemms_on_hopper")
+    split = _selected_chips(request, "test_fp8_codes_and_scales_are_split_under_tensor_parallelism")
     # 2 of the 32 layers at their real shapes (each layer compiles alike, and cheaper; v6e, the same weight-only path
     # as v5e, compiled by hand: its libtpu compile took 4-8 minutes a step on the shared 2-core machine); H200 at
-    # TP 8: decode only
-    for chip, extra in (("h200", ("--tp=1",)), ("h200", ("--tp=8", "--decode_only")), ("v5e", ("--tp=1",))):
+    # TP 8: decode only. Each compile only where a selected test reads it (CI's newest-jax stage runs H200 at TP 1).
+    for chip, extra, chips in (("h200", ("--tp=1",), whole), ("h200", ("--tp=8", "--decode_only"), split),
+                               ("v5e", ("--tp=1",), whole)):
         if chip in chips:
             rows |= _run(tmp_path_factory, f"--chips={chip}", "--what=steps", "--presets=llama-3-8b",
                          "--quantization=fp8", "--layers=2", *extra)
