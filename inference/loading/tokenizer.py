@@ -91,6 +91,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template: Any = None
         self._token_bytes: dict[bool, list[bytes] | None] = {}  # `token_bytes`, made on first use
+        self._token_texts: dict[bool, list[str | None] | None] = {}  # `token_texts`, made on first use
+        self._quiet: dict[tuple[bool, frozenset[str]], dict[int, str]] = {}  # `quiet_tokens`, a few kept
 
     # ---------------------------------------------------------------- constructors
 
@@ -212,6 +214,31 @@ class Tokenizer:
             self._token_bytes[key] = _byte_level_table(self._tk, key)
         return self._token_bytes[key]
 
+    def token_texts(self, skip_special_tokens: bool) -> list[str | None] | None:
+        """Each id's text when its bytes alone are whole UTF-8 and give a non-empty text not ending in U+FFFD (what
+        an incremental detokenizer holding nothing back emits for it), else None; None for a decoder that is not
+        byte-level."""
+        key = bool(skip_special_tokens)
+        if key not in self._token_texts:
+            table = self.token_bytes(key)
+            self._token_texts[key] = None if table is None else list(map(_whole_text, table))
+        return self._token_texts[key]
+
+    def quiet_tokens(self, skip_special_tokens: bool, chars: frozenset[str]) -> dict[int, str]:
+        """The ids with a `token_texts` text that holds none of `chars`, each with that text (empty without a
+        byte-level decoder): an incremental detokenizer holding nothing back emits exactly that text for them, and
+        a stop string whose last character is in `chars` cannot end in it. Kept per (skip_special_tokens, chars):
+        requests share few of them. Read-only."""
+        key = (bool(skip_special_tokens), chars)
+        quiet = self._quiet.get(key)
+        if quiet is None:
+            texts = self.token_texts(key[0]) or ()
+            quiet = {i: text for i, text in enumerate(texts) if text is not None and not any(c in text for c in chars)}
+            if len(self._quiet) >= 64:  # distinct stop-string endings are few; bound the memory anyway
+                self._quiet.clear()
+            self._quiet[key] = quiet
+        return quiet
+
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
@@ -241,6 +268,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
+        # Every id read and the window whole: `add` of an id with a `Tokenizer.token_texts` text emits just that
+        # text (`add_plain`).
+        self.plain = self._whole
         self._deltas: list[str] = []
 
     def _join(self, ids: list[int]) -> bytes | None:
@@ -277,6 +307,7 @@ class IncrementalDetokenizer:
             ids.append(new_ids)
         else:
             ids.extend(new_ids)
+        self.plain = False
         unread = None
         if self._whole:  # the window's text is the read part's, then the unread bytes decoded alone
             read = self._read_offset
@@ -297,7 +328,7 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text):]
             whole = self._is_whole(ids[self._read_offset:])
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._whole = whole
+        self._whole = self.plain = whole
         self._deltas.append(delta)
         return delta
 
@@ -312,9 +343,17 @@ class IncrementalDetokenizer:
             new_text = self._decode(ids[self._prefix_offset:])
             delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset = len(ids)
-        self._whole = self._bytes is not None
+        self._whole = self.plain = self._bytes is not None
         self._deltas.append(delta)
         return delta
+
+    def add_plain(self, token: int, text: str) -> None:
+        """`add(token)` for a detokenizer that is `plain` and a token whose `Tokenizer.token_texts` text is `text`:
+        the state `add` leaves, and `text` is the delta it would return (the fold's plain rows: no decode)."""
+        self._ids.append(token)
+        self._prefix_offset = self._read_offset
+        self._read_offset += 1
+        self._deltas.append(text)
 
     @property
     def text(self) -> str:
@@ -323,6 +362,17 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+
+def _whole_text(data: bytes) -> str | None:
+    """`Tokenizer.token_texts` of one id's bytes."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text and text[-1] != _REPLACEMENT_CHAR else None
+
 
 @functools.lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
