@@ -51,9 +51,10 @@ class FastRow:
     lookback: int  # the longest stop string's length - 1: a new match starts at most this far before the new text
     min_tokens: int
     token_times: list[float] | None  # its request's metrics.token_times when it is sample 0 (its tokens are timed)
-    # Plain tokens (`Tokenizer.quiet_tokens`) -> their text: whole alone, none of the stop strings' last characters;
-    # with its detokenizer holding nothing back, a plain token adds that text, and no stop string can end in it.
-    quiet: dict[int, str] = dataclasses.field(default_factory=dict)
+    # Plain tokens -> their text (`Tokenizer.plain_texts`: whole UTF-8 alone): with its detokenizer holding nothing
+    # back, a plain token adds just that text, and if the text holds none of `stop_ends` no stop string ends in it.
+    plain: dict[int, str] = dataclasses.field(default_factory=dict)
+    stop_ends: frozenset[str] = frozenset()  # the stop strings' last characters
     plain_from: int = 0  # len(token_ids) from which its last token's stop strings were checked (past min_tokens)
 
 
@@ -69,9 +70,9 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     text = engine.tokenizer is not None and params.detokenize
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
-    quiet = engine.tokenizer.quiet_tokens(params.skip_special_tokens, frozenset(s[-1] for s in stop)) if text else {}
+    plain = engine.tokenizer.plain_texts(params.skip_special_tokens) if text else {}
     return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop,
-                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, quiet,
+                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, frozenset(s[-1] for s in stop),
                    seq.num_prompt_tokens + params.min_tokens + 2 if stop else 0)
 
 
@@ -111,9 +112,9 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
     metrics, logprobs, stop checks, text. Plain rows take the fast path (the module docstring), the rest
     `after_token`. One request's failure fails only it.
 
-    A plain row (its token in `FastRow.quiet`, its detokenizer `plain`, its stop strings checked at its last token:
-    `plain_from`) appends its token's text without a decode and skips the stop strings' look-back: a new match must
-    end in the new text, at a stop string's last character, which a quiet token's text does not hold."""
+    A plain row (its token in `FastRow.plain`, its detokenizer `plain`, its stop strings checked at its last token:
+    `plain_from`, and none of their last characters in the token's text) appends that text without a decode and
+    skips the stop strings' look-back: a new match must end in the new text, at a stop string's last character."""
     general = []
     for item in sampled:
         seq = item[0]
@@ -128,8 +129,9 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
                 row.token_times.append(now)
             if row.text:
                 token, detokenizer = ids[-1], seq.detokenizer
-                text = row.quiet.get(token)
-                if text is not None and detokenizer.plain and length >= row.plain_from:
+                text = row.plain.get(token)
+                if text is not None and detokenizer.plain and length >= row.plain_from and \
+                        row.stop_ends.isdisjoint(text):
                     detokenizer.add_plain(token, text)
                     seq.output_text += text
                     continue

@@ -91,8 +91,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template: Any = None
         self._token_bytes: dict[bool, list[bytes] | None] = {}  # `token_bytes`, made on first use
-        self._token_texts: dict[bool, list[str | None] | None] = {}  # `token_texts`, made on first use
-        self._quiet: dict[tuple[bool, frozenset[str]], dict[int, str]] = {}  # `quiet_tokens`, a few kept
+        self._plain_texts: dict[bool, dict[int, str]] = {}  # `plain_texts`, made on first use
 
     # ---------------------------------------------------------------- constructors
 
@@ -214,30 +213,15 @@ class Tokenizer:
             self._token_bytes[key] = _byte_level_table(self._tk, key)
         return self._token_bytes[key]
 
-    def token_texts(self, skip_special_tokens: bool) -> list[str | None] | None:
-        """Each id's text when its bytes alone are whole UTF-8 and give a non-empty text not ending in U+FFFD (what
-        an incremental detokenizer holding nothing back emits for it), else None; None for a decoder that is not
-        byte-level."""
+    def plain_texts(self, skip_special_tokens: bool) -> dict[int, str]:
+        """The ids whose bytes alone are whole UTF-8 and give a non-empty text not ending in U+FFFD, each with that
+        text: what an incremental detokenizer holding nothing back (`IncrementalDetokenizer.plain`) emits for it.
+        Empty for a decoder that is not byte-level. Made once; read-only."""
         key = bool(skip_special_tokens)
-        if key not in self._token_texts:
-            table = self.token_bytes(key)
-            self._token_texts[key] = None if table is None else list(map(_whole_text, table))
-        return self._token_texts[key]
-
-    def quiet_tokens(self, skip_special_tokens: bool, chars: frozenset[str]) -> dict[int, str]:
-        """The ids with a `token_texts` text that holds none of `chars`, each with that text (empty without a
-        byte-level decoder): an incremental detokenizer holding nothing back emits exactly that text for them, and
-        a stop string whose last character is in `chars` cannot end in it. Kept per (skip_special_tokens, chars):
-        requests share few of them. Read-only."""
-        key = (bool(skip_special_tokens), chars)
-        quiet = self._quiet.get(key)
-        if quiet is None:
-            texts = self.token_texts(key[0]) or ()
-            quiet = {i: text for i, text in enumerate(texts) if text is not None and not any(c in text for c in chars)}
-            if len(self._quiet) >= 64:  # distinct stop-string endings are few; bound the memory anyway
-                self._quiet.clear()
-            self._quiet[key] = quiet
-        return quiet
+        if key not in self._plain_texts:
+            table = self.token_bytes(key) or ()
+            self._plain_texts[key] = {i: text for i, text in enumerate(map(_whole_text, table)) if text is not None}
+        return self._plain_texts[key]
 
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
@@ -268,7 +252,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
-        # Every id read and the window whole: `add` of an id with a `Tokenizer.token_texts` text emits just that
+        # Every id read and the window whole: `add` of an id with a `Tokenizer.plain_texts` text emits just that
         # text (`add_plain`).
         self.plain = self._whole
         self._deltas: list[str] = []
@@ -348,7 +332,7 @@ class IncrementalDetokenizer:
         return delta
 
     def add_plain(self, token: int, text: str) -> None:
-        """`add(token)` for a detokenizer that is `plain` and a token whose `Tokenizer.token_texts` text is `text`:
+        """`add(token)` for a detokenizer that is `plain` and a token whose `Tokenizer.plain_texts` text is `text`:
         the state `add` leaves, and `text` is the delta it would return (the fold's plain rows: no decode)."""
         self._ids.append(token)
         self._prefix_offset = self._read_offset
@@ -366,7 +350,7 @@ class IncrementalDetokenizer:
 
 
 def _whole_text(data: bytes) -> str | None:
-    """`Tokenizer.token_texts` of one id's bytes."""
+    """`Tokenizer.plain_texts`' text of one id's bytes, or None."""
     try:
         text = data.decode()
     except UnicodeDecodeError:
