@@ -243,6 +243,10 @@ class IncrementalDetokenizer:
     """
 
     _PROMPT_CONTEXT = 5  # prompt tokens kept as left context so the first delta gets its leading space right
+    # Slots: the fold reads one detokenizer a decoding row each step, right after the device's step has been through
+    # the caches; no instance dict is one object fewer to fetch.
+    __slots__ = ("_tokenizer", "_skip", "_bytes", "_ids", "_prefix_offset", "_read_offset", "_whole", "plain",
+                 "_deltas")
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
