@@ -435,7 +435,9 @@ def side_by_side(baseline: str) -> list[dict]:
         if len(pair) == 2:
             b, t = pair["base"], pair["this"]
             print(f"seqs={n:4d}  host ms {b['host_ms']:.2f} -> {t['host_ms']:.2f} ({t['host_ms'] / b['host_ms']:.2f}x)"
-                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}", flush=True)
+                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}"
+                  + "".join(f"  {k} {b.get(f'host_{k}_ms', float('nan')):.2f} -> {t[f'host_{k}_ms']:.2f}"
+                            for k in ("p50", "p99", "min")), flush=True)
     return rows
 
 
@@ -479,8 +481,8 @@ def main(argv: list[str]) -> None:
                       f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
-                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}; whole run "
-                      f"{row['gc_run']}  "
+                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}; "
+                      f"whole run {row['gc_run']}  "
                       f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})  "
                       f"recompiles {row['recompiles_in_measured_run']}  host arrays/step {row['host_arrays_per_step']}  "
                       f"host->device copies/step {row['host_to_device_copies_per_step']}",
