@@ -51,6 +51,11 @@ class FastRow:
     lookback: int  # the longest stop string's length - 1: a new match starts at most this far before the new text
     min_tokens: int
     token_times: list[float] | None  # its request's metrics.token_times when it is sample 0 (its tokens are timed)
+    # Plain tokens -> their text (`Tokenizer.plain_texts`: whole UTF-8 alone): with its detokenizer holding nothing
+    # back, a plain token adds just that text, and if the text holds none of `stop_ends` no stop string ends in it.
+    plain: dict[int, str] = dataclasses.field(default_factory=dict)
+    stop_ends: frozenset[str] = frozenset()  # the stop strings' last characters
+    plain_from: int = 0  # len(token_ids) from which its last token's stop strings were checked (past min_tokens)
 
 
 def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
@@ -65,8 +70,10 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     text = engine.tokenizer is not None and params.detokenize
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
+    plain = engine.tokenizer.plain_texts(params.skip_special_tokens) if text else {}
     return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop,
-                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times)
+                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, frozenset(s[-1] for s in stop),
+                   seq.num_prompt_tokens + params.min_tokens + 2 if stop else 0)
 
 
 def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
@@ -103,22 +110,34 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
 def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
     """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
     metrics, logprobs, stop checks, text. Plain rows take the fast path (the module docstring), the rest
-    `after_token`. One request's failure fails only it."""
+    `after_token`. One request's failure fails only it.
+
+    A plain row (its token in `FastRow.plain`, its detokenizer `plain`, its stop strings checked at its last token:
+    `plain_from`, and none of their last characters in the token's text) appends that text without a decode and
+    skips the stop strings' look-back: a new match must end in the new text, at a stop string's last character."""
     general = []
     for item in sampled:
         seq = item[0]
         row = seq.fast_row
         ids = seq.token_ids
-        if row is None or len(ids) >= row.length_limit or ids[-1] in row.stop_ids:
+        length = len(ids)
+        if row is None or length >= row.length_limit or ids[-1] in row.stop_ids:
             general.append(item)
             continue
         try:
             if row.token_times is not None:
                 row.token_times.append(now)
             if row.text:
+                token, detokenizer = ids[-1], seq.detokenizer
+                text = row.plain.get(token)
+                if text is not None and detokenizer.plain and length >= row.plain_from and \
+                        row.stop_ends.isdisjoint(text):
+                    detokenizer.add_plain(token, text)
+                    seq.output_text += text
+                    continue
                 before = len(seq.output_text)
-                seq.output_text += seq.detokenizer.add(ids[-1])
-                if row.stop and len(ids) - seq.num_prompt_tokens > row.min_tokens:
+                seq.output_text += detokenizer.add(token)
+                if row.stop and length - seq.num_prompt_tokens > row.min_tokens:
                     stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
                     if stop is not None:
                         seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush

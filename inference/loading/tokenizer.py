@@ -91,6 +91,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template: Any = None
         self._token_bytes: dict[bool, list[bytes] | None] = {}  # `token_bytes`, made on first use
+        self._plain_texts: dict[bool, dict[int, str]] = {}  # `plain_texts`, made on first use
 
     # ---------------------------------------------------------------- constructors
 
@@ -212,6 +213,16 @@ class Tokenizer:
             self._token_bytes[key] = _byte_level_table(self._tk, key)
         return self._token_bytes[key]
 
+    def plain_texts(self, skip_special_tokens: bool) -> dict[int, str]:
+        """The ids whose bytes alone are whole UTF-8 and give a non-empty text not ending in U+FFFD, each with that
+        text: what an incremental detokenizer holding nothing back (`IncrementalDetokenizer.plain`) emits for it.
+        Empty for a decoder that is not byte-level. Made once; read-only."""
+        key = bool(skip_special_tokens)
+        if key not in self._plain_texts:
+            table = self.token_bytes(key) or ()
+            self._plain_texts[key] = {i: text for i, text in enumerate(map(_whole_text, table)) if text is not None}
+        return self._plain_texts[key]
+
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids)
@@ -232,6 +243,10 @@ class IncrementalDetokenizer:
     """
 
     _PROMPT_CONTEXT = 5  # prompt tokens kept as left context so the first delta gets its leading space right
+    # Slots: the fold reads one detokenizer a decoding row each step, right after the device's step has been through
+    # the caches; no instance dict is one object fewer to fetch.
+    __slots__ = ("_tokenizer", "_skip", "_bytes", "_ids", "_prefix_offset", "_read_offset", "_whole", "plain",
+                 "_deltas")
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
@@ -241,6 +256,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
+        # Every id read and the window whole: `add` of an id with a `Tokenizer.plain_texts` text emits just that
+        # text (`add_plain`).
+        self.plain = self._whole
         self._deltas: list[str] = []
 
     def _join(self, ids: list[int]) -> bytes | None:
@@ -277,6 +295,7 @@ class IncrementalDetokenizer:
             ids.append(new_ids)
         else:
             ids.extend(new_ids)
+        self.plain = False
         unread = None
         if self._whole:  # the window's text is the read part's, then the unread bytes decoded alone
             read = self._read_offset
@@ -297,7 +316,7 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text):]
             whole = self._is_whole(ids[self._read_offset:])
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._whole = whole
+        self._whole = self.plain = whole
         self._deltas.append(delta)
         return delta
 
@@ -312,9 +331,17 @@ class IncrementalDetokenizer:
             new_text = self._decode(ids[self._prefix_offset:])
             delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset = len(ids)
-        self._whole = self._bytes is not None
+        self._whole = self.plain = self._bytes is not None
         self._deltas.append(delta)
         return delta
+
+    def add_plain(self, token: int, text: str) -> None:
+        """`add(token)` for a detokenizer that is `plain` and a token whose `Tokenizer.plain_texts` text is `text`:
+        the state `add` leaves, and `text` is the delta it would return (the fold's plain rows: no decode)."""
+        self._ids.append(token)
+        self._prefix_offset = self._read_offset
+        self._read_offset += 1
+        self._deltas.append(text)
 
     @property
     def text(self) -> str:
@@ -323,6 +350,17 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+
+def _whole_text(data: bytes) -> str | None:
+    """`Tokenizer.plain_texts`' text of one id's bytes, or None."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text and text[-1] != _REPLACEMENT_CHAR else None
+
 
 @functools.lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:

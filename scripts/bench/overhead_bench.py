@@ -30,6 +30,7 @@ another checkout's engine beside this one's in the same run, each size in a fres
 from __future__ import annotations
 
 import collections
+import cProfile
 import dataclasses
 import functools
 import gc
@@ -75,8 +76,20 @@ def define_flags() -> None:
                       "'finished' as LLM.generate steps (`Engine.step(finished_only=True)`: only finished requests' "
                       "outputs), 'all' as streaming and the server do (every advanced request's, every step). A tree "
                       "whose engine has no such option builds all (the row's step_outputs says which ran).")
+    flags.DEFINE_bool("host_only", False, "Wait for each dispatched step right after its dispatch (the wait counted as "
+                      "wait_readback, outside host time), so the host's phases run with the device idle: the host's "
+                      "own cost, without the cores' contention with the device's step (async mode).")
+    flags.DEFINE_bool("phases", True, "Time each phase by wrapping the engine's functions (their per-call cost is "
+                      "in the host time: ~1 us a wrapped call, hundreds a step at 256 sequences); --nophases times "
+                      "only the wait, so host time is the engine's alone.")
+    flags.DEFINE_integer("vocab", None, "The model's vocabulary: SmolLM2's first this many ids (prompt ids mapped "
+                         "into it, detokenizing still on), so the LM head and the sampler stop dominating the device "
+                         "step at large batches (the issue's gap-between-tokens reading). Default: all 49,152.")
+    flags.DEFINE_string("profile", None, "cProfile the measured decode steps of each size into this path "
+                        "(suffixed with the size and mode: PATH.256.async), for pstats.")
     flags.DEFINE_bool("gc_freeze", False, "gc.freeze() after each size's warm-up run (moves the objects alive then "
-                      "out of the collector's generations), to see whether collections cause the dispatch spikes.")
+                      "out of the collector's generations) in a tree whose engine has no `freeze_heap` (which the "
+                      "bench calls there, as `Engine.warmup` ends).")
 
 
 _MISSING = object()
@@ -90,14 +103,17 @@ class GcTimer:
     def __init__(self) -> None:
         self.ms = [0.0, 0.0, 0.0]
         self.count = [0, 0, 0]
+        self.max_ms = 0.0  # the longest single pause
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.ms[info["generation"]] += (time.perf_counter() - self._t0) * 1e3
+            ms = (time.perf_counter() - self._t0) * 1e3
+            self.ms[info["generation"]] += ms
             self.count[info["generation"]] += 1
+            self.max_ms = max(self.max_ms, ms)
 
     def snapshot(self) -> tuple[list[float], list[int]]:
         return list(self.ms), list(self.count)
@@ -140,8 +156,9 @@ class PhaseProfiler:
         self._undo.clear()
 
 
-def tiny_model_folder(folder: str) -> str:
-    """An orbax checkpoint of a 2-layer, hidden-64 random Llama carrying SmolLM2's tokenizer and vocabulary."""
+def tiny_model_folder(folder: str, vocab: int | None = None) -> str:
+    """An orbax checkpoint of a 2-layer, hidden-64 random Llama carrying SmolLM2's tokenizer and vocabulary, or
+    only that vocabulary's first `vocab` ids (the tokenizer still decodes them: detokenizing stays on)."""
     from configs.presets import PRESET_WEIGHTS, get_model_config
     from inference.loading.model_loader import packaged_file
     from inference.loading.tokenizer import Tokenizer
@@ -150,18 +167,22 @@ def tiny_model_folder(folder: str) -> str:
     from models.loaders.orbax_checkpoint import save_checkpoint
 
     tokenizer = Tokenizer.from_gguf(load_gguf_info(packaged_file(*PRESET_WEIGHTS["smollm2-135m"])))
+    if vocab is not None and not 0 < vocab <= tokenizer.vocab_size:
+        raise ValueError(f"--vocab={vocab}: give a vocabulary of 1..{tokenizer.vocab_size} ids (SmolLM2's first ones)")
     config = dataclasses.replace(get_model_config("tiny-llama"), name="tiny-llama-smollm2-vocab",
-                                 vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
+                                 vocab_size=vocab or tokenizer.vocab_size, max_position_embeddings=2048)
     save_checkpoint(folder, config, export_weights(build_decoder(config, seed=0)), tokenizer)
     return folder
 
 
-def workload(tokenizer, num_seqs: int, rng: np.random.Generator) -> list[list[int]]:
+def workload(tokenizer, num_seqs: int, rng: np.random.Generator, vocab: int | None = None) -> list[list[int]]:
     """Prompts of mixed lengths (16..192 tokens) cut from the shipped text; every other one starts with a shared
-    64-token prefix, so its first pages come from the prefix cache."""
+    64-token prefix, so its first pages come from the prefix cache. `vocab`: every id mapped into [0, vocab)."""
     from inference.loading.shipped_text import shipped_text
 
     text = np.asarray(tokenizer.encode(shipped_text()), np.int64)
+    if vocab is not None:
+        text %= vocab
     shared = text[:64].tolist()
     prompts = []
     for i in range(num_seqs):
@@ -217,7 +238,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     from inference import SamplingParams
 
     engine, runner = llm.engine, llm.runner
-    prompts = workload(llm.tokenizer, num_seqs, rng)
+    prompts = workload(llm.tokenizer, num_seqs, rng, FLAGS.vocab)
     # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
     params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
                              stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
@@ -238,8 +259,12 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             if profiler is not None and decoding and len(steps) < decode_steps:
                 profiler_totals = dict(profiler.totals)
                 gc_before = gc_timer.snapshot()
+                if cprofile is not None:
+                    cprofile.enable()
                 t0 = time.perf_counter()
                 outs = engine.step(**step_kwargs)
+                if cprofile is not None:
+                    cprofile.disable()
                 steps.append((time.perf_counter() - t0,
                               {k: profiler.totals[k] - profiler_totals.get(k, 0.0) for k in PHASES}))
                 gc_steps.append([sum(a - b for a, b in zip(gc_timer.snapshot()[0], gc_before[0])),
@@ -253,9 +278,15 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         return {"steps": steps, "gaps": gaps}
 
     run(None)  # compiles every shape of this workload
-    if FLAGS.gc_freeze:
+    import inference.engine.llm_engine as llm_engine
+
+    frozen = hasattr(llm_engine, "freeze_heap")
+    if frozen:  # what `Engine.warmup` ends with: the warmed-up heap out of the full collections' walk
+        llm_engine.freeze_heap()
+    elif FLAGS.gc_freeze:
         gc.freeze()
     gc_timer, gc_steps = GcTimer(), []
+    cprofile = cProfile.Profile() if FLAGS.profile else None
     gc.callbacks.append(gc_timer)
     compiled = sum(runner.num_compilations().values())
     profiler = PhaseProfiler()
@@ -268,13 +299,27 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         return original_execute(inp, sampling, is_decode=is_decode, **kwargs)
 
     runner.execute = capturing_execute
-    instrument(llm, profiler)
+    if FLAGS.host_only:
+        wait = profiler.wrap("wait_readback", lambda out: jax.block_until_ready(getattr(out, "sampled", None)))
+
+        def waiting_execute(*args, **kwargs):
+            out = capturing_execute(*args, **kwargs)
+            wait(out)
+            return out
+
+        runner.execute = waiting_execute
+    if FLAGS.phases:
+        instrument(llm, profiler)
+    else:  # only the wait is timed: host time without the wrappers' own cost (each wrapped call adds ~1 us)
+        profiler.patch(runner, "fetch", "wait_readback")
     try:
         result = run(profiler)
     finally:
         profiler.restore()
         del runner.execute
         gc.callbacks.remove(gc_timer)
+    if cprofile is not None:
+        cprofile.dump_stats(f"{FLAGS.profile}.{num_seqs}.{'async' if engine.async_scheduling else 'sync'}")
     if not result["steps"]:
         raise RuntimeError(f"no step had all {num_seqs} sequences decoding; raise max_num_seqs / the page pool")
     walls = np.asarray([w for w, _ in result["steps"]])
@@ -298,16 +343,25 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     gaps = np.asarray(result["gaps"]) * 1e3  # every request's gaps between tokens, the whole run (prefill too)
     step_ms = float(walls.mean() * 1e3)
     host_ms = step_ms - phases_ms["wait_readback"]
+    hosts = (walls - np.asarray([p["wait_readback"] for _, p in result["steps"]])) * 1e3  # each step's host ms
     return {"seqs": num_seqs, "async_scheduling": engine.async_scheduling, "measured_steps": len(walls),
             "steps_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
             "recompiles_in_measured_run": recompiles,
             "host_arrays_per_step": host_arrays, "host_to_device_copies_per_step": transfers,
+            "host_p50_ms": float(np.median(hosts)), "host_min_ms": float(hosts.min()),
+            "host_p99_ms": float(np.percentile(hosts, 99)), "host_max_ms": float(hosts.max()),
+            "phases_p50_ms": {k: float(np.median([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
+            "phases_min_ms": {k: float(np.min([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
+            "host_only": FLAGS.host_only, "phases_timed": FLAGS.phases, "vocab": llm.runner.config.vocab_size,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
-            "gc_frozen": FLAGS.gc_freeze, "step_outputs": "finished" if finished_only else "all",
+            # the whole measured run (prefill and admission included), not only the measured decode steps
+            "gc_run": {"ms": sum(gc_timer.ms), "max_pause_ms": gc_timer.max_ms,
+                       **{f"gen{g}": gc_timer.count[g] for g in range(3)}},
+            "gc_frozen": frozen or FLAGS.gc_freeze, "step_outputs": "finished" if finished_only else "all",
             # the policy the steps ran: "auto"'s mixed steps run prefill_first where only final outputs are read
             "policy": "prefill_first" if finished_only and getattr(engine, "throughput_first_offline", False)
             else engine.scheduler.config.policy,
@@ -359,6 +413,9 @@ def _forwarded() -> dict[str, str]:
     return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
             "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze,
             "step_outputs": FLAGS.step_outputs,
+            **({"vocab": FLAGS.vocab} if FLAGS.vocab else {}),
+            **({"host_only": True} if FLAGS.host_only else {}),
+            **({} if FLAGS.phases else {"phases": False}),
             **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
 
@@ -378,7 +435,9 @@ def side_by_side(baseline: str) -> list[dict]:
         if len(pair) == 2:
             b, t = pair["base"], pair["this"]
             print(f"seqs={n:4d}  host ms {b['host_ms']:.2f} -> {t['host_ms']:.2f} ({t['host_ms'] / b['host_ms']:.2f}x)"
-                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}", flush=True)
+                  f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}"
+                  + "".join(f"  {k} {b.get(f'host_{k}_ms', float('nan')):.2f} -> {t[f'host_{k}_ms']:.2f}"
+                            for k in ("p50", "p99", "min")), flush=True)
     return rows
 
 
@@ -402,7 +461,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--modes={','.join(FLAGS.modes)}: give sync, async or both (comma-separated)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = tiny_model_folder(os.path.join(tmp, "tiny"))
+        folder = tiny_model_folder(os.path.join(tmp, "tiny"), FLAGS.vocab)
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
         config = llm.engine.scheduler.config
@@ -416,11 +475,14 @@ def main(argv: list[str]) -> None:
                 row = measure(llm, n, np.random.default_rng([FLAGS.seed, n]), FLAGS.decode_steps, FLAGS.repeats)
                 rows.append(row)
                 print(f"{mode:5s} seqs={n:4d}  {row['steps_per_s']:7.1f} steps/s  step {row['step_ms']:7.2f} ms  "
-                      f"host {row['host_ms']:7.2f} ms ({row['host_ms_per_seq'] * 1e3:6.1f} us/seq)  device "
+                      f"host {row['host_ms']:7.2f} ms ({row['host_ms_per_seq'] * 1e3:6.1f} us/seq; p50 "
+                      f"{row['host_p50_ms']:.2f} p99 {row['host_p99_ms']:.2f} max {row['host_max_ms']:.2f} min "
+                      f"{row['host_min_ms']:.2f})  device "
                       f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
-                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}  "
+                      f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}; "
+                      f"whole run {row['gc_run']}  "
                       f"ITL p50/p99 {row['itl_p50_ms']:.2f}/{row['itl_p99_ms']:.2f} ms ({row['policy']})  "
                       f"recompiles {row['recompiles_in_measured_run']}  host arrays/step {row['host_arrays_per_step']}  "
                       f"host->device copies/step {row['host_to_device_copies_per_step']}",

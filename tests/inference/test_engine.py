@@ -3,6 +3,9 @@ compile counts; per-request errors."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,6 +150,7 @@ def test_bucket_ladders():
 def test_decode_never_compiles_after_warmup():
     llm = tiny_llm(max_num_seqs=4, max_model_len=64)
     compiled = llm.warmup(prefill=False, extras=False)
+    assert gc.get_freeze_count() > 0  # warm-up ends with freeze_heap: the warmed heap out of full collections
     # seq buckets 1, 2, 4 x pages per seq 4, 8, 16 (64 tokens; 4, 6, 8, 12, 16 where the reference attention runs and
     # reads padded pages; one width, 16, under the C++ kernel, which reads no padded page) x filters on/off
     impl = resolve_impl("auto", llm.engine.page_size, llm.runner.config.head_dim)
@@ -163,6 +167,25 @@ def test_decode_never_compiles_after_warmup():
                      sampling_params=SamplingParams(temperature=0.8, top_k=5, max_tokens=20, ignore_eos=True))
         llm.generate(prompt_token_ids=prompts(20 + i, count), sampling_params=GREEDY)
     assert llm.runner.num_compilations()["decode"] == before
+
+
+def test_freeze_heap_keeps_frozen_garbage_only_until_the_next_call():
+    """`freeze_heap`'s bound: a cycle frozen alive and dropped later survives full collections (they do not walk
+    the frozen heap) only until the next `freeze_heap`, which unfreezes and collects first."""
+    from inference.engine.llm_engine import freeze_heap
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a reference cycle: only the cyclic collector frees it
+    ref = weakref.ref(node)
+    assert freeze_heap() == gc.get_freeze_count() > 0
+    del node
+    gc.collect()
+    assert ref() is not None  # frozen: not walked
+    freeze_heap()
+    assert ref() is None
 
 
 def test_update_weights_changes_outputs_without_compiling(llm):

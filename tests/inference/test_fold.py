@@ -13,6 +13,7 @@ import pytest
 from inference import SamplingParams
 from inference.engine import fold
 from inference.engine.llm_engine import Engine
+from inference.loading.tokenizer import IncrementalDetokenizer
 
 STEPS = 14  # tokens of the reference generation each case is cut from
 
@@ -29,16 +30,25 @@ def llm(tmp_path_factory):
 
 
 def _run(llm, requests, *, async_scheduling: bool, general_only: bool, monkeypatch, eos: set[int] = frozenset(),
-         recompute_at: int | None = None) -> tuple[dict, int]:
+         recompute_at: int | None = None, plain: list[int] | None = None) -> tuple[dict, int]:
     """Every request's final (token_ids, text, finish_reason, stop_reason), and how many tokens took the general
     path. `general_only`: no row takes the fast path (the fold before it); `recompute_at`: every running sequence
-    is preempted and recomputed before that step."""
+    is preempted and recomputed before that step; `plain`: counts the tokens whose text the batched plain update
+    appended without a decode (`IncrementalDetokenizer.add_plain`)."""
+    plain = plain if plain is not None else [0]
     config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
     llm.engine.reset_prefix_cache()
     engine = Engine(llm.runner, llm.tokenizer, config)
     engine.eos_token_ids = engine.eos_token_ids | set(eos)
     general = [0]
     after_token = fold.after_token
+    add_plain = IncrementalDetokenizer.add_plain
+
+    def counted_plain(self, token, text):
+        plain[0] += 1
+        return add_plain(self, token, text)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_plain", counted_plain)
 
     def counted(*args):
         general[0] += 1
@@ -116,8 +126,9 @@ def _cases(llm, reference) -> tuple[list, set[int], dict]:
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_fast_path_gives_the_general_paths_outputs(llm, reference, monkeypatch, async_scheduling):
     requests, eos, (expected, texts) = _cases(llm, reference)
+    plain = [0]
     fast, fast_general = _run(llm, requests, async_scheduling=async_scheduling, general_only=False,
-                              monkeypatch=monkeypatch, eos=eos)
+                              monkeypatch=monkeypatch, eos=eos, plain=plain)
     slow, slow_general = _run(llm, requests, async_scheduling=async_scheduling, general_only=True,
                               monkeypatch=monkeypatch, eos=eos)
     assert fast == slow
@@ -130,6 +141,30 @@ def test_fast_path_gives_the_general_paths_outputs(llm, reference, monkeypatch, 
     total = sum(len(v[0]) for v in slow.values())
     assert slow_general == total  # every token took the general path there
     assert fast_general < total / 2  # and most took the fast path here
+    assert plain[0] > total / 4  # many of those as one batched text update (no detokenizer add, no look-back)
+
+
+def test_plain_update_is_add(llm):
+    """`add_plain` leaves a detokenizer as `add` does and its text is `add`'s delta, for every token it may be used
+    for (a plain text, the detokenizer plain), over real text with multi-byte characters between."""
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode("Plain text, then émojis 🙂🙃 and 漢字 between words.\n\nMore text: 12345 end.")
+    plain = tokenizer.plain_texts(True)
+    assert plain and all(text and tokenizer.decode([i]) == text for i, text in list(plain.items())[::97])
+    a, b = tokenizer.detokenizer(prompt_ids=[1, 2]), tokenizer.detokenizer(prompt_ids=[1, 2])
+    used = 0
+    for token in ids:
+        expected = a.add(token)
+        if token in plain and b.plain:
+            b.add_plain(token, plain[token])
+            assert plain[token] == expected
+            used += 1
+        else:
+            b.add(token)
+        assert (b.text, b._ids, b._prefix_offset, b._read_offset, b._whole, b.plain) == \
+            (a.text, a._ids, a._prefix_offset, a._read_offset, a._whole, a.plain)
+    assert 0 < used < len(ids)  # some tokens are pieces of a multi-byte character
+    assert a.finish() == b.finish()
 
 
 def test_fast_path_after_a_preemption(llm, reference, monkeypatch):

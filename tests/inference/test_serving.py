@@ -228,6 +228,9 @@ def test_a_failing_detokenizer_fails_only_its_request(llm, monkeypatch):
         def detokenizer(self, skip_special_tokens=True, prompt_ids=()):
             return Detok(explode=not skip_special_tokens)
 
+        def plain_texts(self, skip_special_tokens):
+            return {}  # no token skips the detokenizer: every one goes through Detok.add
+
     monkeypatch.setattr(llm.engine, "tokenizer", FakeTokenizer())
     good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     bad = good.replace(skip_special_tokens=False)

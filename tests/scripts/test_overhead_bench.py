@@ -1,8 +1,11 @@
-"""The overhead benchmark's garbage-collector timer counts what the collector does."""
+"""The overhead benchmark's garbage-collector timer counts what the collector does; its small-vocabulary workload
+stays in that vocabulary."""
 
 import gc
 
-from scripts.bench.overhead_bench import GcTimer
+import numpy as np
+
+from scripts.bench.overhead_bench import GcTimer, workload
 
 
 def test_gc_timer_counts_each_generation():
@@ -15,6 +18,20 @@ def test_gc_timer_counts_each_generation():
         gc.callbacks.remove(timer)
     assert timer.count[2] >= 1 and timer.count[0] >= 1  # automatic collections may add to these
     assert timer.ms[2] > 0.0
+    assert 0.0 < timer.max_ms <= sum(timer.ms)  # the longest single pause
     ms, count = timer.snapshot()
     count[0] += 5  # a snapshot is a copy
     assert timer.count[0] == count[0] - 5
+
+
+def test_workload_maps_its_prompts_into_a_small_vocabulary():
+    from configs.presets import PRESET_WEIGHTS
+    from inference.loading.model_loader import packaged_file
+    from inference.loading.tokenizer import Tokenizer
+    from models.loaders.gguf_file import load_gguf_info
+
+    tokenizer = Tokenizer.from_gguf(load_gguf_info(packaged_file(*PRESET_WEIGHTS["smollm2-135m"])))
+    full = workload(tokenizer, 4, np.random.default_rng(0))
+    small = workload(tokenizer, 4, np.random.default_rng(0), vocab=512)
+    assert [len(p) for p in small] == [len(p) for p in full]
+    assert [[t % 512 for t in p] for p in full] == small and max(map(max, full)) >= 512
