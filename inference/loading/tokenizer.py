@@ -352,7 +352,6 @@ class IncrementalDetokenizer:
 # ---------------------------------------------------------------- helpers
 
 
-
 def _whole_text(data: bytes) -> str | None:
     """`Tokenizer.plain_texts`' text of one id's bytes, or None."""
     try:
