@@ -313,6 +313,10 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
         pending = [row for row in mine if row["id"] not in done]
         check_model_can_run(pending)
         llm = build_llm() if pending else None  # a finished job reruns without loading the model
+        if llm is not None:
+            from inference.engine.llm_engine import freeze_heap
+
+            freeze_heap()  # this process holds the one model to its end: out of the collector's full collections
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
 

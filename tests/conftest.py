@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # The suite runs on CPU (Pallas kernels interpreted, real TPU/GPU compilers deviceless). Where jax-cuda13-plugin is
 # installed for those compiles, jax would otherwise try to load cuDNN at start-up and fail without a GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from inference.runtime.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_what_the_module_compiled():
+    """After each test module: collect what it dropped (a test that froze the heap unfrozen first) and empty JAX's
+    in-memory compile caches.
+
+    Why: a pytest-xdist worker runs about a hundred modules in one process, and every executable JAX keeps is
+    LLVM-jitted code in memory mappings of its own (three each). Kept, with the warmed-up engines that froze the heap,
+    they grew a worker to gigabytes and tens of thousands of mappings (BENCHMARKS.md, "Test suite and CI time"); the
+    suite's segfaults, in `executable.serialize()`, came late in such a worker's life. The session's shared `LLM`s
+    reload their steps from the persistent cache when next used."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -54,10 +54,13 @@ def freeze_heap() -> int:
     Why: a loaded model, its compiled steps and the tokenizer are a few hundred thousand long-lived objects that
     every full (generation 2) collection walks again, a pause of hundreds of ms inside whichever step triggers it
     (BENCHMARKS.md, host overhead, fifth round). Frozen, a full collection walks only what was made since. Collection
-    stays on (young objects are collected as before). The bound: objects frozen here that later become cyclic
-    garbage (a dropped `LLM`) are kept only until the next call, which unfreezes and collects them first. vLLM
-    freezes its heap after start-up the same way. `Engine.warmup` ends with it: the call a server makes before
-    traffic."""
+    stays on (young objects are collected as before). vLLM freezes its server's heap after start-up the same way.
+
+    Who calls it: the processes that hold one model for their whole life, once it is loaded (and warmed up): the
+    server (`inference.entrypoints.openai.server.serve`) and the batch launcher (scripts/generate.py). Not
+    `LLM.warmup`: objects frozen alive that later become cyclic garbage are never collected until the next call
+    (which unfreezes and collects first), so a notebook or a test suite that drops a warmed-up `LLM` would keep its
+    weights and compiled programs."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
@@ -229,7 +232,6 @@ class Engine:
         penalty variants. Returns how many variants were compiled."""
         report = warmup_serving(self, prefill=prefill, extras=extras)
         log.info("warm-up: %s", {k: (v["variants"], round(v["seconds"], 1)) for k, v in report.items()})
-        freeze_heap()  # the compiled steps and their caches are long-lived: out of the full collections' walk
         return sum(v["compiled"] for v in report.values())
 
     def reset_prefix_cache(self) -> None:

@@ -34,6 +34,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a file
 from inference import LLM, SamplingParams  # noqa: E402
+from inference.engine.llm_engine import freeze_heap  # noqa: E402
 from inference.engine.metrics import summarize_requests  # noqa: E402
 from inference.entrypoints.llm import resolve_dtype  # noqa: E402
 
@@ -135,6 +136,7 @@ def run_serving(llm: LLM) -> dict:
     """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
     prompts, gaps, params = serving_workload(llm)
     llm.warmup(prefill=False, extras=False)  # every decode bucket; prefill buckets compile on first use
+    freeze_heap()  # as the server does before traffic
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
     llm.engine.reset_prefix_cache()
     llm.engine.reset_stats()

@@ -68,6 +68,7 @@ def main() -> None:
     if model is None:
         from tests.tiny_folder import make_tiny_hf_folder
         model = str(make_tiny_hf_folder(Path(tmp) / "model"))
+    from inference.engine.llm_engine import freeze_heap
     from inference.entrypoints.llm import LLM
 
     llm = LLM(model, kv_cache_memory_bytes=16 << 20, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256,
@@ -76,6 +77,7 @@ def main() -> None:
     base = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
     tokens = sum(r["max_tokens"] for r in rows)
     llm.warmup(prefill=False, extras=False)
+    freeze_heap()  # as scripts/generate.py does once its model is loaded
     for run in (lockstep, streaming):  # compiles whatever warmup did not, outside the timed runs
         run(llm, rows[:args.window], base, args.window, os.path.join(tmp, "warm.jsonl"))
     results: dict[str, list[list[float]]] = {"lockstep": [], "streaming": []}

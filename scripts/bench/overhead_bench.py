@@ -281,7 +281,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     import inference.engine.llm_engine as llm_engine
 
     frozen = hasattr(llm_engine, "freeze_heap")
-    if frozen:  # what `Engine.warmup` ends with: the warmed-up heap out of the full collections' walk
+    if frozen:  # what the server and the launcher do once loaded: the warmed-up heap out of the full collections
         llm_engine.freeze_heap()
     elif FLAGS.gc_freeze:
         gc.freeze()

@@ -149,3 +149,25 @@ def test_chat_response_format_json_schema_equals_structured_outputs(smollm2, cli
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
     assert bad.value.body["param"] == "response_format", bad.value.body
+
+
+def test_serve_freezes_the_heap_before_it_binds(smollm2, monkeypatch):
+    """`serve` holds its process for the server's life: the loaded model goes out of the collector's full
+    collections (`freeze_heap`) before uvicorn runs. `ServerThread` (this module's server) freezes nothing."""
+    import gc
+    import signal
+
+    import uvicorn
+
+    from inference.entrypoints.openai.server import free_port, serve
+
+    frozen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        serve(smollm2, port=free_port())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        gc.unfreeze()
+    assert frozen and frozen[0] > 0
+

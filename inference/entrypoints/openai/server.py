@@ -16,6 +16,7 @@ import time
 
 import uvicorn
 
+from inference.engine.llm_engine import freeze_heap
 from inference.entrypoints.openai.app import build_app
 
 
@@ -26,7 +27,12 @@ def _config(llm, host: str, port: int, log_level: str, **app_kwargs) -> uvicorn.
 
 
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **app_kwargs) -> None:
-    """Serve `llm` until SIGTERM / SIGINT (see `build_app` for `app_kwargs`); exit 0 once drained."""
+    """Serve `llm` until SIGTERM / SIGINT (see `build_app` for `app_kwargs`); exit 0 once drained.
+
+    This process serves `llm` for the rest of its life, so what is alive now (weights, compiled steps, tokenizer)
+    is frozen out of the collector's full collections first (`freeze_heap`). `ServerThread` does not: its process
+    (a notebook, a test) goes on to other work."""
+    freeze_heap()
     # uvicorn drains, then re-raises the signal it caught under the handler it found: make that a clean exit
     # rather than death by SIGTERM (which would look like a crash to a supervisor).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
