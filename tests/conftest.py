@@ -8,6 +8,10 @@ import os
 # The suite runs on CPU (Pallas kernels interpreted, real TPU/GPU compilers deviceless). Where jax-cuda13-plugin is
 # installed for those compiles, jax would otherwise try to load cuDNN at start-up and fail without a GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Before JAX starts its backend, which reads XLA_FLAGS once (tests/xla_test_flags.py says why).
+from tests.xla_test_flags import with_test_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

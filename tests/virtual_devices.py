@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 
+from tests.xla_test_flags import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_worker(script: str, devices: int = 8, timeout: int = 2400) -> dict:
     """`script`: a path relative to the repository root. Fails the test with the worker's stderr tail."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = cpu_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

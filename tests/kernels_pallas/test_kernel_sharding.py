@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 
+from tests.xla_test_flags import cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_sharded_attention_equals_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     worker = os.path.join(ROOT, "tests", "kernels_pallas", "kernel_sharding_worker.py")
     proc = subprocess.run([sys.executable, worker], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,6 +24,7 @@ from kernels_pallas.attention.gpu_tuning import BLOCK_SIZES, SPLIT_RULES
 from models.weights import num_params
 from scripts.tools.aot_harness import CHIPS
 from scripts.tools.aot_kernels import kernel_cases, mosaic_gpu_cases
+from tests.xla_test_flags import accelerator_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_MEMORY_PER_BLOCK = 232448  # H100/H200 opt-in maximum (configs/gpu_targets)
@@ -36,7 +37,7 @@ STEP_TOLERANCE = 0.02  # compiled argument bytes vs the cost model's weights + K
 def _run(tmp_path_factory, *args: str) -> dict:
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tools", "aot_compile.py"), *args, f"--out={out}"],
-                          capture_output=True, text=True, timeout=1500, cwd=ROOT)
+                          capture_output=True, text=True, timeout=1500, cwd=ROOT, env=accelerator_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     return {(r["chip"], r["case"]): r for r in rows}

@@ -24,6 +24,7 @@ import pytest
 
 from scripts.tools import hlo_checks
 from tests.scripts.test_aot_compile import _selected_chips
+from tests.xla_test_flags import accelerator_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Decode sequences per chip. v6e's compiles are the slow ones (about 40 s and 90 s for 1 and 64 sequences on a busy
@@ -36,7 +37,7 @@ def _compile(tmp_path_factory, chip: str, *extra: str) -> tuple[dict, str] | str
     """aot_compile.py's rows for `chip` (by case) and the folder of their .hlo files; or why the chip's compiler is
     not here (the test skips with it, so one missing compiler does not skip the other chip's tests)."""
     out = tmp_path_factory.mktemp(f"hlo_{chip}")
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # another process may hold libtpu's lockfile
+    env = accelerator_env(ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # another process may hold libtpu's lockfile
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "tools", "aot_compile.py"),
                            f"--chips={chip}", "--what=steps", "--presets=llama-3-8b", "--decode_only", "--tp=1",
                            "--layers=2", f"--hlo_dir={out}", f"--out={out / 'rows.json'}", *extra],

@@ -23,6 +23,7 @@ import pytest
 
 from inference import LLM, SamplingParams
 from tests.tiny_folder import make_tiny_hf_folder
+from tests.xla_test_flags import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".jax_cache"
@@ -31,8 +32,7 @@ ENGINE = ["--kv_cache_memory_bytes=1048576", "--max_num_seqs=8", "--max_num_batc
 
 
 def _env(devices: int) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return cpu_env(PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
 @pytest.fixture(scope="module")
