@@ -226,7 +226,10 @@ def test_ctrl_c_saves_rows_and_a_rerun_finishes(tmp_path):
            "--kv_cache_memory_bytes=4194304", "--max_num_batched_tokens=64",
            f"--compilation_cache_dir={repo}/.jax_cache"]
     env = {**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A pytest-xdist worker ignores SIGINT, and a child inherits that (Python then installs no KeyboardInterrupt
+    # handler): the job starts with the default disposition a shell gives it.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if out.exists() and len(out.read_text().splitlines()) >= 3:
