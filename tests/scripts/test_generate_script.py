@@ -226,10 +226,13 @@ def test_ctrl_c_saves_rows_and_a_rerun_finishes(tmp_path):
            "--kv_cache_memory_bytes=4194304", "--max_num_batched_tokens=64",
            f"--compilation_cache_dir={repo}/.jax_cache"]
     env = {**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
-    # A pytest-xdist worker ignores SIGINT, and a child inherits that (Python then installs no KeyboardInterrupt
-    # handler): the job starts with the default disposition a shell gives it.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # The full suite's xdist workers have SIGINT ignored by now, and a child inherits an ignored signal (Python then
+    # installs no KeyboardInterrupt handler); a handled one is reset to the default at exec, as a shell starts a job.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if out.exists() and len(out.read_text().splitlines()) >= 3:
