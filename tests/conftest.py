@@ -33,7 +33,6 @@ def _release_what_the_module_compiled():
     reload their steps from the persistent cache when next used."""
     yield
     gc.unfreeze()
-    gc.collect()
     jax.clear_caches()
     gc.collect()
 

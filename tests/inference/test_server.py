@@ -170,4 +170,3 @@ def test_serve_freezes_the_heap_before_it_binds(smollm2, monkeypatch):
         signal.signal(signal.SIGTERM, previous)
         gc.unfreeze()
     assert frozen and frozen[0] > 0
-
