@@ -118,17 +118,25 @@ def jit_step(graphdef, treedef, layout: StepLayout):
                    static_argnames=("use_filters", "logprobs", "prompt_logprobs"), donate_argnums=(1,))
 
 
-def jit_packed_step(graphdef, treedef, layout: StepLayout):
+def jit_packed_step(graphdef, treedef, layout: StepLayout, buffer_sharding: jax.sharding.Sharding | None = None):
     """The jitted step over one packed buffer (`inference/runtime/packing.py`): `(param_leaves, kv_caches, buffer,
-    passed, lora=None, *, packing, use_filters, logprobs, prompt_logprobs)`, the step's `(inp, sampling)` unpacked
-    inside it, KV cache donated. What `ModelRunner.execute` runs: one host -> device copy per step."""
-    def packed_step(param_leaves, kv_caches, buffer, passed, lora=None, *, packing: Packing, **flags):
-        inp, sampling = unpack(packing, buffer, passed)
-        return _step(graphdef, treedef, layout, param_leaves, kv_caches, inp, sampling, lora, **flags)
+    passed, lora, packing, use_filters, logprobs, prompt_logprobs)`, all positional (the last four static), the
+    step's `(inp, sampling)` unpacked inside it, KV cache donated. What `ModelRunner.execute` runs: one host ->
+    device copy per step.
 
+    `buffer_sharding` (the runner's devices, replicated): where the jit itself places the buffer, handed over as the
+    numpy array `pack` made. The jit's C++ dispatch copies it there for a fraction of what a separate
+    `jax.device_put` costs in Python (BENCHMARKS.md, host overhead). JAX takes no keyword arguments beside
+    `in_shardings`, hence the positional flags."""
+    def packed_step(param_leaves, kv_caches, buffer, passed, lora, packing: Packing, use_filters: bool,
+                    logprobs: bool, prompt_logprobs: bool):
+        inp, sampling = unpack(packing, buffer, passed)
+        return _step(graphdef, treedef, layout, param_leaves, kv_caches, inp, sampling, lora, use_filters=use_filters,
+                     logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    placed = {} if buffer_sharding is None else {"in_shardings": (None, None, buffer_sharding, None, None)}
     # Named for traces: scripts/bench/trace_summary.py finds the step as the program whose name says "step".
-    return jax.jit(packed_step, static_argnames=("packing", "use_filters", "logprobs", "prompt_logprobs"),
-                   donate_argnums=(1,))
+    return jax.jit(packed_step, static_argnums=(5, 6, 7, 8), donate_argnums=(1,), **placed)
 
 
 def _logits(model, layout: StepLayout, hidden):
@@ -270,8 +278,8 @@ class ModelRunner:
         # replays, `scripts/tools/aot_compile.py`, profiles).
         self.prefill_step = jit_step(self.graphdef, self.param_treedef, layout)
         self.decode_step = jit_step(self.graphdef, self.param_treedef, layout)
-        self.packed_prefill_step = jit_packed_step(self.graphdef, self.param_treedef, layout)
-        self.packed_decode_step = jit_packed_step(self.graphdef, self.param_treedef, layout)
+        self.packed_prefill_step = jit_packed_step(self.graphdef, self.param_treedef, layout, self.token_sharding)
+        self.packed_decode_step = jit_packed_step(self.graphdef, self.param_treedef, layout, self.token_sharding)
         # Caches of each KV cache group (kv_cache_manager.py): copy-on-write copies name one group's pages.
         group_of = {padded.kv_layer(i): padded.kv_group(i) for i in padded.attention_layers}
         self.group_caches = [[c for c in sorted(group_of) if group_of[c] == g]
@@ -334,13 +342,11 @@ class ModelRunner:
         feed = inp.feed if inp.feed is not None else self.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0])
         if self._state_specs and inp.attn.state_slots is None:  # warm-up and other callers: every row on slot 0
             inp = inp.replace(attn=inp.attn.replace(state_slots=np.zeros(inp.logits_indices.shape[0], np.int32)))
-        # The step's numpy arrays in one buffer, one copy, committed to the runner's devices (the tokens must be,
-        # as the feed's device-side tokens are); device arrays (the feed's previous tokens) pass through.
+        # The step's numpy arrays in one buffer, one copy, which the jit places on the runner's devices (its
+        # in_shardings); device arrays (the feed's previous tokens) pass through.
         packing, buffer, passed = pack((inp.replace(feed=feed), sampling))
-        sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches,
-                                                   jax.device_put(buffer, self.token_sharding), passed, lora,
-                                                   packing=packing, use_filters=use_filters, logprobs=logprobs,
-                                                   prompt_logprobs=prompt_logprobs)
+        sampled, prompt, self.kv_caches, wide = fn(self.param_leaves, self.kv_caches, buffer, passed, lora, packing,
+                                                   use_filters, logprobs, prompt_logprobs)
         spec = None
         if inp.spec is not None:
             sampled, *spec = sampled

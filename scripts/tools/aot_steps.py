@@ -5,7 +5,6 @@ model's weight, KV and state bytes."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
 
@@ -158,7 +157,10 @@ def compile_step(chip: str, case: StepCase, hlo_dir: str | None = None, quantiza
                         vocab_axis="model" if case.num_chips > 1 and config.vocab_size % case.num_chips == 0
                         else None)
     step = jit_packed_step(graphdef, treedef, layout)
-    fn = functools.partial(step, packing=packing, use_filters=False, logprobs=False, prompt_logprobs=False)
+
+    def fn(leaves, caches, buffer, passed):  # the packed step's flags are positional: no adapters, no extras
+        return step(leaves, caches, buffer, passed, None, packing, False, False, False)
+
     local = tuple(kv_sharding.shard_shape(spec.shape))  # one device's cache, as the partitioned HLO has it
     state_shapes = tuple(x.shape for st in states for x in jax.tree.leaves(st))
     row = compile_case(chip, case.num_chips, fn, (leaves, caches, abstract(buffer, rep), abstract(passed, rep)),
