@@ -16,6 +16,7 @@ from flax import nnx
 
 from kernels_pallas import rope_cpu
 from kernels_pallas.backend import target_backend
+from kernels_pallas.matmul.few_rows_cpu import few_rows_kernel_takes, few_rows_matmul_cpu
 from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
@@ -59,8 +60,10 @@ class Linear(nnx.Module):
         rows = x if self.batch_invariant else pad_rows_for_gemm(x)
         if is_quantized(kernel):
             y = quantized_matmul(rows, kernel, self.matmul_method)
-        else:
-            y = invariant_matmul(rows, kernel) if self.batch_invariant else rows @ kernel
+        elif self.batch_invariant:
+            y = invariant_matmul(rows, kernel)
+        else:  # a few float32 rows on CPU: the C++ kernel that streams the weight once (few_rows_cpu.py)
+            y = few_rows_matmul_cpu(rows, kernel) if few_rows_kernel_takes(rows, kernel) else rows @ kernel
         y = y[:x.shape[0]] if rows is not x else y
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
@@ -115,7 +118,9 @@ class Embed(nnx.Module):
         table = self.embedding.get_value()
         if is_quantized(table):
             return quantized_matmul(x, table, self.matmul_method)
-        return invariant_matmul(x, table, transposed=True) if self.batch_invariant else x @ table.T
+        if self.batch_invariant:
+            return invariant_matmul(x, table, transposed=True)
+        return few_rows_matmul_cpu(x, table, transposed=True) if few_rows_kernel_takes(x, table) else x @ table.T
 
 
 def activation(x: jax.Array, kind: str) -> jax.Array:
