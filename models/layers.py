@@ -54,6 +54,9 @@ class Linear(nnx.Module):
         self.matmul_method: str | None = None
         self.lora = None
         self.batch_invariant = False  # models/batch_invariant.py: the row-invariant C++ matmul
+        # Whether a few float32 rows may take the C++ kernel (few_rows_cpu.py): `Decoder(mesh=)` turns it off, since
+        # an FFI call of weights split over a mesh would make XLA gather them.
+        self.few_rows_kernel = True
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
@@ -62,8 +65,10 @@ class Linear(nnx.Module):
             y = quantized_matmul(rows, kernel, self.matmul_method)
         elif self.batch_invariant:
             y = invariant_matmul(rows, kernel)
-        else:  # a few float32 rows on CPU: the C++ kernel that streams the weight once (few_rows_cpu.py)
-            y = few_rows_matmul_cpu(rows, kernel) if few_rows_kernel_takes(rows, kernel) else rows @ kernel
+        elif self.few_rows_kernel and few_rows_kernel_takes(rows, kernel):  # a few float32 rows on CPU
+            y = few_rows_matmul_cpu(rows, kernel)
+        else:
+            y = rows @ kernel
         y = y[:x.shape[0]] if rows is not x else y
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
@@ -102,6 +107,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.matmul_method: str | None = None
         self.batch_invariant = False  # models/batch_invariant.py: `attend` through the row-invariant C++ matmul
+        self.few_rows_kernel = True  # as `Linear.few_rows_kernel`, for the tied LM head
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding.get_value()
@@ -120,7 +126,9 @@ class Embed(nnx.Module):
             return quantized_matmul(x, table, self.matmul_method)
         if self.batch_invariant:
             return invariant_matmul(x, table, transposed=True)
-        return few_rows_matmul_cpu(x, table, transposed=True) if few_rows_kernel_takes(x, table) else x @ table.T
+        if self.few_rows_kernel and few_rows_kernel_takes(x, table):
+            return few_rows_matmul_cpu(x, table, transposed=True)
+        return x @ table.T
 
 
 def activation(x: jax.Array, kind: str) -> jax.Array:
