@@ -108,6 +108,10 @@ class Decoder(nnx.Module):
                         else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs))
         # models/batch_invariant.py sets it (with its layers'); the step and log_probs read it for the sampler's sums.
         self.batch_invariant = False
+        if mesh is not None:  # weights split over the mesh: no C++ few-rows matmul (an FFI call would gather them)
+            for _, node in nnx.iter_graph(self):
+                if isinstance(node, (Linear, Embed)):
+                    node.few_rows_kernel = False
         # float32 means IEEE float32 dots on every backend: XLA:GPU runs an f32 dot of default precision as TF32
         # (1e-3 off on an H200: BENCHMARKS.md, the H200 section) and XLA:TPU as one bf16 pass. "highest" sets
         # `Precision.HIGHEST` on every dot traced inside the forward (projections, the reference attention's

@@ -16,6 +16,7 @@ from flax import nnx
 
 from kernels_pallas import rope_cpu
 from kernels_pallas.backend import target_backend
+from kernels_pallas.matmul.few_rows_cpu import few_rows_kernel_takes, few_rows_matmul_cpu
 from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
@@ -53,14 +54,21 @@ class Linear(nnx.Module):
         self.matmul_method: str | None = None
         self.lora = None
         self.batch_invariant = False  # models/batch_invariant.py: the row-invariant C++ matmul
+        # Whether a few float32 rows may take the C++ kernel (few_rows_cpu.py): `Decoder(mesh=)` turns it off, since
+        # an FFI call of weights split over a mesh would make XLA gather them.
+        self.few_rows_kernel = True
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         rows = x if self.batch_invariant else pad_rows_for_gemm(x)
         if is_quantized(kernel):
             y = quantized_matmul(rows, kernel, self.matmul_method)
+        elif self.batch_invariant:
+            y = invariant_matmul(rows, kernel)
+        elif self.few_rows_kernel and few_rows_kernel_takes(rows, kernel):  # a few float32 rows on CPU
+            y = few_rows_matmul_cpu(rows, kernel)
         else:
-            y = invariant_matmul(rows, kernel) if self.batch_invariant else rows @ kernel
+            y = rows @ kernel
         y = y[:x.shape[0]] if rows is not x else y
         y = y + self.bias[...] if self.bias is not None else y
         return y if self.lora is None else y + self.lora(x)
@@ -99,6 +107,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.matmul_method: str | None = None
         self.batch_invariant = False  # models/batch_invariant.py: `attend` through the row-invariant C++ matmul
+        self.few_rows_kernel = True  # as `Linear.few_rows_kernel`, for the tied LM head
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding.get_value()
@@ -115,7 +124,11 @@ class Embed(nnx.Module):
         table = self.embedding.get_value()
         if is_quantized(table):
             return quantized_matmul(x, table, self.matmul_method)
-        return invariant_matmul(x, table, transposed=True) if self.batch_invariant else x @ table.T
+        if self.batch_invariant:
+            return invariant_matmul(x, table, transposed=True)
+        if self.few_rows_kernel and few_rows_kernel_takes(x, table):
+            return few_rows_matmul_cpu(x, table, transposed=True)
+        return x @ table.T
 
 
 def activation(x: jax.Array, kind: str) -> jax.Array:

@@ -102,9 +102,15 @@ def host_isa() -> str:
     return "avx2" if {"avx2", "fma"} <= flags else "baseline"
 
 
+#: Kernels that stay off on an ISA where they were not measured (the others run where they build): the few-rows
+#: float32 matmul replaces XLA's dot in every small-batch float32 decode step and rounds differently, so a CPU it was
+#: not measured on keeps XLA's dot, and its results, as before.
+OFF_WHERE_NOT_MEASURED = frozenset({"pagejax_few_rows_matmul_cpu"})
+
 #: Whether each kernel (its FFI target) beat its pure-JAX path on an ISA, measured by scripts/bench/
 #: cpu_kernel_gate.py at SmolLM2-135M's shapes, batch 1 and 32 (BENCHMARKS.md, "C++ CPU kernels per ISA", which
-#: names the CPUs). A kernel missing from an ISA's row was not measured there and runs where it builds.
+#: names the CPUs). A kernel missing from an ISA's row was not measured there and runs where it builds
+#: (unless OFF_WHERE_NOT_MEASURED).
 MEASURED: dict[str, dict[str, bool]] = {
     # Every kernel on: the AVX-512 VNNI end-to-end runs of BENCHMARKS.md (kernels on vs PAGEJAX_CPU_KERNELS=0).
     "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
@@ -113,8 +119,10 @@ MEASURED: dict[str, dict[str, bool]] = {
     # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, the attention kernel (f32, int8 and fp8 caches), the
     # KV write and the RoPE tables beat XLA at 1 and 32 rows; the grouped matmul's vector path beats XLA's dot of the
     # dequantized weight at 1 row but not at 32.
+    # The few-rows float32 matmul beats XLA's dot at 2-8 rows (issue 38, round 6; models send it no other count).
     "avx2": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
-             "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True},
+             "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True,
+             "pagejax_few_rows_matmul_cpu": True},
 }
 
 
@@ -147,6 +155,8 @@ def unavailable_reason(kernel: CpuKernel) -> str | None:
 def measured_choice(kernel: CpuKernel, isa: str) -> tuple[bool, str]:
     """(whether `kernel` should run on `isa` by the `MEASURED` table, why)."""
     faster = MEASURED.get(isa, {}).get(kernel.target)
+    if faster is None and kernel.target in OFF_WHERE_NOT_MEASURED:
+        return False, f"not measured on {isa}: off there (it would change float32 results unmeasured)"
     if faster is None:
         return True, f"not measured on {isa}: runs where it builds"
     if faster:

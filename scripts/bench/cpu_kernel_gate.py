@@ -17,6 +17,8 @@ a machine loaded by other work slows both alike, and the ratio is what counts):
     fori_loop of `kv_cache.writes.write_rows`;
   * rope: one layer's RoPE (`models.layers.apply_rope` of q [T, 9, 64] and k [T, 3, 64]) at 1, 32 and 512 tokens:
     with the tables kernel vs XLA's cos / sin fused into the rotation;
+  * few_rows_f32_model: SmolLM2-135M's 210 float32 projections and its tied LM head in sequence at 1, 2, 4 and 8
+    rows (a small-batch float32 decode step's matmuls): the few-rows kernel vs XLA's dot;
   * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32, int8 and fp8
     (float8_e4m3fn) caches, 1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
 Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
@@ -48,7 +50,7 @@ from kernels_pallas.kv_cache.layout import kv_cache_spec, scale_rows  # noqa: E4
 from kernels_pallas.kv_cache.writes import quantize_cache  # noqa: E402
 from kernels_pallas import rope_cpu  # noqa: E402
 from kernels_pallas.kv_cache import writes  # noqa: E402
-from kernels_pallas.matmul import grouped_cpu, int8_cpu  # noqa: E402
+from kernels_pallas.matmul import few_rows_cpu, grouped_cpu, int8_cpu  # noqa: E402
 from kernels_pallas.native import gate  # noqa: E402
 from models import layers  # noqa: E402
 from models.quantization import formats  # noqa: E402
@@ -105,6 +107,34 @@ def int8_layer(rows: int) -> dict:
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     return timed_side_by_side(paths, (x,), FLAGS.rounds, FLAGS.calls)
+
+
+def few_rows_model(rows: int) -> dict:
+    """SmolLM2-135M's float32 projections and tied LM head at `rows` rows, one after another as a decode step runs
+    them (each output feeds the next input, so XLA cannot overlap them): the few-rows kernel vs XLA's dot."""
+    rng = np.random.default_rng(rows)
+    layers = [[jnp.asarray(rng.standard_normal(s).astype(np.float32) / np.sqrt(s[0])) for s in LAYER]
+              for _ in range(30)]
+    embed = jnp.asarray(rng.standard_normal((49152, 576)).astype(np.float32) / 24)
+    x = jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32))
+
+    def model(path: str):
+        def mm(a, w, transposed=False):
+            if path == "native":
+                return few_rows_cpu.few_rows_matmul_cpu(a, w, transposed=transposed)
+            return jnp.dot(a, w.T if transposed else w, precision="highest")
+
+        def run(x, layers, embed):
+            for layer in layers:
+                for w in layer:
+                    x = mm(jnp.tile(x, (1, 3))[:, :w.shape[0]], w)[:, :576]
+            return mm(x, embed, transposed=True)
+        return jax.jit(run)
+
+    paths = {name: model(name) for name in ("native", "pure_jax")}
+    np.testing.assert_allclose(np.asarray(paths["native"](x, layers, embed)),
+                               np.asarray(paths["pure_jax"](x, layers, embed)), rtol=2e-3, atol=2e-3)
+    return timed_side_by_side(paths, (x, layers, embed), FLAGS.rounds, max(1, FLAGS.calls // 10))
 
 
 def forced(kernel: gate.CpuKernel, runs: bool):
@@ -234,6 +264,7 @@ def main(argv):
     cases.update({f"rope_t{t}": functools.partial(rope, t) for t in (1, 32, 512)})
     cases.update({f"attention_{jnp.dtype(d).name}_b{s}": functools.partial(attention, s, d)
                   for d in (jnp.float32, jnp.int8, jnp.float8_e4m3fn) for s in (1, 32)})
+    cases.update({f"few_rows_f32_model_m{m}": functools.partial(few_rows_model, m) for m in (1, 2, 4, 8)})
     cases = {name: case for name, case in cases.items() if FLAGS.only in name}
     for name, case in cases.items():
         times = case()

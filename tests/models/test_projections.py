@@ -14,6 +14,9 @@ from flax import nnx
 
 from configs import get_model_config
 from kernels_pallas.backend import compiling_for
+from kernels_pallas.matmul import few_rows_cpu
+from kernels_pallas.matmul.few_rows_cpu import MAX_ROWS, MIN_ROWS, few_rows_kernel_takes
+from kernels_pallas.native import gate
 from models.attention import AttentionMetadata
 from models.decoder import Decoder
 from models.layers import GPU_MIN_GEMM_ROWS, Linear
@@ -40,6 +43,13 @@ def test_few_rows_are_padded_into_a_gemm_on_gpu_only(rows):
         with compiling_for(backend):
             jaxpr = jax.make_jaxpr(lambda v: lin(v))(x)
             got = lin(x)
+            few_rows_kernel = few_rows_kernel_takes(x, lin.kernel[...])
+        assert few_rows_kernel == (backend == "cpu" and MIN_ROWS <= rows <= MAX_ROWS
+                                   and gate.runs_here(few_rows_cpu.KERNEL))
+        if few_rows_kernel:  # a few float32 rows on CPU: the C++ kernel, no dot (tests/kernels_pallas)
+            assert not _dots(jaxpr.jaxpr) and few_rows_cpu.KERNEL.target in str(jaxpr)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+            continue
         (dot,) = _dots(jaxpr.jaxpr)
         padded = backend == "gpu" and rows < GPU_MIN_GEMM_ROWS
         assert dot.invars[0].aval.shape[0] == (GPU_MIN_GEMM_ROWS if padded else rows), backend
@@ -60,7 +70,8 @@ def _step_jaxpr(dtype):
         hidden, _ = model(tok, jnp.zeros((tokens,), jnp.int32), [cache] * config.num_kv_layers, meta)
         return model.logits(hidden)
 
-    return jax.make_jaxpr(step)(jnp.array([1, 2], jnp.int32))
+    with compiling_for("gpu"):  # on CPU a few float32 rows take the C++ kernel, not a dot
+        return jax.make_jaxpr(step)(jnp.array([1, 2], jnp.int32))
 
 
 @pytest.mark.parametrize("dtype,precision", [(jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, None)])
