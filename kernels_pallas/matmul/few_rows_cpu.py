@@ -4,8 +4,9 @@ At a few rows (a decode step at small batch) a float32 matmul is a stream of its
 slows as rows are added long before the arithmetic should matter (BENCHMARKS.md, issue 38's round 6). The kernel
 reads each weight once for all rows. Its sums are ordered differently from XLA's, so results agree to float32
 rounding, not bitwise; batch-invariant mode keeps its own kernel (`invariant_cpu.py`). Whether a float32 `Linear` or
-tied LM head takes it is `few_rows_kernel_takes` (CPU, float32, MIN_ROWS to MAX_ROWS rows,
-`native.gate.runs_here(KERNEL)` on this CPU's ISA).
+tied LM head takes it is `few_rows_kernel_takes`: CPU, float32, and the rows `native.gate.MEASURED` has it faster at
+on this CPU's ISA (2-8 on AVX2, where XLA's dot of one row keeps batch-1 float32 decoding as it was; 1-4 on AVX-512
+VNNI); off on an ISA where it was not measured.
 """
 
 from __future__ import annotations
@@ -15,18 +16,14 @@ import jax.numpy as jnp
 
 from kernels_pallas.native import gate
 
-KERNEL = gate.CpuKernel("pagejax_few_rows_matmul_cpu", "PagejaxFewRowsMatmulCpu")
-# Rows a model sends to the kernel: measured faster than XLA's dot from 2 to 8 rows on AVX2, not at 1, where XLA's
-# dot of one row keeps batch-1 float32 decoding as it was (BENCHMARKS.md). The kernel itself takes 1 to 16.
-MIN_ROWS, MAX_ROWS = 2, 8
-KERNEL_ROWS = 16  # csrc: kMaxRows
+KERNEL_ROWS = 16  # the most rows the kernel takes (csrc: kMaxRows)
+KERNEL = gate.CpuKernel("pagejax_few_rows_matmul_cpu", "PagejaxFewRowsMatmulCpu", rows=gate.Rows(1, KERNEL_ROWS))
 
 
 def few_rows_kernel_takes(x: jax.Array, w: jax.Array) -> bool:
-    """Whether a model's x [M, K] @ w runs on the kernel: both float32, MIN_ROWS <= M <= MAX_ROWS, traced for a CPU
-    where it runs."""
-    return (x.ndim == 2 and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
-            and w.dtype == jnp.float32 and gate.runs_here(KERNEL))
+    """Whether a model's x [M, K] @ w runs on the kernel: both float32, traced for a CPU where it runs at M rows."""
+    return (x.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and gate.runs_here(KERNEL, rows=x.shape[0]))
 
 
 def few_rows_matmul_cpu(x: jax.Array, w: jax.Array, *, transposed: bool = False, build: str = "native") -> jax.Array:

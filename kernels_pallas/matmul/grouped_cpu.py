@@ -6,7 +6,10 @@ copy of the weight on every call and reads it back, so a batch-1 step with SmolL
 weights was far slower than int8. The kernel computes the same product group by group from the codes (float32
 activations, float32 accumulation; the order of additions differs from XLA's dot, so results agree to float
 rounding, not bit for bit): AVX-512 intrinsics where the CPU has them, else (AVX2, NEON) one vector-extension
-source. Built on first use by `native/build.py`; whether "dequant" takes it is `native.gate.runs_here(KERNEL)` (`models.quantization.formats.grouped_kernel_runs`).
+source. Built on first use by `native/build.py`; whether "dequant" takes it is `native.gate.runs_here(KERNEL, rows=M)`
+(`models.quantization.formats.grouped_kernel_runs`), up to 32 rows on every ISA: beyond, XLA's float32 dot of the
+dequantized weight is about as fast or faster for the layer linears (per-shape timings, the LM head's included:
+BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from kernels_pallas.native import gate
 
-KERNEL = gate.CpuKernel("pagejax_grouped_matmul_cpu", "PagejaxGroupedMatmulCpu")
+KERNEL = gate.CpuKernel("pagejax_grouped_matmul_cpu", "PagejaxGroupedMatmulCpu", rows=gate.Rows(1, 32))
 
 
 def grouped_matmul_cpu(x: jax.Array, q: jax.Array, scale: jax.Array, *, bits: int, group_size: int,

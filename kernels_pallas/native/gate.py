@@ -16,7 +16,10 @@ another has decided it is off) and gives each fallback one log line with its rea
   * the kernel was measured faster than its pure-JAX path on this CPU's ISA (`host_isa`), or was not measured there:
     `MEASURED`, a table from `scripts/bench/cpu_kernel_gate.py` recorded in BENCHMARKS.md ("C++ CPU kernels per
     ISA"). A kernel that builds is not therefore faster: on AVX2 the int8 matmul's portable loop was slower than
-    XLA's int8 dot, and the gate took it anyway.
+    XLA's int8 dot, and the gate took it anyway. For a matmul the answer can depend on its rows (M): the table can
+    name the rows (`Rows`) it was faster at, and the call site passes its row count (`runs_here(KERNEL, rows=M)`),
+    so a decode step takes the kernel and a prefill chunk XLA's dot where that is what was measured. A kernel's own
+    `CpuKernel.rows` bounds the rows it serves on every ISA.
 
 PAGEJAX_CPU_KERNELS=0 in the environment switches every automatic choice to the pure-JAX paths (A/B runs,
 debugging a kernel, a machine whose compiler miscompiles). It is read once, on the first question, so set it
@@ -52,20 +55,46 @@ BUILDS = ("native", "portable", "avx2")
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+    """A range of row counts (a matmul's M), both ends included; `hi=None` is unbounded."""
+
+    lo: int = 1
+    hi: int | None = None
+
+    def __contains__(self, rows: int) -> bool:
+        return rows >= self.lo and (self.hi is None or rows <= self.hi)
+
+    def __and__(self, other: "Rows") -> "Rows":
+        his = [h for h in (self.hi, other.hi) if h is not None]
+        return Rows(max(self.lo, other.lo), min(his) if his else None)
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return "any rows" if self.lo <= 1 else f"{self.lo}+ rows"
+        return f"{self.lo}-{self.hi} rows"
+
+
+ANY_ROWS = Rows()
+
+
+@dataclasses.dataclass(frozen=True)
 class CpuKernel:
     """One C++ kernel of `csrc/`: the XLA FFI target its wrapper calls, the C symbol of its handler in the library,
     and the -D defines and -march of the library build it comes from. Declared next to the wrapper; hashable, so the
-    gate caches its decision per kernel."""
+    gate caches its decision per kernel. `rows`: the row counts a matmul kernel serves on every ISA (a call site with
+    other rows takes its pure-JAX path); `MEASURED` may narrow them per ISA."""
 
     target: str
     symbol: str
     defines: tuple[str, ...] = ()
     march: str = "native"
+    rows: Rows = ANY_ROWS
 
     def portable(self) -> "CpuKernel":
         """The same kernel from a library built with PAGEJAX_PORTABLE (no ISA extensions beyond the baseline): its
         scalar loops. A separate FFI target, so tests can compare both paths in one process."""
-        return CpuKernel(f"{self.target}_portable", self.symbol, (*self.defines, "PAGEJAX_PORTABLE"), self.march)
+        return dataclasses.replace(self, target=f"{self.target}_portable",
+                                   defines=(*self.defines, "PAGEJAX_PORTABLE"))
 
     def build(self, name: str) -> "CpuKernel":
         """The kernel from library build `name` (one of BUILDS), each its own FFI target."""
@@ -73,8 +102,8 @@ class CpuKernel:
             raise ValueError(f"unknown kernel build {name!r}; expected one of {BUILDS}")
         if name == "portable":
             return self.portable()
-        return self if name == "native" else CpuKernel(f"{self.target}_{name}", self.symbol, self.defines,
-                                                       "x86-64-v3")
+        return self if name == "native" else dataclasses.replace(self, target=f"{self.target}_{name}",
+                                                                 march="x86-64-v3")
 
 
 def _cpu_flags() -> set[str]:
@@ -108,21 +137,24 @@ def host_isa() -> str:
 OFF_WHERE_NOT_MEASURED = frozenset({"pagejax_few_rows_matmul_cpu"})
 
 #: Whether each kernel (its FFI target) beat its pure-JAX path on an ISA, measured by scripts/bench/
-#: cpu_kernel_gate.py at SmolLM2-135M's shapes, batch 1 and 32 (BENCHMARKS.md, "C++ CPU kernels per ISA", which
-#: names the CPUs). A kernel missing from an ISA's row was not measured there and runs where it builds
-#: (unless OFF_WHERE_NOT_MEASURED).
-MEASURED: dict[str, dict[str, bool]] = {
-    # Every kernel on: the AVX-512 VNNI end-to-end runs of BENCHMARKS.md (kernels on vs PAGEJAX_CPU_KERNELS=0).
-    "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
+#: cpu_kernel_gate.py at SmolLM2-135M's shapes (BENCHMARKS.md, "C++ CPU kernels per ISA", which names the CPUs):
+#: True (at every row count measured), False, or the `Rows` of a matmul where it was faster (XLA's dot elsewhere; the
+#: int8 matmul's results are the same bits either way). A kernel missing from an ISA's row was not measured there
+#: and runs where it builds (unless OFF_WHERE_NOT_MEASURED).
+MEASURED: dict[str, dict[str, bool | Rows]] = {
+    # A 2-core Intel Xeon with AVX-512 VNNI (issue 38, round 7): the W8A8 kernel beats XLA's int8 dot at 1 row
+    # (2.1x), ties it at 4-16 and loses from 32 (0.76x; batch-32 decode 1.06-1.12x faster end to end on XLA's dot);
+    # the few-rows float32 matmul beats XLA's dot at 1-4 rows, not at 8. The rest beat XLA at 1 and 32 rows.
+    "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": Rows(1, 8),
                     "pagejax_grouped_matmul_cpu": True, "pagejax_write_rows_cpu": True,
-                    "pagejax_rope_tables_cpu": True},
+                    "pagejax_rope_tables_cpu": True, "pagejax_few_rows_matmul_cpu": Rows(1, 4)},
     # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, the attention kernel (f32, int8 and fp8 caches), the
     # KV write and the RoPE tables beat XLA at 1 and 32 rows; the grouped matmul's vector path beats XLA's dot of the
     # dequantized weight at 1 row but not at 32.
-    # The few-rows float32 matmul beats XLA's dot at 2-8 rows (issue 38, round 6; models send it no other count).
+    # The few-rows float32 matmul beats XLA's dot at 2-8 rows, not at 1 (issue 38, round 6).
     "avx2": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
              "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True,
-             "pagejax_few_rows_matmul_cpu": True},
+             "pagejax_few_rows_matmul_cpu": Rows(2, 8)},
 }
 
 
@@ -152,35 +184,39 @@ def unavailable_reason(kernel: CpuKernel) -> str | None:
     return None
 
 
-def measured_choice(kernel: CpuKernel, isa: str) -> tuple[bool, str]:
-    """(whether `kernel` should run on `isa` by the `MEASURED` table, why)."""
+def measured_choice(kernel: CpuKernel, isa: str) -> tuple[Rows | None, str]:
+    """(the rows at which `kernel` should run on `isa` by the `MEASURED` table, None for none; why)."""
     faster = MEASURED.get(isa, {}).get(kernel.target)
     if faster is None and kernel.target in OFF_WHERE_NOT_MEASURED:
-        return False, f"not measured on {isa}: off there (it would change float32 results unmeasured)"
+        return None, f"not measured on {isa}: off there (it would change float32 results unmeasured)"
     if faster is None:
-        return True, f"not measured on {isa}: runs where it builds"
-    if faster:
-        return True, f"measured faster than its pure-JAX path on {isa} (BENCHMARKS.md)"
-    return False, f"measured slower than its pure-JAX path on {isa} (BENCHMARKS.md)"
+        return kernel.rows, f"not measured on {isa}: runs where it builds"
+    if faster is False:
+        return None, f"measured slower than its pure-JAX path on {isa} (BENCHMARKS.md)"
+    if faster is True:
+        return kernel.rows, f"measured faster than its pure-JAX path on {isa} (BENCHMARKS.md)"
+    return kernel.rows & faster, (f"measured faster than its pure-JAX path on {isa} at {faster} (BENCHMARKS.md); "
+                                  f"its pure-JAX path at other row counts")
 
 
 @functools.cache
-def choice(kernel: CpuKernel) -> tuple[bool, str]:
-    """(whether a CPU call site takes `kernel` in this process, why), logged once: the build (`unavailable_reason`)
-    and then the measured table for this CPU's ISA."""
+def choice(kernel: CpuKernel) -> tuple[Rows | None, str]:
+    """(the rows at which CPU call sites take `kernel` in this process, None for none; why), logged once: the build
+    (`unavailable_reason`) and then the measured table for this CPU's ISA."""
     reason = unavailable_reason(kernel)
     if reason is not None:
         log.warning("C++ CPU kernel %s does not run, its pure-JAX path does: %s", kernel.target, reason)
-        runs, why = False, reason
+        rows, why = None, reason
     else:
-        runs, why = measured_choice(kernel, host_isa())
-        log.info("C++ CPU kernel %s %s: %s", kernel.target, "runs" if runs else "does not run (pure JAX does)", why)
-    _DECISIONS[kernel.target] = {"runs": runs, "why": why}
-    return runs, why
+        rows, why = measured_choice(kernel, host_isa())
+        said = "does not run (pure JAX does)" if rows is None else "runs" if rows == ANY_ROWS else f"runs for {rows}"
+        log.info("C++ CPU kernel %s %s: %s", kernel.target, said, why)
+    _DECISIONS[kernel.target] = {"runs": rows is not None, "rows": None if rows is None else str(rows), "why": why}
+    return rows, why
 
 
 def choices() -> dict[str, object]:
-    """This CPU's ISA and the decisions `choice` took so far in this process, by FFI target ({"runs", "why"}): for a
+    """This CPU's ISA and the decisions `choice` took so far in this process, by FFI target ({"runs", "rows", "why"}): for a
     benchmark's JSON, which paths a run took."""
     return {"isa": host_isa(), "kernels": dict(_DECISIONS)}
 
@@ -188,10 +224,11 @@ def choices() -> dict[str, object]:
 _DECISIONS: dict[str, dict[str, object]] = {}  # what `choice` decided, by target (each written once: it is cached)
 
 
-def runs_here(kernel: CpuKernel) -> bool:
+def runs_here(kernel: CpuKernel, rows: int | None = None) -> bool:
     """Whether a call site takes `kernel`: the program is traced for CPU (asked per call, `compiling_for` may
-    change it) and `choice(kernel)` (cached: built, and not measured slower on this ISA). Off CPU the kernel is
-    not built at all."""
+    change it) and `choice(kernel)` (cached: built, and not measured slower on this ISA), at `rows` rows where the
+    call site is a matmul (None: at some row count). Off CPU the kernel is not built at all."""
     if target_backend() != "cpu":
         return False
-    return choice(kernel)[0]
+    served, _ = choice(kernel)
+    return served is not None and (rows is None or rows in served)

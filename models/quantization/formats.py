@@ -26,8 +26,8 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
 
     "dequant"  dequantize inside the jit, then one float dot. Exact (equals x @ qw.dequantize() to float rounding),
                but XLA:CPU materializes the full float32 weight before the dot (the dot is a library call, so the
-               convert cannot fuse into it) and that convert is slow for large weights. So on CPU, up to
-               GROUPED_KERNEL_MAX_ROWS rows, the C++ kernel `kernels_pallas.matmul.grouped_cpu` computes the same
+               convert cannot fuse into it) and that convert is slow for large weights. So on CPU, up to 32
+               rows (`grouped_cpu.KERNEL.rows`), the C++ kernel `kernels_pallas.matmul.grouped_cpu` computes the same
                product from the codes in place (group by group, float32 activations and accumulation).
     "int8"     dynamic per-token activation quantization (symmetric int8 per row and per weight group), then
                int8 x int8 -> int32 dots per group, integer zero-point correction, float scales, sum over groups.
@@ -344,17 +344,11 @@ def _per_group(a: Any) -> jax.Array:
     return jnp.asarray(a)[:, None, :]  # [G, 1, N]
 
 
-#: Up to this many activation rows, "dequant" runs the C++ grouped kernel on CPU; beyond, XLA's float32 dot of the
-#: dequantized weight is about as fast or faster for the layer linears (per-shape timings, the LM head's included:
-#: BENCHMARKS.md).
-GROUPED_KERNEL_MAX_ROWS = 32
-
-
 def grouped_kernel_runs(rows: int) -> bool:
-    """Whether `matmul(method="dequant")` of `rows` rows runs `kernels_pallas.matmul.grouped_cpu` here (up to
-    GROUPED_KERNEL_MAX_ROWS rows, where `native.gate` lets it run): no float copy of the weight. `pick_method`
-    asks it too, so the method it picks and the path `matmul` takes agree."""
-    return rows <= GROUPED_KERNEL_MAX_ROWS and gate.runs_here(grouped_cpu.KERNEL)
+    """Whether `matmul(method="dequant")` of `rows` rows runs `kernels_pallas.matmul.grouped_cpu` here (where
+    `native.gate` lets it run at that many rows, `grouped_cpu.KERNEL.rows` at most): no float copy of the weight.
+    `pick_method` asks it too, so the method it picks and the path `matmul` takes agree."""
+    return gate.runs_here(grouped_cpu.KERNEL, rows=rows)
 
 
 def _matmul_int8(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
@@ -364,7 +358,7 @@ def _matmul_int8(x2: jax.Array, qw: QuantizedWeight) -> jax.Array:
     # Per channel on CPU the C++ kernel does all of the below with the same bits in one call (where the gate lets
     # it run and its int32 sums stay exact); elsewhere XLA's dots run.
     if (qw.bits == 8 and ng == 1 and qw.zero_point is None and qw.offset is None and k <= int8_cpu.MAX_K
-            and gate.runs_here(int8_cpu.KERNEL)):
+            and gate.runs_here(int8_cpu.KERNEL, rows=m)):
         return int8_cpu.int8_matmul_cpu(x2, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(n))
     xg = x2.reshape(m, ng, gsz).transpose(1, 0, 2)  # [G, M, g]
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)

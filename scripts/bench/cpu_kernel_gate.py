@@ -6,7 +6,7 @@ path it replaces, at SmolLM2-135M's shapes, on this machine's CPU.
 Cases (time = median over rounds of `--calls` back-to-back jitted calls; both paths alternate round by round, so
 a machine loaded by other work slows both alike, and the ratio is what counts):
   * int8_matmul: one decoder layer's seven W8A8 linears (q, k, v, o, gate, up, down: 576 -> 576/192/1536 and
-    1536 -> 576), per-channel int8 weights, at 1 and 32 rows: the kernel ("native" build, and the scalar "portable"
+    1536 -> 576), per-channel int8 weights, at 1 to 128 rows: the kernel ("native" build, and the scalar "portable"
     build for reference) vs `formats.matmul(method="int8")` with the kernel switched off (XLA's int8 dot), and
     XLA's float32 matmul of the same weights ("f32_xla": what the float32 model runs instead);
   * grouped_matmul: one layer's seven linears with grouped int4 (group 32, zero points) and int8 (group 64) weights
@@ -22,7 +22,8 @@ a machine loaded by other work slows both alike, and the ratio is what counts):
   * attention: decode over a 256-token context, 9 query / 3 KV heads, head_dim 64, page 16, float32, int8 and fp8
     (float8_e4m3fn) caches, 1 and 32 sequences: the kernel vs `ragged_paged_attention_reference`.
 Prints one line per case and writes JSON (date, commit, CPU model, ISA, load average before and after) to `--out`.
-A kernel is "faster" on an ISA when its ratio is above 1 at both batch sizes; BENCHMARKS.md records the table.
+A kernel is "faster" on an ISA when its ratio is above 1 at every size measured; a matmul kernel faster at some row
+counts only gets those rows (`gate.Rows`) in `gate.MEASURED`. BENCHMARKS.md records the table.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def int8_layer(rows: int) -> dict:
                 if path == "f32_xla":  # what the float32 model runs instead: is W8A8 worth it on this CPU?
                     outs.append(xi @ wf)
                 elif path == "pure_jax":
-                    with mock.patch.object(gate, "runs_here", lambda kernel: False):
+                    with mock.patch.object(gate, "runs_here", lambda kernel, rows=None: False):
                         outs.append(formats.matmul(xi, qw, method="int8"))
                 else:
                     outs.append(int8_cpu.int8_matmul_cpu(xi, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(-1),
@@ -143,7 +144,7 @@ def forced(kernel: gate.CpuKernel, runs: bool):
     runs_here = gate.runs_here
     if runs:
         gate.require(kernel)
-    return mock.patch.object(gate, "runs_here", lambda k: runs if k == kernel else runs_here(k))
+    return mock.patch.object(gate, "runs_here", lambda k, rows=None: runs if k == kernel else runs_here(k, rows))
 
 
 def grouped_layer(rows: int, bits: int) -> dict:
@@ -256,7 +257,7 @@ def main(argv):
               "cpu": cpu_model(), "isa": gate.host_isa(), "cores": os.cpu_count(), "load_before": os.getloadavg(),
               "cases": {}}
     print(f"{result['cpu']} ({result['isa']}, {result['cores']} cores), load {result['load_before']}", flush=True)
-    cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 32)}
+    cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 4, 8, 16, 32, 128)}
     cases.update({f"grouped_matmul_int{b}_layer_m{m}": functools.partial(grouped_layer, m, b)
                   for b in (4, 8) for m in (1, 32)})
     cases.update({f"kv_write_{jnp.dtype(d).name}_t{t}": functools.partial(kv_write, t, d)

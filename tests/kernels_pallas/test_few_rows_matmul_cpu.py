@@ -51,16 +51,21 @@ def test_rejects_wrong_dtypes_shapes_and_row_counts():
 def test_a_model_takes_it_only_for_few_float32_rows():
     f32 = np.zeros((4, 4), np.float32)
     takes = few_rows_cpu.few_rows_kernel_takes
-    for m in (few_rows_cpu.MIN_ROWS, few_rows_cpu.MAX_ROWS):
-        assert takes(np.zeros((m, 4), np.float32), f32) == gate.runs_here(few_rows_cpu.KERNEL)
-    assert not takes(np.zeros((1, 4), np.float32), f32)  # one row: XLA's dot (measured faster there)
-    assert not takes(np.zeros((few_rows_cpu.MAX_ROWS + 1, 4), np.float32), f32)
+    served = gate.choice(few_rows_cpu.KERNEL)[0]  # this ISA's measured rows, or None
+    for m in range(1, few_rows_cpu.KERNEL_ROWS + 2):
+        assert takes(np.zeros((m, 4), np.float32), f32) == (served is not None and m in served), m
+    assert served is None or few_rows_cpu.KERNEL_ROWS + 1 not in served  # more than the kernel takes: XLA's dot
     assert not takes(np.zeros((2, 4), np.float16), np.zeros((4, 4), np.float16))
 
 
 def test_off_on_isas_it_was_not_measured_on():
-    """It changes float32 rounding, so an ISA without a measurement keeps XLA's dot; where measured, the table."""
+    """It changes float32 rounding, so an ISA without a measurement keeps XLA's dot; where measured, the rows the
+    table names (AVX2: 2-8, not 1, where XLA's dot was faster)."""
     for isa in ("avx512-vnni", "avx512", "neon-dotprod", "neon", "baseline"):
         if few_rows_cpu.KERNEL.target not in gate.MEASURED.get(isa, {}):
-            assert gate.measured_choice(few_rows_cpu.KERNEL, isa)[0] is False
-    assert gate.measured_choice(few_rows_cpu.KERNEL, "avx2")[0] is gate.MEASURED["avx2"][few_rows_cpu.KERNEL.target]
+            assert gate.measured_choice(few_rows_cpu.KERNEL, isa)[0] is None
+    assert gate.measured_choice(few_rows_cpu.KERNEL, "avx2")[0] == gate.Rows(2, 8)
+    for isa, measured in gate.MEASURED.items():
+        if few_rows_cpu.KERNEL.target in measured:
+            rows = gate.measured_choice(few_rows_cpu.KERNEL, isa)[0]
+            assert rows.hi <= few_rows_cpu.KERNEL_ROWS, isa  # never more than the kernel takes

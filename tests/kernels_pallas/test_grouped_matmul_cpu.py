@@ -85,15 +85,27 @@ def test_empty_k_gives_zeros(build):
     np.testing.assert_array_equal(np.asarray(got), np.zeros((2, 7), np.float32))
 
 
+
+def force_the_kernel_on(monkeypatch) -> None:
+    """`gate.runs_here` takes the grouped kernel at the rows it serves (`KERNEL.rows`) whatever `gate.MEASURED` says
+    of this CPU's ISA (AVX2: slower), and answers as before for the others."""
+    runs_here = gate.runs_here
+
+    def forced(kernel, rows=None):
+        if kernel == grouped_cpu.KERNEL:
+            return rows is None or rows in kernel.rows
+        return runs_here(kernel, rows)
+    monkeypatch.setattr(gate, "runs_here", forced)
+
+
 @pytest.mark.parametrize("rows", [1, 32, 33])
 def test_dequant_matmul_takes_the_kernel_up_to_its_row_limit(rows, monkeypatch):
-    runs_here = gate.runs_here  # the row limit, whatever gate.MEASURED says of this CPU's ISA (AVX2: slower)
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: kernel == grouped_cpu.KERNEL or runs_here(kernel))
+    force_the_kernel_on(monkeypatch)  # the row limit, whatever gate.MEASURED says of this CPU's ISA
     rng = np.random.default_rng(rows)
     qw = modes.quantize_int4_minmax(rng.standard_normal((96, 80)).astype(np.float32), 32)
     x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
     fn = jax.jit(lambda a: formats.matmul(a, qw, "dequant"))
-    assert (grouped_cpu.KERNEL.target in fn.lower(x).as_text()) == (rows <= formats.GROUPED_KERNEL_MAX_ROWS)
+    assert (grouped_cpu.KERNEL.target in fn.lower(x).as_text()) == (rows in grouped_cpu.KERNEL.rows)
     np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) @ np.asarray(qw.dequantize()), rtol=1e-5, atol=1e-4)
 
 
@@ -109,8 +121,7 @@ def test_dequant_of_a_weight_the_kernel_does_not_read_takes_xla():
 
 
 def test_pick_method_keeps_a_large_grouped_matrix_on_the_kernel(monkeypatch):
-    runs_here = gate.runs_here  # where the kernel runs (gate.MEASURED has it slower on AVX2: see the last lines)
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: kernel == grouped_cpu.KERNEL or runs_here(kernel))
+    force_the_kernel_on(monkeypatch)  # where it runs (gate.MEASURED has it slower on AVX2: see the last lines)
     big = formats.QuantizedWeight(q=np.zeros((576, 49152), np.int8), scale=np.ones((18, 49152), np.float32),
                                   bits=8, group_size=32, shape=(576, 49152))
     assert modes.pick_method(big, 1) == "dequant"  # the kernel reads the codes in place

@@ -93,11 +93,13 @@ def test_w8a8_matmul_is_bit_identical_with_and_without_the_kernel(rows, monkeypa
     rng = np.random.default_rng(rows)
     qw = formats.quantize_int8(rng.standard_normal((96, 160)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+    by_default = jax.jit(lambda a: formats.matmul(a, qw, "int8")).lower(x).as_text()  # as gate.MEASURED says
+    assert (int8_cpu.KERNEL.target in by_default) == gate.runs_here(int8_cpu.KERNEL, rows=rows)
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: kernel == int8_cpu.KERNEL)
     with_kernel = jax.jit(lambda a: formats.matmul(a, qw, "int8"))
-    text = with_kernel.lower(x).as_text()
-    assert int8_cpu.KERNEL.target in text
+    assert int8_cpu.KERNEL.target in with_kernel.lower(x).as_text()
     got = with_kernel(x)
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: False)  # as without a compiler
     without = jax.jit(lambda a: formats.matmul(a, qw, "int8"))
     assert int8_cpu.KERNEL.target not in without.lower(x).as_text()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(without(x)))

@@ -69,7 +69,7 @@ def test_switched_on_every_site_takes_its_kernel_and_says_why_once():
     assert len(out["log"]) == len(SITES)
     for name, target in out["targets"].items():
         (line,) = [m for m in out["log"] if target in m]
-        said = " does not run (pure JAX does): measured slower" if name in slower else " runs: "
+        said = " does not run (pure JAX does): measured slower" if name in slower else " runs"
         assert line.startswith("INFO") and said in line and gate.host_isa() in line, line
     assert out["auto"] == "cpu" and not out["fine_pages"] and out["mla_fine_pages"]  # no CPU MLA kernel
 
@@ -116,7 +116,7 @@ def test_the_engine_asks_the_dispatcher(page_size, monkeypatch):
     assert reads_padded_pages(dense, page_size) == dispatched
     mla_dispatched = resolve_mla_impl("auto", page_size, mla.kv_lora_rank, mla.qk_rope_head_dim) == "reference"
     assert reads_padded_pages(mla, page_size) == mla_dispatched
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: False)  # as without a compiler
     assert resolve_impl("auto", page_size, dense.head_dim) == "reference"
     assert reads_padded_pages(dense, page_size)
     with compiling_for("tpu"):
@@ -128,7 +128,7 @@ def test_the_cache_dtype_enters_the_choice(monkeypatch):
     """`resolve_impl` (and so the engine's bucket choice) sends a cache dtype the C++ kernel does not read to the
     reference, and one it reads (fp8 included) to the kernel, whatever `impl="auto"` is asked with."""
     dense = get_model_config("tiny-llama")
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: True)  # as where the kernel builds and was measured faster
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: True)  # as where the kernel builds and was measured faster
     for dtype in (None, jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
         assert resolve_impl("auto", 16, dense.head_dim, dtype) == "cpu"
         assert padding_is_free(dense, 16, kv_dtype=dtype) and not reads_padded_pages(dense, 16, kv_dtype=dtype)
@@ -150,9 +150,28 @@ def test_a_kernel_measured_slower_on_this_isa_does_not_run(monkeypatch, caplog):
         assert gate.runs_here(unmeasured)
     (record,) = [r for r in caplog.records if slower.target in r.getMessage()]
     assert record.levelno == logging.INFO and "measured slower" in record.getMessage()
-    assert gate.choices()["kernels"][slower.target] == {"runs": False, "why": gate.choice(slower)[1]}
+    assert gate.choices()["kernels"][slower.target] == {"runs": False, "rows": None, "why": gate.choice(slower)[1]}
     assert "not measured on" in gate.choices()["kernels"][unmeasured.target]["why"]
 
+
+
+def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch, caplog):
+    """`MEASURED` may name a range of rows (`Rows`): the call site passes its row count and takes the kernel only in
+    that range, within the rows the kernel itself serves (`CpuKernel.rows`); the log and `choices` say which."""
+    ranged = gate.CpuKernel("pagejax_gate_test_ranged", WRITE_KERNEL.symbol, rows=gate.Rows(1, 6))
+    monkeypatch.setitem(gate.MEASURED, gate.host_isa(), {ranged.target: gate.Rows(2, 8)})
+    with caplog.at_level(logging.INFO, logger=gate.__name__):
+        if gate.unavailable_reason(ranged) is not None:
+            pytest.skip("the kernel library does not build here")
+        assert [gate.runs_here(ranged, rows=m) for m in range(1, 9)] == [False] + [True] * 5 + [False] * 2
+        assert gate.runs_here(ranged)  # no row count: it runs at some
+        with compiling_for("tpu"):
+            assert not gate.runs_here(ranged, rows=4)
+    (record,) = [r for r in caplog.records if ranged.target in r.getMessage()]
+    assert "runs for 2-6 rows" in record.getMessage() and "at 2-8 rows" in record.getMessage()
+    assert gate.choices()["kernels"][ranged.target]["rows"] == "2-6 rows"
+    assert gate.ANY_ROWS & gate.Rows(3) == gate.Rows(3) and str(gate.Rows(3)) == "3+ rows"
+    assert str(gate.ANY_ROWS) == "any rows" and 10**9 in gate.ANY_ROWS and 0 not in gate.ANY_ROWS
 
 def test_host_isa_names_the_cpu_flags(monkeypatch):
     for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),

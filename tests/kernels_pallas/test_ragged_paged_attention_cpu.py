@@ -311,7 +311,7 @@ def test_cache_write_kernel_equals_the_portable_loop(kv_dtype, monkeypatch):
     past_end = kernel(cache, scales, jnp.array([-1, -1, 20, 400, -1, -1], jnp.int32))
     for before, after in zip(jax.tree.leaves((cache, scales)), past_end):
         np.testing.assert_array_equal(np.asarray(after, np.float32), np.asarray(before, np.float32))
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: False)  # as without a compiler
     portable = jax.jit(lambda c, s, sl: write(c, s, sl))  # a new function: no trace cached with the kernel
     assert writes.WRITE_KERNEL.target not in portable.lower(cache, scales, slots).as_text()
     for a, b in zip(got, portable(cache, scales, slots)):
@@ -329,7 +329,7 @@ def test_rope_tables_kernel_matches_jnp(monkeypatch):
     kernel = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
     assert rope_cpu.KERNEL.target in kernel.lower(positions).as_text()
     got = kernel(positions)
-    monkeypatch.setattr(gate, "runs_here", lambda kernel: False)  # as without a compiler
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: False)  # as without a compiler
     portable = jax.jit(lambda p: layers.rope_tables(p, inv_freq))
     assert rope_cpu.KERNEL.target not in portable.lower(positions).as_text()
     for a, b in zip(got, portable(positions)):

@@ -15,7 +15,7 @@ from flax import nnx
 from configs import get_model_config
 from kernels_pallas.backend import compiling_for
 from kernels_pallas.matmul import few_rows_cpu
-from kernels_pallas.matmul.few_rows_cpu import MAX_ROWS, MIN_ROWS, few_rows_kernel_takes
+from kernels_pallas.matmul.few_rows_cpu import few_rows_kernel_takes
 from kernels_pallas.native import gate
 from models.attention import AttentionMetadata
 from models.decoder import Decoder
@@ -44,8 +44,7 @@ def test_few_rows_are_padded_into_a_gemm_on_gpu_only(rows):
             jaxpr = jax.make_jaxpr(lambda v: lin(v))(x)
             got = lin(x)
             few_rows_kernel = few_rows_kernel_takes(x, lin.kernel[...])
-        assert few_rows_kernel == (backend == "cpu" and MIN_ROWS <= rows <= MAX_ROWS
-                                   and gate.runs_here(few_rows_cpu.KERNEL))
+        assert few_rows_kernel == (backend == "cpu" and gate.runs_here(few_rows_cpu.KERNEL, rows=rows))
         if few_rows_kernel:  # a few float32 rows on CPU: the C++ kernel, no dot (tests/kernels_pallas)
             assert not _dots(jaxpr.jaxpr) and few_rows_cpu.KERNEL.target in str(jaxpr)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
