@@ -195,8 +195,11 @@ def measured_choice(kernel: CpuKernel, isa: str) -> tuple[Rows | None, str]:
         return None, f"measured slower than its pure-JAX path on {isa} (BENCHMARKS.md)"
     if faster is True:
         return kernel.rows, f"measured faster than its pure-JAX path on {isa} (BENCHMARKS.md)"
-    return kernel.rows & faster, (f"measured faster than its pure-JAX path on {isa} at {faster} (BENCHMARKS.md); "
-                                  f"its pure-JAX path at other row counts")
+    rows = kernel.rows & faster
+    if rows.hi is not None and rows.lo > rows.hi:
+        return None, f"measured faster on {isa} only at {faster}, none of the {kernel.rows} it serves"
+    return rows, (f"measured faster than its pure-JAX path on {isa} at {faster} (BENCHMARKS.md); its pure-JAX path "
+                  f"at other row counts")
 
 
 @functools.cache
@@ -216,8 +219,8 @@ def choice(kernel: CpuKernel) -> tuple[Rows | None, str]:
 
 
 def choices() -> dict[str, object]:
-    """This CPU's ISA and the decisions `choice` took so far in this process, by FFI target ({"runs", "rows", "why"}): for a
-    benchmark's JSON, which paths a run took."""
+    """This CPU's ISA and the decisions `choice` took so far in this process, by FFI target ({"runs", "rows",
+    "why"}): for a benchmark's JSON, which paths a run took."""
     return {"isa": host_isa(), "kernels": dict(_DECISIONS)}
 
 

@@ -128,7 +128,7 @@ def test_the_cache_dtype_enters_the_choice(monkeypatch):
     """`resolve_impl` (and so the engine's bucket choice) sends a cache dtype the C++ kernel does not read to the
     reference, and one it reads (fp8 included) to the kernel, whatever `impl="auto"` is asked with."""
     dense = get_model_config("tiny-llama")
-    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: True)  # as where the kernel builds and was measured faster
+    monkeypatch.setattr(gate, "runs_here", lambda kernel, rows=None: True)  # built, measured faster
     for dtype in (None, jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
         assert resolve_impl("auto", 16, dense.head_dim, dtype) == "cpu"
         assert padding_is_free(dense, 16, kv_dtype=dtype) and not reads_padded_pages(dense, 16, kv_dtype=dtype)
@@ -172,6 +172,9 @@ def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch,
     assert gate.choices()["kernels"][ranged.target]["rows"] == "2-6 rows"
     assert gate.ANY_ROWS & gate.Rows(3) == gate.Rows(3) and str(gate.Rows(3)) == "3+ rows"
     assert str(gate.ANY_ROWS) == "any rows" and 10**9 in gate.ANY_ROWS and 0 not in gate.ANY_ROWS
+    disjoint = gate.CpuKernel("pagejax_gate_test_disjoint", WRITE_KERNEL.symbol, rows=gate.Rows(1, 4))
+    monkeypatch.setitem(gate.MEASURED, "test-isa", {disjoint.target: gate.Rows(8, 16)})
+    assert gate.measured_choice(disjoint, "test-isa")[0] is None  # faster only at rows it never serves
 
 def test_host_isa_names_the_cpu_flags(monkeypatch):
     for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),
