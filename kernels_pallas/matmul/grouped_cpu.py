@@ -7,9 +7,9 @@ weights was far slower than int8. The kernel computes the same product group by 
 activations, float32 accumulation; the order of additions differs from XLA's dot, so results agree to float
 rounding, not bit for bit): AVX-512 intrinsics where the CPU has them, else (AVX2, NEON) one vector-extension
 source. Built on first use by `native/build.py`; whether "dequant" takes it is `native.gate.runs_here(KERNEL, rows=M)`
-(`models.quantization.formats.grouped_kernel_runs`), up to 32 rows on every ISA: beyond, XLA's float32 dot of the
-dequantized weight is about as fast or faster for the layer linears (per-shape timings, the LM head's included:
-BENCHMARKS.md).
+(`models.quantization.formats.grouped_kernel_runs`), where measured faster (not on AVX2), up to 32 rows: beyond,
+XLA's float32 dot of the dequantized weight is about as fast or faster for the layer linears (per-shape timings, the
+LM head's included: BENCHMARKS.md).
 """
 
 from __future__ import annotations

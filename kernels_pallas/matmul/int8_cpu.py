@@ -6,8 +6,9 @@ which makes batch-1 int8 decode slower than the float32 GEMVs it should beat, an
 as separate fusions around each dot. This kernel does all three with the JAX path's float operations in the same
 order (the result is bit-identical), reading each weight byte once for all rows. Its int8 dots are vpdpbusd on
 AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2 and sdot on ARMv8.2 dotprod (`csrc/int8_dot.h`), a scalar loop
-elsewhere. Built on first use by `native/build.py`; whether the W8A8 path takes it is `native.gate.runs_here(KERNEL)`
-(on this CPU's ISA, by measurement).
+elsewhere. Built on first use by `native/build.py`; whether the W8A8 path takes it is
+`native.gate.runs_here(KERNEL, rows=M)`: on this CPU's ISA, at the rows it was measured faster at (every row count on
+AVX2, 1-8 on AVX-512 VNNI).
 """
 
 from __future__ import annotations

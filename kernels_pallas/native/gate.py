@@ -61,12 +61,17 @@ class Rows:
     lo: int = 1
     hi: int | None = None
 
+    def __post_init__(self):
+        if self.lo < 0 or (self.hi is not None and self.hi < self.lo - 1):
+            raise ValueError(f"Rows({self.lo}, {self.hi}): expected 0 <= lo and lo - 1 <= hi (hi = lo - 1: empty)")
+
     def __contains__(self, rows: int) -> bool:
         return rows >= self.lo and (self.hi is None or rows <= self.hi)
 
     def __and__(self, other: "Rows") -> "Rows":
         his = [h for h in (self.hi, other.hi) if h is not None]
-        return Rows(max(self.lo, other.lo), min(his) if his else None)
+        lo, hi = max(self.lo, other.lo), min(his) if his else None
+        return Rows(lo, lo - 1) if hi is not None and hi < lo else Rows(lo, hi)  # lo - 1: empty
 
     def __str__(self) -> str:
         if self.hi is None:

@@ -85,7 +85,6 @@ def test_empty_k_gives_zeros(build):
     np.testing.assert_array_equal(np.asarray(got), np.zeros((2, 7), np.float32))
 
 
-
 def force_the_kernel_on(monkeypatch) -> None:
     """`gate.runs_here` takes the grouped kernel at the rows it serves (`KERNEL.rows`) whatever `gate.MEASURED` says
     of this CPU's ISA (AVX2: slower), and answers as before for the others."""

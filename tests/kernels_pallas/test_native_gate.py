@@ -24,6 +24,7 @@ from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import compiling_for
 from kernels_pallas.kv_cache.layout import kv_cache_spec
 from kernels_pallas.kv_cache.writes import WRITE_KERNEL
+from kernels_pallas.matmul import grouped_cpu, int8_cpu
 from kernels_pallas.mla.dispatch import resolve_mla_impl
 from kernels_pallas.native import gate
 from models import layers
@@ -63,13 +64,15 @@ def test_switched_on_every_site_takes_its_kernel_and_says_why_once():
     `gate.MEASURED` has it slower on this CPU's ISA (then its pure-JAX path), and the gate says once per kernel, at
     INFO, whether it runs and why (the ISA and the measured table)."""
     out = run_worker()
-    slower = {name for name, target in out["targets"].items()
-              if gate.MEASURED.get(gate.host_isa(), {}).get(target) is False}
-    assert out["sites"] == out["sites_again"] == {name: [] if name in slower else [name] for name in SITES}
+    kernels = {"attention": cpu.KERNEL, "kv_write": WRITE_KERNEL, "rope": rope_cpu.KERNEL,
+               "int8_matmul": int8_cpu.KERNEL, "grouped_matmul": grouped_cpu.KERNEL}
+    served = {name: gate.measured_choice(kernels[name], gate.host_isa())[0] for name in SITES}
+    taken = {name for name, rows in served.items() if rows is not None and 2 in rows}  # the worker's matmuls: 2 rows
+    assert out["sites"] == out["sites_again"] == {name: [name] if name in taken else [] for name in SITES}
     assert len(out["log"]) == len(SITES)
     for name, target in out["targets"].items():
         (line,) = [m for m in out["log"] if target in m]
-        said = " does not run (pure JAX does): measured slower" if name in slower else " runs"
+        said = " does not run (pure JAX does): measured slower" if served[name] is None else " runs"
         assert line.startswith("INFO") and said in line and gate.host_isa() in line, line
     assert out["auto"] == "cpu" and not out["fine_pages"] and out["mla_fine_pages"]  # no CPU MLA kernel
 
@@ -154,7 +157,6 @@ def test_a_kernel_measured_slower_on_this_isa_does_not_run(monkeypatch, caplog):
     assert "not measured on" in gate.choices()["kernels"][unmeasured.target]["why"]
 
 
-
 def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch, caplog):
     """`MEASURED` may name a range of rows (`Rows`): the call site passes its row count and takes the kernel only in
     that range, within the rows the kernel itself serves (`CpuKernel.rows`); the log and `choices` say which."""
@@ -175,6 +177,9 @@ def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch,
     disjoint = gate.CpuKernel("pagejax_gate_test_disjoint", WRITE_KERNEL.symbol, rows=gate.Rows(1, 4))
     monkeypatch.setitem(gate.MEASURED, "test-isa", {disjoint.target: gate.Rows(8, 16)})
     assert gate.measured_choice(disjoint, "test-isa")[0] is None  # faster only at rows it never serves
+    with pytest.raises(ValueError, match="expected 0 <= lo"):
+        gate.Rows(5, 2)
+
 
 def test_host_isa_names_the_cpu_flags(monkeypatch):
     for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),
