@@ -306,8 +306,8 @@ def main(argv: list[str]) -> None:
     result["cpu_kernels"] = gate.choices()  # the ISA and, per C++ kernel asked, whether it ran and why
     result["load_average"] = os.getloadavg()  # other work on the machine slows both sides of a comparison
     print(f"C++ CPU kernels ({result['cpu_kernels']['isa']}): " + "; ".join(
-        f"{target} " + ("off" if not c["runs"] else "on" if c.get("rows") in (None, "any rows")
-                        else f"on for {c['rows']}") for target, c in result["cpu_kernels"]["kernels"].items()),
+        f"{target} " + ("off" if not c["runs"] else "on" if c["rows"] == str(gate.ANY_ROWS) else f"on for {c['rows']}")
+        for target, c in result["cpu_kernels"]["kernels"].items()),
         file=sys.stderr)
     if FLAGS.plot:
         from scripts.bench import plot_benchmarks

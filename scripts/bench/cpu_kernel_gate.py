@@ -94,7 +94,7 @@ def int8_layer(rows: int) -> dict:
                 if path == "f32_xla":  # what the float32 model runs instead: is W8A8 worth it on this CPU?
                     outs.append(xi @ wf)
                 elif path == "pure_jax":
-                    with mock.patch.object(gate, "runs_here", lambda kernel, rows=None: False):
+                    with forced(int8_cpu.KERNEL, False):
                         outs.append(formats.matmul(xi, qw, method="int8"))
                 else:
                     outs.append(int8_cpu.int8_matmul_cpu(xi, jnp.asarray(qw.q), jnp.asarray(qw.scale).reshape(-1),

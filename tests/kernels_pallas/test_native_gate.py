@@ -24,10 +24,10 @@ from kernels_pallas.attention.dispatch import resolve_impl
 from kernels_pallas.backend import compiling_for
 from kernels_pallas.kv_cache.layout import kv_cache_spec
 from kernels_pallas.kv_cache.writes import WRITE_KERNEL
-from kernels_pallas.matmul import grouped_cpu, int8_cpu
 from kernels_pallas.mla.dispatch import resolve_mla_impl
 from kernels_pallas.native import gate
 from models import layers
+from tests.kernels_pallas.native_gate_worker import KERNELS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SITES = ("attention", "grouped_matmul", "int8_matmul", "kv_write", "rope")
@@ -64,9 +64,7 @@ def test_switched_on_every_site_takes_its_kernel_and_says_why_once():
     `gate.MEASURED` has it slower on this CPU's ISA (then its pure-JAX path), and the gate says once per kernel, at
     INFO, whether it runs and why (the ISA and the measured table)."""
     out = run_worker()
-    kernels = {"attention": cpu.KERNEL, "kv_write": WRITE_KERNEL, "rope": rope_cpu.KERNEL,
-               "int8_matmul": int8_cpu.KERNEL, "grouped_matmul": grouped_cpu.KERNEL}
-    served = {name: gate.measured_choice(kernels[name], gate.host_isa())[0] for name in SITES}
+    served = {name: gate.measured_choice(KERNELS[name], gate.host_isa())[0] for name in SITES}
     taken = {name for name, rows in served.items() if rows is not None and 2 in rows}  # the worker's matmuls: 2 rows
     assert out["sites"] == out["sites_again"] == {name: [name] if name in taken else [] for name in SITES}
     assert len(out["log"]) == len(SITES)
