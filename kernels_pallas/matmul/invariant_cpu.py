@@ -31,7 +31,7 @@ def _check(x: jax.Array, w: jax.Array, transposed: bool) -> None:
 
 
 def _kernel_call(x: jax.Array, w: jax.Array, transposed: bool, portable: bool) -> jax.Array:
-    kernel = KERNEL.portable() if portable else KERNEL
+    kernel = KERNEL.build("portable") if portable else KERNEL
     gate.require(kernel)
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0] if transposed else w.shape[1]

@@ -49,9 +49,12 @@ ENV_SWITCH = "PAGEJAX_CPU_KERNELS"
 log = logging.getLogger(__name__)
 
 
-#: The library builds a wrapper can name: "native" (-march=native, what the gate runs), "portable" (the scalar loops:
-#: PAGEJAX_PORTABLE), "avx2" (-march=x86-64-v3: the AVX2 + FMA paths, which tests run on AVX-512 machines too).
-BUILDS = ("native", "portable", "avx2")
+#: The library builds a wrapper can name, each (its -D defines, its -march): "native" (what the gate runs),
+#: "portable" (the scalar loops), "avx2" (the AVX2 + FMA paths, which tests run on AVX-512 machines too), "no_amx"
+#: (native without the int8 matmul's AMX tiles: its AVX-512 VNNI loops, which tests run on AMX machines too).
+_BUILD_FLAGS = {"native": ((), "native"), "portable": (("PAGEJAX_PORTABLE",), "native"), "avx2": ((), "x86-64-v3"),
+                "no_amx": (("PAGEJAX_NO_AMX",), "native")}
+BUILDS = tuple(_BUILD_FLAGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,20 +98,15 @@ class CpuKernel:
     march: str = "native"
     rows: Rows = ANY_ROWS
 
-    def portable(self) -> "CpuKernel":
-        """The same kernel from a library built with PAGEJAX_PORTABLE (no ISA extensions beyond the baseline): its
-        scalar loops. A separate FFI target, so tests can compare both paths in one process."""
-        return dataclasses.replace(self, target=f"{self.target}_portable",
-                                   defines=(*self.defines, "PAGEJAX_PORTABLE"))
-
     def build(self, name: str) -> "CpuKernel":
         """The kernel from library build `name` (one of BUILDS), each its own FFI target."""
         if name not in BUILDS:
             raise ValueError(f"unknown kernel build {name!r}; expected one of {BUILDS}")
-        if name == "portable":
-            return self.portable()
-        return self if name == "native" else dataclasses.replace(self, target=f"{self.target}_{name}",
-                                                                 march="x86-64-v3")
+        if name == "native":
+            return self
+        defines, march = _BUILD_FLAGS[name]
+        return dataclasses.replace(self, target=f"{self.target}_{name}", defines=(*self.defines, *defines),
+                                   march=march)
 
 
 def _cpu_flags() -> set[str]:
@@ -124,13 +122,14 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def host_isa() -> str:
-    """The vector ISA the native build targets on this CPU, as `MEASURED` names it: "avx512-vnni", "avx512",
-    "avx2" (with FMA), "neon-dotprod" (ARMv8.2 sdot), "neon", or "baseline"."""
+    """The vector ISA the native build targets on this CPU, as `MEASURED` names it: "avx512-amx" (AVX-512 VNNI and
+    AMX-INT8 tiles), "avx512-vnni", "avx512", "avx2" (with FMA), "neon-dotprod" (ARMv8.2 sdot), "neon", or
+    "baseline"."""
     flags, machine = _cpu_flags(), platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return "neon-dotprod" if "asimddp" in flags or machine == "arm64" else "neon"
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-        return "avx512-vnni"
+        return "avx512-amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-vnni"
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "baseline"
@@ -153,6 +152,11 @@ MEASURED: dict[str, dict[str, bool | Rows]] = {
     "avx512-vnni": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": Rows(1, 8),
                     "pagejax_grouped_matmul_cpu": True, "pagejax_write_rows_cpu": True,
                     "pagejax_rope_tables_cpu": True, "pagejax_few_rows_matmul_cpu": Rows(1, 4)},
+    # The same Xeon with the W8A8 kernel's AMX tiles (issue 38, round 8): it beats XLA's int8 dot from 1 to 32 rows
+    # (1.15x at 16 and 32), ties at 64 and loses at 128; the VNNI row above was measured with the tiles left out.
+    "avx512-amx": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": Rows(1, 32),
+                   "pagejax_grouped_matmul_cpu": True, "pagejax_write_rows_cpu": True,
+                   "pagejax_rope_tables_cpu": True, "pagejax_few_rows_matmul_cpu": Rows(1, 4)},
     # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, the attention kernel (f32, int8 and fp8 caches), the
     # KV write and the RoPE tables beat XLA at 1 and 32 rows; the grouped matmul's vector path beats XLA's dot of the
     # dequantized weight at 1 row but not at 32.

@@ -37,8 +37,8 @@ groups of `group_size` consecutive *input* rows per output column (group_size ==
                (relative error ~1e-2 of the output scale, see scripts/bench/quant_bench.py). At batch 1 the activation is
                padded to 2 rows, because XLA:CPU lowers a 1-row int8 dot by first converting the weight to int32.
                On CPU, per-channel int8 weights take the C++ kernel `kernels_pallas.matmul.int8_cpu` instead (AVX-512
-               VNNI where the CPU has it) at the rows `native.gate.MEASURED` has it faster at (every row count on
-               AVX2, 1-8 on AVX-512 VNNI, where XLA's int8 dot is faster from there): the same quantizing, exact
+               VNNI or AMX tiles where the CPU has them) at the rows `native.gate.MEASURED` has it faster at (every
+               row count on AVX2, 1-8 on AVX-512 VNNI, 1-32 with AMX; XLA's int8 dot beyond): the same quantizing, exact
                int32 dot and rescaling in one call, so the same bits either way, and no XLA fusions around it.
     "grouped"  float per-group partial dots over [in/g, g, out] then scale and sum; exact to float rounding, but
                the unpacked weight is still converted to float32 in memory.

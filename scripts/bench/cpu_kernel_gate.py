@@ -102,9 +102,10 @@ def int8_layer(rows: int) -> dict:
             return outs
         return jax.jit(run)
 
-    paths = {name: layer(name) for name in ("native", "portable", "pure_jax", "f32_xla")}
+    builds = ("native", "portable", *(("no_amx",) if gate.host_isa() == "avx512-amx" else ()))  # AMX: VNNI beside
+    paths = {name: layer(name) for name in (*builds, "pure_jax", "f32_xla")}
     want = paths["pure_jax"](x)
-    for got in (paths["native"](x), paths["portable"](x)):  # the kernel's contract: the same bits
+    for got in (paths[name](x) for name in builds):  # the kernel's contract: the same bits
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     return timed_side_by_side(paths, (x,), FLAGS.rounds, FLAGS.calls)
@@ -257,7 +258,7 @@ def main(argv):
               "cpu": cpu_model(), "isa": gate.host_isa(), "cores": os.cpu_count(), "load_before": os.getloadavg(),
               "cases": {}}
     print(f"{result['cpu']} ({result['isa']}, {result['cores']} cores), load {result['load_before']}", flush=True)
-    cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 4, 8, 16, 32, 128)}
+    cases = {f"int8_matmul_layer_m{m}": functools.partial(int8_layer, m) for m in (1, 4, 8, 16, 32, 64, 128)}
     cases.update({f"grouped_matmul_int{b}_layer_m{m}": functools.partial(grouped_layer, m, b)
                   for b in (4, 8) for m in (1, 32)})
     cases.update({f"kv_write_{jnp.dtype(d).name}_t{t}": functools.partial(kv_write, t, d)

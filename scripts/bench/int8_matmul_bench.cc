@@ -9,11 +9,13 @@
 //       -I kernels_pallas/native/csrc scripts/bench/int8_matmul_bench.cc -o /tmp/int8_matmul_bench
 //   /tmp/int8_matmul_bench
 
+// The kernel's source first: its `#pragma GCC optimize` must precede the standard headers, or g++ compiles their
+// functions without it and will not inline them into the kernel's loops (calls to std::min in the hot loops).
+#include "int8_matmul_cpu.cc"
+
 #include <chrono>
 #include <cstdio>
 #include <random>
-
-#include "int8_matmul_cpu.cc"
 
 namespace {
 
@@ -38,7 +40,7 @@ int main() {
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<int> code(-127, 127);
   int failures = 0;
-  for (const int64_t m : {1, 32, 512}) {
+  for (const int64_t m : {1, 4, 8, 16, 32, 128, 512}) {
     double seconds = 0;
     int64_t macs = 0;
     for (const auto& shape : layer) {

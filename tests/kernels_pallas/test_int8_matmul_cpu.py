@@ -1,11 +1,13 @@
 """The C++ W8A8 matmul (XLA FFI) quantizes x's rows, takes the exact int32 dot and rescales: against a numpy model of
-those steps, bit for bit, for each build this CPU runs (`BUILDS`: VNNI, AVX2, NEON dotprod, the scalar loop), over row
-counts on both sides of its row-streaming path (M <= 4) and around its 6-row chunks, K not a multiple of 4 or 16,
+those steps, bit for bit, for each build this CPU runs (`BUILDS`: AMX, VNNI, AVX2, NEON dotprod, the scalar loop), over row
+counts on both sides of its row-streaming path (M <= 4), around its 6-row chunks and its 16-row AMX tiles, K not a
+multiple of 4, 16 or 64,
 column counts around its 64-column pieces and an N wide enough for its multi-strip items; and the W8A8 matmul gives
 the same bits with the kernel as without."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 
@@ -22,9 +24,11 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is 
                                 reason="no C++ compiler: the W8A8 path uses XLA's dot (checked below where one is)")
 
 
-# The builds this CPU can run: native (AVX-512 VNNI, AVX2 or NEON dotprod where the CPU has it), the scalar loop, and
-# the AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the AVX2 path too).
-BUILDS = ["native", "portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else [])]
+# The builds this CPU can run: native (AMX tiles, AVX-512 VNNI, AVX2 or NEON dotprod where the CPU has it), the scalar
+# loop, the AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the AVX2 path too), and the VNNI loops
+# without the tiles on an AMX machine.
+BUILDS = ["native", "portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else []),
+          *(["no_amx"] if gate.host_isa() == "avx512-amx" else [])]
 
 
 def test_kernel_builds_where_a_compiler_is():
@@ -44,7 +48,8 @@ def w8a8_numpy(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (2, 6, 63), (3, 37, 130), (4, 9, 1),  # row streaming (M <= 4)
                                    (5, 37, 64), (6, 64, 65), (7, 4, 1), (13, 40, 130), (32, 576, 200), (64, 3, 129),
                                    (60, 600, 70),  # M * K past the size quantized on the worker threads
-                                   (9, 200, 8250)])  # N wide enough for several strips an item (the LM head's)
+                                   (9, 200, 8250),  # N wide enough for several strips an item (the LM head's)
+                                   (17, 129, 70), (33, 1540, 130)])  # past a 16-row tile; K past 64-byte tiles
 def test_matches_the_w8a8_model_bit_for_bit(build, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10, (m, 1)).astype(np.float32)
@@ -120,3 +125,15 @@ def test_concurrent_calls_share_the_workers_safely():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(run, cases * 2))
+
+
+def test_the_many_row_loop_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
+    """The native build's AMX path (int8_amx.h) is compiled in and granted by the OS on an AMX CPU, and absent
+    elsewhere; the no_amx build never has it."""
+    from kernels_pallas.native import build
+    native = ctypes.CDLL(build.build())
+    native.pagejax_int8_matmul_amx.restype = ctypes.c_bool
+    assert native.pagejax_int8_matmul_amx() == (gate.host_isa() == "avx512-amx")
+    no_amx = ctypes.CDLL(build.build(("PAGEJAX_NO_AMX",)))
+    no_amx.pagejax_int8_matmul_amx.restype = ctypes.c_bool
+    assert not no_amx.pagejax_int8_matmul_amx()

@@ -182,6 +182,8 @@ def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch,
 def test_host_isa_names_the_cpu_flags(monkeypatch):
     for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),
                                 ({"avx512f", "avx512bw", "avx512_vnni"}, "x86_64", "avx512-vnni"),
+                                ({"avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"}, "x86_64",
+                                 "avx512-amx"),
                                 ({"sse2"}, "x86_64", "baseline"), ({"asimd", "asimddp"}, "aarch64", "neon-dotprod"),
                                 ({"asimd"}, "aarch64", "neon")]:
         monkeypatch.setattr(gate, "_cpu_flags", lambda flags=flags: flags)
@@ -192,15 +194,18 @@ def test_host_isa_names_the_cpu_flags(monkeypatch):
 
 
 def test_builds_are_separate_targets():
-    assert cpu.KERNEL.build("native") is cpu.KERNEL and cpu.KERNEL.build("portable") == cpu.KERNEL.portable()
+    assert cpu.KERNEL.build("native") is cpu.KERNEL
     avx2 = cpu.KERNEL.build("avx2")
     assert avx2.target == f"{cpu.KERNEL.target}_avx2" and avx2.march == "x86-64-v3"
+    no_amx = cpu.KERNEL.build("no_amx")
+    assert no_amx.target == f"{cpu.KERNEL.target}_no_amx" and no_amx.defines == ("PAGEJAX_NO_AMX",)
+    assert no_amx.march == "native"
     with pytest.raises(ValueError, match="unknown kernel build 'sse'"):
         cpu.KERNEL.build("sse")
 
 
 def test_portable_variant_is_a_separate_target():
-    portable = cpu.KERNEL.portable()
+    portable = cpu.KERNEL.build("portable")
     assert portable.target == f"{cpu.KERNEL.target}_portable" and portable.symbol == cpu.KERNEL.symbol
     assert portable.defines == ("PAGEJAX_PORTABLE",)
     assert portable != cpu.KERNEL

@@ -174,7 +174,7 @@ def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):
 
 
 @needs_cxx
-@pytest.mark.parametrize("build_name", gate.BUILDS)
+@pytest.mark.parametrize("build_name", ["native", "portable", "avx2"])  # ("no_amx" differs only in the int8 matmul)
 @pytest.mark.parametrize("head_dim", [128, 40])  # whole 16-code pieces; and a tail the table decodes
 def test_every_fp8_code_is_decoded_exactly(build_name, head_dim):
     """Each of the 256 float8_e4m3fn codes (subnormals, both zeros, the two NaNs) read as the value numpy's

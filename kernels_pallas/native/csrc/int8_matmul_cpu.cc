@@ -9,7 +9,8 @@
 // read once from memory for all rows: columns are cut into blocks whose int32 accumulators stay in L1, K is
 // walked four rows at a time, and the blocks are spread over the library's worker threads (parallel_for.h). With
 // AVX-512 VNNI (and not PAGEJAX_PORTABLE, which tests define to check the portable path) the dots are vpdpbusd;
-// on AVX2 and on ARMv8.2 dotprod they are `Int8Dot`'s (int8_dot.h), one kernel source for both (`Int8Vector`).
+// on AVX2 and on ARMv8.2 dotprod they are `Int8Dot`'s (int8_dot.h), one kernel source for both (`Int8Vector`); on
+// CPUs with AMX-INT8 tiles the many-row loop runs on them (int8_amx.h, `amx_strip`).
 // Quantizing and rescaling in here rather than in XLA: those were XLA:CPU fusions of their own around each of the
 // 211 dots, 9.5 of a 33 ms chain of SmolLM2's int8 matmuls at 32 rows (BENCHMARKS.md).
 
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_amx.h"
 #include "int8_dot.h"
 #include "parallel_for.h"
 #include "register_blocks.h"
@@ -126,8 +128,9 @@ struct Matmul {
   // and 128 * (row sum of x) is subtracted at the end: the result is exact.
   static constexpr int64_t kPrefetch = 16;  // rows ahead: W's rows are N bytes apart, beyond the prefetcher's reach
 
-  // v[q], lane 4L + j = the 4 K values of column n0 + 16L + 4q + j, rows 4b..4b+3 (zero past K or past `cols`).
-  void pack(int64_t b, int64_t n0, __mmask64 cols, bool prefetch, __m512i (&v)[4]) const {
+  // v[q], lane 4L + j = the 4 K values of column n0 + 16L + 4q + j, rows 4b..4b+3 (zero past K or past `cols`),
+  // made unsigned (+128) for vpdpbusd, or left signed (`to_unsigned` false) for AMX's signed x signed tdpbssd.
+  void pack(int64_t b, int64_t n0, __mmask64 cols, bool prefetch, __m512i (&v)[4], bool to_unsigned = true) const {
     __m512i r[4];
     for (int i = 0; i < 4; ++i) {
       const int64_t row = 4 * b + i;
@@ -135,7 +138,7 @@ struct Matmul {
       if (prefetch && row + kPrefetch < k)
         _mm_prefetch(reinterpret_cast<const char*>(w + (row + kPrefetch) * n + n0), _MM_HINT_T0);
     }
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const __m512i flip = to_unsigned ? _mm512_set1_epi8(static_cast<char>(0x80)) : _mm512_setzero_si512();
     const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
     const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
     v[0] = _mm512_xor_si512(_mm512_unpacklo_epi16(t0, t2), flip);
@@ -164,11 +167,12 @@ struct Matmul {
       _mm512_mask_storeu_epi32(dst + 16 * t, first_lanes(width - 16 * t), cols[t]);
   }
 
-  // The piece's `width` results of row r, columns n0..: (float(sum - 128 * xsum[r]) * xscale[r]) * wscale[col].
-  void store_rescaled(const __m512i (&a)[4], int64_t r, int64_t n0, int64_t width) const {
+  // The piece's `width` results of row r, columns n0..: (float(sum - bias * xsum[r]) * xscale[r]) * wscale[col]
+  // (bias 128 undoes `pack`'s unsigned weights).
+  void store_rescaled(const __m512i (&a)[4], int64_t r, int64_t n0, int64_t width, int32_t bias = 128) const {
     __m512i cols[4];
     to_columns(a, cols);
-    const __m512i correction = _mm512_set1_epi32(xsum[r] * 128);
+    const __m512i correction = _mm512_set1_epi32(xsum[r] * bias);
     const __m512 xs = _mm512_set1_ps(xscale[r]);
     for (int t = 0; t < 4 && 16 * t < width; ++t) {
       const __mmask16 mask = first_lanes(width - 16 * t);
@@ -241,6 +245,59 @@ struct Matmul {
     for (int64_t r0 = kRowChunk; r0 < m; r0 += kRowChunk)
       strip_chunk<false>(n0, width, r0, keep, packed.data());
   }
+
+#ifdef PAGEJAX_INT8_AMX
+  // The AMX loop for the same strips (int8_amx.h): the strip's K packed signed, as `pack` lays it out, in groups of
+  // 16 four-row blocks (zero past K), so one group's 16 x 64 bytes of each q are a B tile of 16 rows 256 bytes
+  // apart; each 16 rows of x are an A tile read in place (`xq`, its rows k_pad bytes apart: a tile's bytes past K
+  // meet zero weights, and the rows past M the zero padding `pagejax_int8_matmul` allocates), and C tile q holds
+  // the sums of lanes `pack` puts in v[q], so each row's 4 C rows are the VNNI loop's accumulators.
+  static constexpr int64_t kTileRows = 16;
+
+  void amx_strip(int64_t strip) const {
+    const int64_t n0 = strip * 64, width = std::min<int64_t>(64, n - n0), k4 = (k + 3) / 4;
+    const int64_t groups = (k4 + kTileRows - 1) / kTileRows;
+    thread_local std::vector<__m512i> packed;
+    packed.resize(4 * kTileRows * groups);
+    for (int64_t b = 0; b < k4; ++b) {
+      __m512i v[4];
+      pack(b, n0, column_mask(width), true, v, false);
+      for (int q = 0; q < 4; ++q) packed[4 * b + q] = v[q];
+    }
+    std::fill(packed.begin() + 4 * k4, packed.end(), _mm512_setzero_si512());
+    pagejax::configure_int8_tiles();
+    constexpr int64_t kStride = 4 * sizeof(__m512i);  // between a B tile's rows: the 4 vectors of one K block
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512i* block = packed.data() + 4 * kTileRows * g;
+        _tile_loadd(4, xq + r0 * k_pad() + g * 4 * kTileRows, k_pad());
+        _tile_loadd(5, block, kStride);
+        _tile_dpbssd(0, 4, 5);
+        _tile_loadd(6, block + 1, kStride);
+        _tile_dpbssd(1, 4, 6);
+        _tile_loadd(5, block + 2, kStride);
+        _tile_dpbssd(2, 4, 5);
+        _tile_loadd(6, block + 3, kStride);
+        _tile_dpbssd(3, 4, 6);
+      }
+      alignas(64) int32_t sums[4][kTileRows][16];
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+      for (int64_t r = 0; r < std::min(kTileRows, m - r0); ++r) {
+        const __m512i a[4] = {_mm512_load_si512(sums[0][r]), _mm512_load_si512(sums[1][r]),
+                              _mm512_load_si512(sums[2][r]), _mm512_load_si512(sums[3][r])};
+        store_rescaled(a, r0 + r, n0, width, 0);
+      }
+    }
+    _tile_release();
+  }
+#endif
 #endif
 };
 
@@ -476,14 +533,21 @@ void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, f
     return;
   }
   const int64_t k4 = (k + 3) / 4;
-  uint32_t* xu = pagejax::scratch<uint32_t, 0>(m * k4);  // the quantized rows, read as bytes or 4-byte groups
-  std::fill(xu, xu + m * k4, 0u);                         // (zero past K)
+  // The quantized rows, read as bytes or 4-byte groups, zero past K; the AMX loop reads 16 rows and 64 bytes of K at
+  // a time, so the buffer is zero to a multiple of 16 rows and 16 groups past the last.
+  const int64_t padded = ((m + 15) / 16 * 16) * k4 + 16;
+  uint32_t* xu = pagejax::scratch<uint32_t, 0>(padded);
+  std::fill(xu, xu + padded, 0u);
   float* xscale = pagejax::scratch<float, 1>(m);
   int32_t* xsum = pagejax::scratch<int32_t, 2>(m);
   int8_t* xq = reinterpret_cast<int8_t*>(xu);
   quantize_rows(x, m, k, xq, xscale, xsum);
   const Matmul mm{xq, xscale, xsum, w, wscale, out, m, k, n};
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+#ifdef PAGEJAX_INT8_AMX
+  if (m > 4 && pagejax::amx_permitted())  // run_vector's strips, on AMX tiles
+    return pagejax::parallel_for((n + 63) / 64, [&](int64_t i) { mm.amx_strip(i); });
+#endif
   run_vector(mm, 128, [&](int64_t i, int64_t rows_per_item, int32_t* p) { mm.vnni_rows(i, rows_per_item, p); }, 64,
              [&](int64_t i) { mm.vnni_strip(i); });
 #elif defined(PAGEJAX_INT8_VECTOR)
@@ -493,6 +557,16 @@ void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, f
              sub * Int8Vector::kCols, [&](int64_t i) { vec.strip(i, sub); });
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
+#endif
+}
+
+// Whether this build's many-row loop runs on AMX tiles here (compiled in, and the OS grants the tile state): tests
+// check it against the CPU's flags.
+extern "C" bool pagejax_int8_matmul_amx() {
+#ifdef PAGEJAX_INT8_AMX
+  return pagejax::amx_permitted();
+#else
+  return false;
 #endif
 }
 
