@@ -58,6 +58,8 @@ using pagejax::first_lanes;
 #endif
 
 constexpr int64_t kQueryBlock = 8;
+// Keys whose value rows the generic pass 2 converts into a buffer at a time (`Attention::run`).
+constexpr int64_t kValueBlock = 64;
 
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
@@ -180,13 +182,13 @@ struct Attention {
     for (int64_t j0 = lo - lo % ps; j0 < hi; j0 += ps) {
       const int64_t page = page_at(j0);
       const KV* page_rows = head_rows + page * ps * row;
-      // The next page is anywhere in the cache: its rows' cache lines are asked for now, a page of keys ahead of
-      // their use (a page's rows are contiguous, but the hardware prefetcher does not follow the jump between pages).
+      // The next page is anywhere in the cache: the first cache line of each of its rows is asked for now, a page
+      // of keys ahead of their use (a page's rows are contiguous, but the hardware prefetcher does not follow the
+      // jump between pages; it fetches a row's further lines itself, and asking for every line of a float32 page
+      // at once stalled on the CPU's few outstanding misses).
       if (j0 + ps < hi) {
-        const char* next = reinterpret_cast<const char*>(head_rows + page_at(j0 + ps) * ps * row);
-        for (int64_t t = 0; t < std::min(ps, hi - j0 - ps); ++t)
-          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
-            __builtin_prefetch(next + (t * row) * static_cast<int64_t>(sizeof(KV)) + b);
+        const KV* next = head_rows + page_at(j0 + ps) * ps * row;
+        for (int64_t t = 0; t < std::min(ps, hi - j0 - ps); ++t) __builtin_prefetch(next + t * row);
       }
       const int64_t end = std::min(hi, j0 + ps);
       if (head_scales == nullptr) {
@@ -258,6 +260,25 @@ struct Attention {
   }
 #endif
 
+  // acc[0, D) += sum over j < n of (w[j] * scale[j]) * rows[j * D, (j + 1) * D), j ascending.
+  void weighted_sum(const float* w, const float* scale, const float* rows, int64_t n, float* acc) const {
+    if constexpr (kD > 0) {
+      float a[kD];
+      std::copy(acc, acc + kD, a);
+      for (int64_t j = 0; j < n; ++j) {
+        const float wj = w[j] * scale[j];
+        for (int d = 0; d < kD; ++d) a[d] += wj * rows[j * kD + d];
+      }
+      std::copy(a, a + kD, acc);
+    } else {
+      const int64_t D = dim();
+      for (int64_t j = 0; j < n; ++j) {
+        const float wj = w[j] * scale[j];
+        for (int64_t d = 0; d < D; ++d) acc[d] += wj * rows[j * D + d];
+      }
+    }
+  }
+
   void run(const Item& it) const {
     thread_local std::vector<float> work;
     const int64_t D = dim(), G = s.group;
@@ -273,12 +294,14 @@ struct Attention {
     };
     const int64_t lo = first(0), hi = last(rows - 1) + 1, L = std::max<int64_t>(hi - lo, 0);
 
-    work.resize(rows * D * 2 + rows * L + rows + D);
+    work.resize(rows * D * 2 + rows * L + rows + D + kValueBlock * (D + 1));
     float* qbuf = work.data();
     float* acc = qbuf + rows * D;
     float* p = acc + rows * D;
     float* inv_sum = p + rows * L;
     float* row_f = inv_sum + rows;  // the generic loops' key or value row as floats, converted once for all rows
+    float* value_rows = row_f + D;  // the generic pass 2's block of value rows as floats, and their scales
+    float* value_scales = value_rows + kValueBlock * D;
 
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t g = 0; g < G; ++g) {
@@ -330,15 +353,19 @@ struct Attention {
     } else
 #endif
     {
+      // A block of value rows converted once, then each query row's sum over them, its accumulators in registers
+      // where the head_dim is known. The same sums in the same order as a loop over keys with every row's
+      // accumulators in memory (a load, an FMA and a store per vector, per key and row), which ran slower.
       std::fill(acc, acc + rows * D, 0.f);
-      for_each_row(it.seq, it.kv_head, lo, hi, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
-        convert_row(v, row_f, D);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float w = p[r * L + (j - lo)] * vs;
-          float* ar = acc + r * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * row_f[d];
-        }
-      });
+      for (int64_t b0 = lo; b0 < hi; b0 += kValueBlock) {
+        const int64_t b1 = std::min(hi, b0 + kValueBlock);
+        for_each_row(it.seq, it.kv_head, b0, b1, 1, o.v_scale, [&](int64_t j, const KV* v, float vs) {
+          convert_row(v, value_rows + (j - b0) * D, D);
+          value_scales[j - b0] = vs;
+        });
+        for (int64_t r = 0; r < rows; ++r)
+          weighted_sum(p + r * L + (b0 - lo), value_scales, value_rows, b1 - b0, acc + r * D);
+      }
     }
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t g = 0; g < G; ++g) {
