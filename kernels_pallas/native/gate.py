@@ -36,6 +36,7 @@ gives the same decisions as data (the benchmarks print them).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -120,6 +121,19 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _amx_granted() -> bool:
+    """Whether Linux hands this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+), as the
+    int8 kernel asks before it uses the tiles (csrc/int8_amx.h): kernels from 5.9 list the CPU's AMX flags but refuse
+    it, and the kernel then runs its VNNI loops, which this ISA's `MEASURED` row does not describe."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 @functools.cache
 def host_isa() -> str:
     """The vector ISA the native build targets on this CPU, as `MEASURED` names it: "avx512-amx" (AVX-512 VNNI and
@@ -129,7 +143,7 @@ def host_isa() -> str:
     if machine in ("aarch64", "arm64"):
         return "neon-dotprod" if "asimddp" in flags or machine == "arm64" else "neon"
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-        return "avx512-amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-vnni"
+        return "avx512-amx" if {"amx_tile", "amx_int8"} <= flags and _amx_granted() else "avx512-vnni"
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "baseline"

@@ -1,9 +1,8 @@
 """The C++ W8A8 matmul (XLA FFI) quantizes x's rows, takes the exact int32 dot and rescales: against a numpy model of
-those steps, bit for bit, for each build this CPU runs (`BUILDS`: AMX, VNNI, AVX2, NEON dotprod, the scalar loop), over row
-counts on both sides of its row-streaming path (M <= 4), around its 6-row chunks and its 16-row AMX tiles, K not a
-multiple of 4, 16 or 64,
-column counts around its 64-column pieces and an N wide enough for its multi-strip items; and the W8A8 matmul gives
-the same bits with the kernel as without."""
+those steps, bit for bit, for each build this CPU runs (`BUILDS`: AMX, VNNI, AVX2, NEON dotprod, the scalar loop),
+over row counts on both sides of its row-streaming path (M <= 4), around its 6-row chunks and its 16-row AMX tiles,
+K not a multiple of 4, 16 or 64, column counts around its 64-column pieces and an N wide enough for its multi-strip
+items; and the W8A8 matmul gives the same bits with the kernel as without."""
 
 from __future__ import annotations
 

@@ -180,6 +180,7 @@ def test_a_matmul_kernel_runs_at_the_rows_it_was_measured_faster_at(monkeypatch,
 
 
 def test_host_isa_names_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(gate, "_amx_granted", lambda: True)  # the flags decide below; the grant is tested apart
     for flags, machine, isa in [({"avx2", "fma"}, "x86_64", "avx2"), ({"avx2", "fma", "avx512f"}, "x86_64", "avx512"),
                                 ({"avx512f", "avx512bw", "avx512_vnni"}, "x86_64", "avx512-vnni"),
                                 ({"avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"}, "x86_64",
@@ -190,6 +191,16 @@ def test_host_isa_names_the_cpu_flags(monkeypatch):
         monkeypatch.setattr(gate.platform, "machine", lambda machine=machine: machine)
         gate.host_isa.cache_clear()
         assert gate.host_isa() == isa
+    gate.host_isa.cache_clear()
+
+
+def test_amx_flags_without_the_tile_state_are_not_avx512_amx(monkeypatch):
+    """A kernel that lists the AMX flags but refuses the tile state (Linux 5.9-5.15) runs the VNNI loops."""
+    monkeypatch.setattr(gate, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"})
+    monkeypatch.setattr(gate.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(gate, "_amx_granted", lambda: False)
+    gate.host_isa.cache_clear()
+    assert gate.host_isa() == "avx512-vnni"
     gate.host_isa.cache_clear()
 
 

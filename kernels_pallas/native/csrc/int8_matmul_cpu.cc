@@ -70,7 +70,7 @@ inline int8_t quantize(float v, float inv_scale) {
 }
 
 struct Matmul {
-  const int8_t* xq;     // [M, k_pad], k_pad = K rounded up to a multiple of 4
+  const int8_t* xq;     // [M, k_pad] (k_pad = K rounded up to a multiple of 4), readable past it (below)
   const float* xscale;  // [M]
   const int32_t* xsum;  // [M]
   const int8_t* w;      // [K, N]
@@ -250,8 +250,8 @@ struct Matmul {
   // The AMX loop for the same strips (int8_amx.h): the strip's K packed signed, as `pack` lays it out, in groups of
   // 16 four-row blocks (zero past K), so one group's 16 x 64 bytes of each q are a B tile of 16 rows 256 bytes
   // apart; each 16 rows of x are an A tile read in place (`xq`, its rows k_pad bytes apart: a tile's bytes past K
-  // meet zero weights, and the rows past M the zero padding `pagejax_int8_matmul` allocates), and C tile q holds
-  // the sums of lanes `pack` puts in v[q], so each row's 4 C rows are the VNNI loop's accumulators.
+  // meet zero weights, and rows past M, whose sums are not stored, stay inside `pagejax_int8_matmul`'s buffer);
+  // C tile q holds the sums of lanes `pack` puts in v[q], so each row's 4 C rows are the VNNI loop's accumulators.
   static constexpr int64_t kTileRows = 16;
 
   void amx_strip(int64_t strip) const {
@@ -534,7 +534,7 @@ void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, f
   }
   const int64_t k4 = (k + 3) / 4;
   // The quantized rows, read as bytes or 4-byte groups, zero past K; the AMX loop reads 16 rows and 64 bytes of K at
-  // a time, so the buffer is zero to a multiple of 16 rows and 16 groups past the last.
+  // a time, so the buffer reaches a multiple of 16 rows and 16 groups past the last (zeroed too: defined bytes).
   const int64_t padded = ((m + 15) / 16 * 16) * k4 + 16;
   uint32_t* xu = pagejax::scratch<uint32_t, 0>(padded);
   std::fill(xu, xu + padded, 0u);

@@ -182,10 +182,11 @@ struct Attention {
     for (int64_t j0 = lo - lo % ps; j0 < hi; j0 += ps) {
       const int64_t page = page_at(j0);
       const KV* page_rows = head_rows + page * ps * row;
-      // The next page is anywhere in the cache: the first cache line of each of its rows is asked for now, a page
-      // of keys ahead of their use (a page's rows are contiguous, but the hardware prefetcher does not follow the
-      // jump between pages; it fetches a row's further lines itself, and asking for every line of a float32 page
-      // at once stalled on the CPU's few outstanding misses).
+      // The next page of [lo, hi) is anywhere in the cache: the first cache line of each of its rows is asked for
+      // now, a page of keys ahead of their use (a page's rows are contiguous, but the hardware prefetcher does not
+      // follow the jump between pages; it fetches a row's further lines itself, and asking for every line of a
+      // float32 page at once stalled on the CPU's few outstanding misses). The generic pass 2 walks 64-key blocks,
+      // so with pages of 64 keys or more it gets no prefetch.
       if (j0 + ps < hi) {
         const KV* next = head_rows + page_at(j0 + ps) * ps * row;
         for (int64_t t = 0; t < std::min(ps, hi - j0 - ps); ++t) __builtin_prefetch(next + t * row);
