@@ -1,5 +1,5 @@
 // The W8A8 kernel (kernels_pallas/native/csrc/int8_matmul_cpu.cc) timed alone, without Python or XLA: one SmolLM2-135M
-// decoder layer's seven linears at 1, 32 and 512 rows, each result first checked bit for bit against a scalar model
+// decoder layer's seven linears at 1 to 512 rows, each result first checked bit for bit against a scalar model
 // of the JAX W8A8 path (quantize each row, exact int32 dot, (dot * x_scale) * w_scale). For A/B runs of the kernel's
 // loops: build two checkouts and run them alternately (PAGEJAX_CPU_THREADS=1 for one core). BENCHMARKS.md
 // ("C++ CPU kernels per ISA") records what it measured.
