@@ -3,7 +3,9 @@ dot-product extension (Debian's g++-aarch64-linux-gnu), and the W8A8 kernel -- i
 loop -- gives, under qemu-aarch64 (Debian's qemu-user), the same bits as the numpy model of the JAX W8A8 path that
 test_int8_matmul_cpu.py checks the x86 builds against. No aarch64 jaxlib runs under emulation, so a small driver
 (`int8_matmul_driver.cc`) calls the kernel without XLA's FFI; the same driver also runs natively here (no qemu), a
-check of the driver itself. Skipped where the cross compiler or qemu is missing (.ci/run installs both)."""
+check of the driver itself. The attention kernel's NEON build (its 8-float vector passes) is checked the same way, by
+`attention_driver.cc`, against the JAX reference's outputs. Skipped where the cross compiler or qemu is missing
+(.ci/run installs both)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's aarch64 libraries, where qemu-aarch64 finds the loader
 MARCH = "armv8.2-a+dotprod"
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_matmul_driver.cc")
+ATTENTION_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_driver.cc")
 needs_cross = pytest.mark.skipif(shutil.which(CROSS) is None or shutil.which(QEMU) is None,
                                  reason=f"needs {CROSS} and {QEMU} (apt-get install g++-aarch64-linux-gnu qemu-user)")
 # Rows on both sides of the row-streaming path (M <= 4) and around the NEON path's 6-row chunks; K not a multiple
@@ -51,17 +54,60 @@ def write_cases(path: str) -> None:
                 f.write(np.ascontiguousarray(a).tobytes())
 
 
-def run_driver(tmp_path, cxx: str, flags: list[str], runner: list[str]) -> str:
-    cases, exe = str(tmp_path / "cases.bin"), str(tmp_path / f"driver-{len(os.listdir(tmp_path))}")
+# The attention driver's cases: (q_lens, kv_lens, cache dtype, sliding window, soft cap), head_dim 64 (its 8-float
+# vector passes), 6 query / 2 KV heads, pages of 8: decode rows, a prefill past the 8-token block, last 8-key groups
+# of 1-7 keys.
+ATTENTION_CASES = [([1, 11, 3, 1], [26, 11, 40, 3], np.float32, None, None),
+                   ([1, 11, 3, 1], [26, 11, 40, 3], np.int8, None, None),
+                   ([2, 1, 9], [17, 33, 9], np.int8, 5, 3.0),
+                   ([1, 1], [61, 7], np.float32, 12, None)]
+
+
+def write_attention_cases(path: str) -> None:
+    import jax.numpy as jnp
+
+    from kernels_pallas.attention.reference import ragged_paged_attention_reference
+    from kernels_pallas.kv_cache.writes import quantize_cache
+    from tests.kernels_pallas.test_ragged_paged_attention import make_case
+
+    with open(path, "wb") as f:
+        for i, (q_lens, kv_lens, dtype, window, cap) in enumerate(ATTENTION_CASES):
+            rng = np.random.default_rng(i)
+            pages_per_seq = -(-max(kv_lens) // 8) + 1
+            q, kv, lens, pages, cu, n = make_case(rng, q_lens, kv_lens, num_q_heads=6, num_kv_heads=2, head_dim=64,
+                                                  page_size=8, pages_per_seq=pages_per_seq,
+                                                  num_pages=pages_per_seq * len(q_lens) + 1)
+            scales = None
+            if dtype == np.int8:
+                kv, scales = (np.asarray(a) for a in quantize_cache(jnp.asarray(kv), jnp.int8))
+            opts = dict(sm_scale=0.125, sliding_window=window, soft_cap=cap, k_scale=0.7 if cap else 1.0,
+                        v_scale=1.3 if cap else 1.0)
+            want = np.asarray(ragged_paged_attention_reference(
+                *map(jnp.asarray, (q, kv, lens, pages, cu, n)),
+                kv_scales=None if scales is None else jnp.asarray(scales), **opts), np.float32)
+            stride = 0 if scales is None else scales.shape[1] * scales.shape[2]
+            f.write(np.array([q.shape[0], 6, 64, 2, kv.shape[1], 8, len(q_lens), pages_per_seq, len(q_lens),
+                              dtype == np.int8, stride, window or 0], np.int64).tobytes())
+            f.write(np.array([0.125, cap or 0.0, opts["k_scale"], opts["v_scale"]], np.float32).tobytes())
+            for a in (q, kv, *([] if scales is None else [scales.astype(np.float32)]), lens, pages, cu, want):
+                f.write(np.ascontiguousarray(a).tobytes())
+
+
+def run_driver(tmp_path, cxx: str, flags: list[str], runner: list[str], driver: str = DRIVER) -> str:
+    """Compile `driver` with `cxx`, run it on its cases under `runner` (qemu, or nothing); its output."""
+    attention = driver == ATTENTION_DRIVER
+    cases = str(tmp_path / ("attention_cases.bin" if attention else "cases.bin"))
+    exe = str(tmp_path / f"driver-{len(os.listdir(tmp_path))}")
     if not os.path.exists(cases):
-        write_cases(cases)
+        (write_attention_cases if attention else write_cases)(cases)
     shared = [f for f in compile_flags() if f not in ("-shared", "-fPIC")]
-    compiled = subprocess.run([cxx, *shared, *flags, DRIVER, "-o", exe], capture_output=True, text=True)
+    compiled = subprocess.run([cxx, *shared, *flags, driver, "-o", exe], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     ran = subprocess.run([*runner, exe, cases], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PAGEJAX_CPU_THREADS": "2"})
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    assert f"{len(SHAPES)} cases, 0 failed" in ran.stdout, ran.stdout
+    count = len(ATTENTION_CASES) if attention else len(SHAPES)
+    assert f"{count} cases, 0 failed" in ran.stdout, ran.stdout
     return ran.stdout
 
 
@@ -71,6 +117,14 @@ def test_aarch64_int8_matmul_matches_the_w8a8_model_under_qemu(tmp_path, portabl
     out = run_driver(tmp_path, CROSS, [f"-march={MARCH}", *(["-DPAGEJAX_PORTABLE"] if portable else [])],
                      [QEMU, "-L", SYSROOT])
     assert out.rstrip().endswith("isa portable" if portable else "isa neon-dotprod"), out
+
+
+@needs_cross
+def test_aarch64_attention_matches_the_reference_under_qemu(tmp_path):
+    """The attention kernel's NEON build (its 8-float vector passes: no AVX-512 path there) against the JAX
+    reference's outputs, float32 and int8 caches, a sliding window and a soft cap."""
+    out = run_driver(tmp_path, CROSS, [f"-march={MARCH}"], [QEMU, "-L", SYSROOT], driver=ATTENTION_DRIVER)
+    assert out.count(": ok (") == len(ATTENTION_CASES), out
 
 
 @needs_cross
@@ -85,6 +139,7 @@ def test_aarch64_library_compiles_and_uses_sdot(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler")
-def test_driver_natively(tmp_path):
-    out = run_driver(tmp_path, os.environ.get("CXX") or "g++", ["-march=native"], [])
+@pytest.mark.parametrize("driver", [DRIVER, ATTENTION_DRIVER], ids=["int8_matmul", "attention"])
+def test_driver_natively(tmp_path, driver):
+    out = run_driver(tmp_path, os.environ.get("CXX") or "g++", ["-march=native"], [], driver=driver)
     assert "0 failed" in out

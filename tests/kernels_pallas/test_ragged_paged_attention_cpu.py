@@ -43,7 +43,7 @@ CASES = {
 }
 
 
-def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, **kw):
+def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, build_name="native", **kw):
     q, kv, *rest = map(jnp.asarray, args)
     q = q.astype(q_dtype)
     scales = None
@@ -52,7 +52,7 @@ def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, **kw):
     else:
         kv = kv.astype(kv_dtype)
     call = (q, kv, *rest)
-    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, kv_scales=scales, **kw))(*call)
+    got = jax.jit(lambda *a: cpu.ragged_paged_attention_cpu(*a, kv_scales=scales, build=build_name, **kw))(*call)
     want = jax.jit(lambda *a: ragged_paged_attention_reference(*a, kv_scales=scales, **kw))(*call)
     assert got.dtype == q.dtype and got.shape == q.shape
     return np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -83,6 +83,22 @@ def test_kv_dtypes_and_options(kv_dtype, options):
                      pages_per_seq=5, num_pages=18)
     got, want = run_both(args, kv_dtype=kv_dtype, sm_scale=0.125, **options)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("build_name", ["avx2", "portable"])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_generic_builds_match_the_reference(build_name, kv_dtype, head_dim):
+    """The builds without the AVX-512 path (the AVX2 one, and the portable one, which no ISA code enters) run the
+    8-float vector passes (`scores8`, `weighted_sum`) at these head dims: decode rows, a prefill past the 8-token
+    block, 1-8 keys in a block's last 8-key group, a sliding window and a soft cap."""
+    rng = np.random.default_rng(2)
+    args = make_case(rng, [1, 11, 3, 1], [26, 11, 40, 3], num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
+                     page_size=8, pages_per_seq=6, num_pages=26)
+    for options in ({}, {"sliding_window": 5, "soft_cap": 3.0, "k_scale": 0.7, "v_scale": 1.3}):
+        got, want = run_both(args, kv_dtype=kv_dtype, build_name=build_name, sm_scale=head_dim ** -0.5, **options)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
 def poisoned_pool_case(rng, *, head_dim, sliding_window, q_lens=(1, 9, 3, 0, 2), kv_lens=(21, 9, 30, 12, 6),

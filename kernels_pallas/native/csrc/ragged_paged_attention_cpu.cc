@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_vector.h"
 #include "fp8_e4m3.h"
 #include "parallel_for.h"
 #include "register_blocks.h"
@@ -204,6 +205,61 @@ struct Attention {
 
 #ifdef PAGEJAX_ATTENTION_AVX512
   static constexpr bool kVector = kD > 0 && kD % 16 == 0;
+#else
+  static constexpr bool kVector = false;
+#endif
+  static constexpr bool kVector8 = !kVector && kD > 0 && kD % 8 == 0;
+
+  // The generic pass 1 for a head_dim of whole 8-float vectors (pagejax::Float8: AVX2, NEON, SSE):
+  // p[r * L + j - lo] = (q_r . k_j) * scale_j for rows [r0, r0 + R) and keys [lo, hi), each key row converted once
+  // (into `row_f`; a float32 row is read in place), its R dot products accumulated lane by lane and 8 keys' sums
+  // across lanes taken together (`sum8x8`). Each key's score is the same sum, in the same order, whichever of the 8
+  // slots it takes, so it does not depend on the block's other keys or rows.
+  template <int R>
+  void scores8(const Item& it, int64_t lo, int64_t hi, int64_t L, const float* qbuf, int64_t r0, float* row_f,
+               float* p) const {
+    constexpr int kC = kD / 8;
+    pagejax::Float8 qv[R][kC], part[R][8];
+    float key_scale[8] = {};
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kC; ++c) qv[r][c] = pagejax::load8(qbuf + (r0 + r) * kD + 8 * c);
+    int64_t n = 0, j0 = lo;  // keys j0 .. j0 + n - 1 are in part
+    auto flush = [&] {
+      const pagejax::Float8 scale = pagejax::load8(key_scale);
+      for (int r = 0; r < R; ++r) {
+        for (int64_t i = n; i < 8; ++i) part[r][i] = pagejax::Float8{};
+        float sums[8];
+        pagejax::store8(sums, pagejax::sum8x8(part[r]) * scale);
+        std::copy(sums, sums + n, p + (r0 + r) * L + (j0 - lo));
+      }
+    };
+    for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
+      // The row converted by a loop g++ vectorizes (fp8: F16C or the table): 8 elements at a time through vector
+      // conversions it compiled to scalar code.
+      const float* kf = row_f;
+      if constexpr (std::is_same_v<KV, float>) {
+        kf = k;
+      } else {
+        convert_row(k, row_f, kD);
+      }
+      pagejax::Float8 kv[kC];
+      for (int c = 0; c < kC; ++c) kv[c] = pagejax::load8(kf + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        pagejax::Float8 dot = qv[r][0] * kv[0];
+        for (int c = 1; c < kC; ++c) dot += qv[r][c] * kv[c];
+        part[r][n] = dot;
+      }
+      key_scale[n] = ks;
+      if (++n == 8) {
+        flush();
+        n = 0;
+        j0 = j + 1;
+      }
+    });
+    if (n > 0) flush();
+  }
+
+#ifdef PAGEJAX_ATTENTION_AVX512
   static constexpr int kChunks = kD / 16, kRows = kD <= 64 ? 4 : 2;  // query rows per register block
 
   // p[r * L + j - lo] = (q_r . k_j) * scale_j for rows [r0, r0 + R) and keys [lo, hi): each key row converted once,
@@ -263,7 +319,15 @@ struct Attention {
 
   // acc[0, D) += sum over j < n of (w[j] * scale[j]) * rows[j * D, (j + 1) * D), j ascending.
   void weighted_sum(const float* w, const float* scale, const float* rows, int64_t n, float* acc) const {
-    if constexpr (kD > 0) {
+    if constexpr (kVector8) {  // float arrays of kD stayed in memory (a load and a store per FMA); vectors do not
+      pagejax::Float8 a[kD / 8];
+      for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::load8(acc + 8 * c);
+      for (int64_t j = 0; j < n; ++j) {
+        const float wj = w[j] * scale[j];
+        for (int c = 0; c < kD / 8; ++c) a[c] += wj * pagejax::load8(rows + j * kD + 8 * c);
+      }
+      for (int c = 0; c < kD / 8; ++c) pagejax::store8(acc + 8 * c, a[c]);
+    } else if constexpr (kD > 0) {
       float a[kD];
       std::copy(acc, acc + kD, a);
       for (int64_t j = 0; j < n; ++j) {
@@ -317,6 +381,11 @@ struct Attention {
       for_row_chunks<kRows>(rows, [&](auto r, int64_t r0) { scores<decltype(r)::value>(it, lo, hi, L, qbuf, r0, p); });
     } else
 #endif
+    if constexpr (kVector8) {
+      for_row_chunks<4>(rows, [&](auto r, int64_t r0) {
+        scores8<decltype(r)::value>(it, lo, hi, L, qbuf, r0, row_f, p);
+      });
+    } else
     for_each_row(it.seq, it.kv_head, lo, hi, 0, o.k_scale, [&](int64_t j, const KV* k, float ks) {
       convert_row(k, row_f, D);
       for (int64_t r = 0; r < rows; ++r) {
