@@ -1,9 +1,9 @@
 """The C++ CPU kernel (XLA FFI) against the pure-JAX reference: a sweep of ragged batches, head layouts, page sizes,
-head dims (the unrolled 64/128 paths and the generic one), KV dtypes (float32, bfloat16, int8 and float8_e4m3fn
-with per-token scales; every fp8 code decoded exactly by each library build),
-sliding window, soft cap and static scales; a pool poisoned with NaN/Inf wherever no query may look; plus its failure
-modes (no compiler, out-of-contract indices). Caches are in kv_cache/layout.py's layout, built through `kv_cache_spec`
-(`make_case`) and `kv_cache.writes.quantize_cache` (int8, fp8)."""
+head dims (the unrolled 64/128 paths, the generic vector one at 40, the loops at 36), KV dtypes (float32, bfloat16,
+int8 and float8_e4m3fn with per-token scales; every fp8 code decoded exactly by each library build), sliding window,
+soft cap and static scales, in each library build; a pool poisoned with NaN/Inf wherever no query may look; plus its
+failure modes (no compiler, out-of-contract indices). Caches are in kv_cache/layout.py's layout, built through
+`kv_cache_spec` (`make_case`) and `kv_cache.writes.quantize_cache` (int8, fp8)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def run_both(args, kv_dtype=jnp.float32, q_dtype=jnp.float32, build_name="native
 @needs_cxx
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (128, 8), (40, 4)])
+@pytest.mark.parametrize("head_dim,page_size", [(64, 16), (128, 8), (40, 4), (36, 4)])
 def test_kernel_matches_reference(case, heads, head_dim, page_size):
     rng = np.random.default_rng(0)
     q_lens, kv_lens = CASES[case]
@@ -88,11 +88,12 @@ def test_kv_dtypes_and_options(kv_dtype, options):
 @needs_cxx
 @pytest.mark.parametrize("build_name", ["avx2", "portable"])
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 36])
 def test_generic_builds_match_the_reference(build_name, kv_dtype, head_dim):
     """The builds without the AVX-512 path (the AVX2 one, and the portable one, which no ISA code enters) run the
-    8-float vector passes (`scores8`, `weighted_sum`) at these head dims: decode rows, a prefill past the 8-token
-    block, 1-8 keys in a block's last 8-key group, a sliding window and a soft cap."""
+    8-float vector passes (`scores8`, `weighted_sum`) at head dims of whole vectors (64 and 128 known at compile time,
+    40 not), the plain loops at 36: decode rows, a prefill past the 8-token block, 1-8 keys in a block's last 8-key
+    group, a sliding window and a soft cap."""
     rng = np.random.default_rng(2)
     args = make_case(rng, [1, 11, 3, 1], [26, 11, 40, 3], num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
                      page_size=8, pages_per_seq=6, num_pages=26)
@@ -147,7 +148,7 @@ def poison(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 @needs_cxx
-@pytest.mark.parametrize("head_dim", [64, 128, 40])  # both AVX-512 paths and the generic one
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 36])  # both AVX-512 paths, the generic vector one, the loops
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1, "soft_cap": 3.0}])
 def test_stale_non_finite_slots_change_no_output(head_dim, kv_dtype, options):

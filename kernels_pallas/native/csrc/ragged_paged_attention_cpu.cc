@@ -208,7 +208,10 @@ struct Attention {
 #else
   static constexpr bool kVector = false;
 #endif
-  static constexpr bool kVector8 = !kVector && kD > 0 && kD % 8 == 0;
+  // The 8-float vector passes below serve every head_dim of whole vectors (known at compile time or not) where the
+  // AVX-512 path does not run.
+  static constexpr bool kVector8 = !kVector && kD % 8 == 0;
+  bool vector8() const { return kVector8 && dim() % 8 == 0; }
 
   // The generic pass 1 for a head_dim of whole 8-float vectors (pagejax::Float8: AVX2, NEON, SSE):
   // p[r * L + j - lo] = (q_r . k_j) * scale_j for rows [r0, r0 + R) and keys [lo, hi), each key row converted once
@@ -218,11 +221,10 @@ struct Attention {
   template <int R>
   void scores8(const Item& it, int64_t lo, int64_t hi, int64_t L, const float* qbuf, int64_t r0, float* row_f,
                float* p) const {
-    constexpr int kC = kD / 8;
-    pagejax::Float8 qv[R][kC], part[R][8];
+    const int64_t D = dim();
+    const float* q0 = qbuf + r0 * D;
+    pagejax::Float8 part[R][8];
     float key_scale[8] = {};
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kC; ++c) qv[r][c] = pagejax::load8(qbuf + (r0 + r) * kD + 8 * c);
     int64_t n = 0, j0 = lo;  // keys j0 .. j0 + n - 1 are in part
     auto flush = [&] {
       const pagejax::Float8 scale = pagejax::load8(key_scale);
@@ -240,13 +242,11 @@ struct Attention {
       if constexpr (std::is_same_v<KV, float>) {
         kf = k;
       } else {
-        convert_row(k, row_f, kD);
+        convert_row(k, row_f, D);
       }
-      pagejax::Float8 kv[kC];
-      for (int c = 0; c < kC; ++c) kv[c] = pagejax::load8(kf + 8 * c);
       for (int r = 0; r < R; ++r) {
-        pagejax::Float8 dot = qv[r][0] * kv[0];
-        for (int c = 1; c < kC; ++c) dot += qv[r][c] * kv[c];
+        pagejax::Float8 dot = pagejax::load8(q0 + r * D) * pagejax::load8(kf);
+        for (int64_t c = 8; c < D; c += 8) dot += pagejax::load8(q0 + r * D + c) * pagejax::load8(kf + c);
         part[r][n] = dot;
       }
       key_scale[n] = ks;
@@ -319,7 +319,7 @@ struct Attention {
 
   // acc[0, D) += sum over j < n of (w[j] * scale[j]) * rows[j * D, (j + 1) * D), j ascending.
   void weighted_sum(const float* w, const float* scale, const float* rows, int64_t n, float* acc) const {
-    if constexpr (kVector8) {  // float arrays of kD stayed in memory (a load and a store per FMA); vectors do not
+    if constexpr (kVector8 && kD > 0) {  // a float array of kD stayed in memory (a load and a store per FMA)
       pagejax::Float8 a[kD / 8];
       for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::load8(acc + 8 * c);
       for (int64_t j = 0; j < n; ++j) {
@@ -327,6 +327,13 @@ struct Attention {
         for (int c = 0; c < kD / 8; ++c) a[c] += wj * pagejax::load8(rows + j * kD + 8 * c);
       }
       for (int c = 0; c < kD / 8; ++c) pagejax::store8(acc + 8 * c, a[c]);
+    } else if (vector8()) {  // a head_dim known only here: one vector of the row at a time, over every key
+      const int64_t D = dim();
+      for (int64_t c = 0; c < D; c += 8) {
+        pagejax::Float8 a = pagejax::load8(acc + c);
+        for (int64_t j = 0; j < n; ++j) a += (w[j] * scale[j]) * pagejax::load8(rows + j * D + c);
+        pagejax::store8(acc + c, a);
+      }
     } else if constexpr (kD > 0) {
       float a[kD];
       std::copy(acc, acc + kD, a);
@@ -381,7 +388,7 @@ struct Attention {
       for_row_chunks<kRows>(rows, [&](auto r, int64_t r0) { scores<decltype(r)::value>(it, lo, hi, L, qbuf, r0, p); });
     } else
 #endif
-    if constexpr (kVector8) {
+    if (vector8()) {
       for_row_chunks<4>(rows, [&](auto r, int64_t r0) {
         scores8<decltype(r)::value>(it, lo, hi, L, qbuf, r0, row_f, p);
       });
