@@ -51,10 +51,12 @@ log = logging.getLogger(__name__)
 
 
 #: The library builds a wrapper can name, each (its -D defines, its -march): "native" (what the gate runs),
-#: "portable" (the scalar loops), "avx2" (the AVX2 + FMA paths, which tests run on AVX-512 machines too), "no_amx"
-#: (native without the int8 matmul's AMX tiles: its AVX-512 VNNI loops, which tests run on AMX machines too).
+#: "portable" (the scalar loops), "avx2" (the AVX2 + FMA paths, which tests run on AVX-512 machines too),
+#: "avx_vnni" (AVX2 with AVX-VNNI and no AVX-512, as on Intel's client CPUs since Alder Lake: the int8 dot's
+#: 256-bit vpdpbusd, which tests run wherever the CPU has AVX-VNNI), "no_amx" (native without the int8 matmul's AMX
+#: tiles: its AVX-512 VNNI loops, which tests run on AMX machines too).
 _BUILD_FLAGS = {"native": ((), "native"), "portable": (("PAGEJAX_PORTABLE",), "native"), "avx2": ((), "x86-64-v3"),
-                "no_amx": (("PAGEJAX_NO_AMX",), "native")}
+                "avx_vnni": ((), "alderlake"), "no_amx": (("PAGEJAX_NO_AMX",), "native")}
 BUILDS = tuple(_BUILD_FLAGS)
 
 

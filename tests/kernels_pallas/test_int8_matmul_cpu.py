@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.matmul import int8_cpu
-from kernels_pallas.native import gate
+from kernels_pallas.native import build, gate
 from models.quantization import formats
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None,
@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is 
 
 
 # The builds this CPU can run: native (AMX tiles, AVX-512 VNNI, AVX2 or NEON dotprod where the CPU has it), the scalar
-# loop, the AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the AVX2 path too), and the VNNI loops
-# without the tiles on an AMX machine.
+# loop, the AVX2 build wherever the CPU has AVX2 (so an AVX-512 machine tests the AVX2 path too), its AVX-VNNI variant
+# wherever the CPU has AVX-VNNI, and the VNNI loops without the tiles on an AMX machine.
+AVX_VNNI = gate.host_isa().startswith(("avx2", "avx512")) and "avx_vnni" in gate._cpu_flags()
 BUILDS = ["native", "portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else []),
-          *(["no_amx"] if gate.host_isa() == "avx512-amx" else [])]
+          *(["avx_vnni"] if AVX_VNNI else []), *(["no_amx"] if gate.host_isa() == "avx512-amx" else [])]
 
 
 def test_kernel_builds_where_a_compiler_is():
@@ -126,10 +127,25 @@ def test_concurrent_calls_share_the_workers_safely():
         assert all(pool.map(run, cases * 2))
 
 
+@pytest.mark.parametrize("build_name", BUILDS)
+def test_each_build_takes_the_int8_dot_its_target_promises(build_name):
+    """The int8 dot each build compiled (`pagejax_int8_matmul_dot_isa`): the portable loop, AVX2's vpmaddubsw,
+    AVX-VNNI's 256-bit vpdpbusd, or the native build's widest (here the CPU's)."""
+    defines, march = gate._BUILD_FLAGS[build_name]
+    library = ctypes.CDLL(build.build(defines, march))
+    library.pagejax_int8_matmul_dot_isa.restype = ctypes.c_char_p
+    isa = library.pagejax_int8_matmul_dot_isa().decode()
+    native = {"avx512-amx": "avx512-vnni", "avx512-vnni": "avx512-vnni", "avx512": "avx2", "avx2": "avx2",
+              "neon-dotprod": "neon-dotprod"}.get(gate.host_isa(), "portable")
+    if native == "avx2" and "avx_vnni" in gate._cpu_flags():
+        native = "avx-vnni"
+    want = {"portable": "portable", "avx2": "avx2", "avx_vnni": "avx-vnni"}.get(build_name, native)
+    assert isa == want
+
+
 def test_the_many_row_loop_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
     """The native build's AMX path (int8_amx.h) is compiled in and granted by the OS on an AMX CPU, and absent
     elsewhere; on an AMX CPU the no_amx build (elsewhere the same library as native, not built again) leaves it out."""
-    from kernels_pallas.native import build
     native = ctypes.CDLL(build.build())
     native.pagejax_int8_matmul_amx.restype = ctypes.c_bool
     amx = gate.host_isa() == "avx512-amx"

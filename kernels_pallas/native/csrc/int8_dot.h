@@ -4,6 +4,8 @@
 //   * AVX2 (x86-64-v3: Zen 2/3, Intel since Haswell): vpmaddubsw + vpmaddwd. vpmaddubsw takes unsigned x signed
 //     bytes and saturates its int16 pair sums, so the signs move to x (vpsignb) and |w| is the unsigned operand:
 //     |w| <= 128 and |x| <= 127 (x is quantized to [-127, 127]) bound a pair by 2 * 128 * 127 < 2^15, no saturation.
+//     With AVX-VNNI (Intel client CPUs since Alder Lake, Zen 5; -march=native there), one vpdpbusd on the same
+//     operands replaces both, and its int32 sums cannot saturate.
 //   * ARMv8.2-A with the dot-product extension (Apple M1+, Graviton 2+, Ampere Altra): sdot, signed x signed.
 // Both are exact integer arithmetic, so every path gives the same int32 sums and the kernel's result stays
 // bit-identical to the JAX W8A8 path. Which ISA a build targets is the compiler's -march (build.py).
@@ -19,7 +21,11 @@
 #if !defined(PAGEJAX_PORTABLE) && defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #include <immintrin.h>
 #define PAGEJAX_INT8_DOT 1
+#ifdef __AVXVNNI__
+#define PAGEJAX_INT8_DOT_ISA "avx-vnni"
+#else
 #define PAGEJAX_INT8_DOT_ISA "avx2"
+#endif
 #elif !defined(PAGEJAX_PORTABLE) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #include <arm_neon.h>
 #define PAGEJAX_INT8_DOT 1
@@ -50,8 +56,12 @@ struct Int8Dot {
   }
 
   static Acc dot(Acc acc, const Packed& v, __m256i x4) {
+#ifdef __AVXVNNI__  // vpdpbusd on 256 bits: the same unsigned x signed products, summed into the lanes in one step
+    return _mm256_dpbusd_avx_epi32(acc, v.abs_w, _mm256_sign_epi8(x4, v.w));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(v.abs_w, _mm256_sign_epi8(x4, v.w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
   }
 
   // dst[c] = the sum of column c, c < kCols.

@@ -570,6 +570,18 @@ extern "C" bool pagejax_int8_matmul_amx() {
 #endif
 }
 
+// The instructions of this build's int8 dot ("avx512-vnni", "avx-vnni", "avx2", "neon-dotprod" or "portable"):
+// tests check each build takes the path its -march promises.
+extern "C" const char* pagejax_int8_matmul_dot_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PAGEJAX_PORTABLE)
+  return "avx512-vnni";
+#elif defined(PAGEJAX_INT8_VECTOR)
+  return PAGEJAX_INT8_DOT_ISA;
+#else
+  return "portable";
+#endif
+}
+
 namespace {
 
 ffi::Error Int8MatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> wscale,
