@@ -4,10 +4,10 @@
 //   * AVX2 (x86-64-v3: Zen 2/3, Intel since Haswell): vpmaddubsw + vpmaddwd. vpmaddubsw takes unsigned x signed
 //     bytes and saturates its int16 pair sums, so the signs move to x (vpsignb) and |w| is the unsigned operand:
 //     |w| <= 128 and |x| <= 127 (x is quantized to [-127, 127]) bound a pair by 2 * 128 * 127 < 2^15, no saturation.
-//     With AVX-VNNI (Intel client CPUs since Alder Lake, Zen 5; -march=native there), one vpdpbusd on the same
-//     operands replaces both, and its int32 sums cannot saturate.
+//     With AVX-VNNI (Intel client CPUs since Alder Lake, Zen 5; -march=native there), one vpdpbusd replaces the
+//     three, on W made unsigned (+128) as on AVX-512 VNNI; the kernel subtracts 128 * (row sum of x) (`kBias`).
 //   * ARMv8.2-A with the dot-product extension (Apple M1+, Graviton 2+, Ampere Altra): sdot, signed x signed.
-// Both are exact integer arithmetic, so every path gives the same int32 sums and the kernel's result stays
+// All are exact integer arithmetic, so every path gives the same int32 sums and the kernel's result stays
 // bit-identical to the JAX W8A8 path. Which ISA a build targets is the compiler's -march (build.py).
 //
 // A "piece" is kCols consecutive columns of 4 consecutive rows of W, repacked so an int32 lane holds one column's 4
@@ -38,9 +38,20 @@ namespace pagejax {
 struct Int8Dot {
   static constexpr int64_t kCols = 32;
   using Acc = __m256i;
+#ifdef __AVXVNNI__
+  // vpdpbusd takes unsigned x signed bytes and cannot saturate, so W is made unsigned as the AVX-512 VNNI path makes
+  // it (w + 128, the sign bit flipped) and x stays signed; the sums carry 128 * (row sum of x), which the kernel
+  // subtracts (`kBias`): one instruction per 32 products, exact.
+  static constexpr int32_t kBias = 128;
+  struct Packed {
+    __m256i w_u;
+  };
+#else
+  static constexpr int32_t kBias = 0;
   struct Packed {  // the signed bytes, and their absolute values (vpmaddubsw's unsigned operand)
     __m256i w, abs_w;
   };
+#endif
 
   static Acc zero() { return _mm256_setzero_si256(); }
   static __m256i load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -52,12 +63,16 @@ struct Int8Dot {
     const __m256i t2 = _mm256_unpacklo_epi8(r[2], r[3]), t3 = _mm256_unpackhi_epi8(r[2], r[3]);
     const __m256i w[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
                           _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
+#ifdef __AVXVNNI__
+    for (int q = 0; q < 4; ++q) v[q] = {_mm256_xor_si256(w[q], _mm256_set1_epi8(static_cast<char>(0x80)))};
+#else
     for (int q = 0; q < 4; ++q) v[q] = {w[q], _mm256_abs_epi8(w[q])};
+#endif
   }
 
   static Acc dot(Acc acc, const Packed& v, __m256i x4) {
-#ifdef __AVXVNNI__  // vpdpbusd on 256 bits: the same unsigned x signed products, summed into the lanes in one step
-    return _mm256_dpbusd_avx_epi32(acc, v.abs_w, _mm256_sign_epi8(x4, v.w));
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, v.w_u, x4);
 #else
     const __m256i pairs = _mm256_maddubs_epi16(v.abs_w, _mm256_sign_epi8(x4, v.w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
@@ -74,6 +89,7 @@ struct Int8Dot {
 #elif defined(PAGEJAX_INT8_DOT)
 struct Int8Dot {
   static constexpr int64_t kCols = 16;
+  static constexpr int32_t kBias = 0;  // sdot: signed x signed
   using Acc = int32x4_t;
   struct Packed {
     int8x16_t w;

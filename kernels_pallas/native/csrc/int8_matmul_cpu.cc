@@ -302,8 +302,9 @@ struct Matmul {
 };
 
 #if defined(PAGEJAX_INT8_DOT) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-// The AVX2 / NEON-dotprod path: the VNNI path's two loops (K-split row streaming for M <= 4, packed column strips
-// for more rows) written once against int8_dot.h. Signed x signed bytes: no +128 bias, no correction.
+// The AVX2 / AVX-VNNI / NEON-dotprod path: the VNNI path's two loops (K-split row streaming for M <= 4, packed column
+// strips for more rows) written once against int8_dot.h. Signed x signed bytes (no correction), or on AVX-VNNI the
+// AVX-512 VNNI path's unsigned weights and its correction (`Int8Dot::kBias`).
 struct Int8Vector {
   using D = pagejax::Int8Dot;
   static constexpr int64_t kCols = D::kCols;
@@ -409,7 +410,8 @@ struct Int8Vector {
         alignas(64) int32_t sums[kCols];
         const D::Acc(&a)[4] = *reinterpret_cast<const D::Acc(*)[4]>(carry.data() + 4 * mm.m * t + 4 * r);
         D::columns(a, sums);
-        for (int64_t j = 0; j < width; ++j) mm.out[r * mm.n + c0 + j] = mm.rescale(sums[j], r, c0 + j);
+        const int32_t correction = D::kBias * mm.xsum[r];
+        for (int64_t j = 0; j < width; ++j) mm.out[r * mm.n + c0 + j] = mm.rescale(sums[j] - correction, r, c0 + j);
       }
     }
   }
@@ -553,8 +555,9 @@ void pagejax_int8_matmul(const float* x, const int8_t* w, const float* wscale, f
 #elif defined(PAGEJAX_INT8_VECTOR)
   const Int8Vector vec{mm};
   const int64_t sub = Int8Vector::strips_per_item(n);
-  run_vector(mm, 0, [&](int64_t i, int64_t rows_per_item, int32_t* p) { vec.rows(i, rows_per_item, p); },
-             sub * Int8Vector::kCols, [&](int64_t i) { vec.strip(i, sub); });
+  run_vector(
+      mm, Int8Vector::D::kBias, [&](int64_t i, int64_t rows_per_item, int32_t* p) { vec.rows(i, rows_per_item, p); },
+      sub * Int8Vector::kCols, [&](int64_t i) { vec.strip(i, sub); });
 #else
   pagejax::parallel_for(mm.portable_items(), [&](int64_t i) { mm.portable_item(i); });
 #endif
