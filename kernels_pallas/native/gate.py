@@ -176,7 +176,8 @@ MEASURED: dict[str, dict[str, bool | Rows]] = {
     # An AVX2 EPYC (BENCHMARKS.md): the int8 matmul's AVX2 path, the attention kernel (f32, int8 and fp8 caches), the
     # KV write and the RoPE tables beat XLA at 1 and 32 rows; the grouped matmul's vector path beats XLA's dot of the
     # dequantized weight at 1 row but not at 32.
-    # The few-rows float32 matmul beats XLA's dot at 2-8 rows, not at 1 (issue 38, round 6).
+    # The few-rows float32 matmul beats XLA's dot at 2-8 rows, not at 1 (issue 38, round 6). A CPU with AVX-VNNI and
+    # no AVX-512 (Intel's client CPUs) takes this row too; its W8A8 dot is twice this row's (round 9).
     "avx2": {"pagejax_ragged_paged_attention_cpu": True, "pagejax_int8_matmul_cpu": True,
              "pagejax_grouped_matmul_cpu": False, "pagejax_write_rows_cpu": True, "pagejax_rope_tables_cpu": True,
              "pagejax_few_rows_matmul_cpu": Rows(2, 8)},
