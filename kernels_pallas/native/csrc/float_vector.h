@@ -20,7 +20,11 @@ inline Float8 load8(const float* p) {
 
 inline void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Lanes of two vectors picked by index (0-7: a's, 8-15: b's), as the compiler spells it.
+// Lane j of the result = the sum of v[j]'s 8 lanes, every v[j] summed in the same order ((lanes 0+2) + (1+3)) +
+// ((4+6) + (5+7)), whatever its position j: a transpose-and-add tree, 7 adds and 14 shuffles for 8 sums, where 8
+// reductions one at a time take 3 adds and 3 shuffles each.
+#if defined(__AVX__)
+// One 256-bit register per vector: shuffles of 8 lanes (within 128-bit halves, then across them).
 #if defined(__clang__)
 #define PAGEJAX_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -28,9 +32,6 @@ typedef int32_t Int8Lanes __attribute__((vector_size(32)));
 #define PAGEJAX_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, Int8Lanes{__VA_ARGS__})
 #endif
 
-// Lane j of the result = the sum of v[j]'s 8 lanes, every v[j] summed in the same order (lanes 0+2, 1+3, 4+6, 5+7;
-// then those pairs; then the two halves), whatever its position j: a transpose-and-add tree, 7 adds and 14 shuffles
-// for 8 sums, where 8 reductions one at a time take 3 adds and 3 shuffles each.
 inline Float8 sum8x8(const Float8 (&v)[8]) {
   Float8 t[4], u[2];
   for (int i = 0; i < 4; ++i)  // per half: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
@@ -41,5 +42,38 @@ inline Float8 sum8x8(const Float8 (&v)[8]) {
            PAGEJAX_SHUFFLE8(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   return PAGEJAX_SHUFFLE8(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) + PAGEJAX_SHUFFLE8(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
+#else
+// 128-bit registers (NEON, SSE): a vector is two of them, and shuffles across the pair compiled to lane-by-lane
+// moves (g++ 12, aarch64), so the same tree runs on each half's 4 lanes (zip / trn) and adds the halves last.
+typedef float Float4 __attribute__((vector_size(16)));
+#if defined(__clang__)
+#define PAGEJAX_SHUFFLE4(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t Int4Lanes __attribute__((vector_size(16)));
+#define PAGEJAX_SHUFFLE4(a, b, ...) __builtin_shuffle(a, b, Int4Lanes{__VA_ARGS__})
+#endif
+
+inline Float8 sum8x8(const Float8 (&v)[8]) {
+  Float4 half[2][8];  // half[h][i] = lanes 4h .. 4h+3 of v[i]
+  for (int i = 0; i < 8; ++i) {
+    std::memcpy(&half[0][i], reinterpret_cast<const float*>(&v[i]), sizeof(Float4));
+    std::memcpy(&half[1][i], reinterpret_cast<const float*>(&v[i]) + 4, sizeof(Float4));
+  }
+  Float4 out[2];
+  for (int g = 0; g < 2; ++g) {  // out[g] = the totals of v[4g .. 4g+3]
+    Float4 u[2];
+    for (int h = 0; h < 2; ++h) {
+      const Float4* w = half[h] + 4 * g;
+      const Float4 t0 = PAGEJAX_SHUFFLE4(w[0], w[1], 0, 4, 1, 5) + PAGEJAX_SHUFFLE4(w[0], w[1], 2, 6, 3, 7);
+      const Float4 t1 = PAGEJAX_SHUFFLE4(w[2], w[3], 0, 4, 1, 5) + PAGEJAX_SHUFFLE4(w[2], w[3], 2, 6, 3, 7);
+      u[h] = PAGEJAX_SHUFFLE4(t0, t1, 0, 1, 4, 5) + PAGEJAX_SHUFFLE4(t0, t1, 2, 3, 6, 7);
+    }
+    out[g] = u[0] + u[1];
+  }
+  Float8 result;
+  std::memcpy(&result, out, sizeof(result));
+  return result;
+}
+#endif
 
 }  // namespace pagejax
