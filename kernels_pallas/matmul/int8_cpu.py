@@ -25,8 +25,8 @@ MAX_K = 65535  # input features at most: the kernel's int32 sums stay exact
 def int8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, *, build: str = "native") -> jax.Array:
     """float32 x [M, K] @ (int8 w [K, N] * w_scale [N]) -> float32 [M, N], as W8A8: each row of x quantized to int8
     with scale max|x| / 127 (round half to even), the exact int32 dot, then (dot * x_scale) * w_scale. CPU only.
-    `build` names the library build (`gate.BUILDS`: "native", the scalar "portable" loop, "avx2" or "no_amx"; tests
-    compare them)."""
+    `build` names the library build (`gate.BUILDS`: "native", the scalar "portable" loop, "avx2", "avx_vnni" or
+    "no_amx"; tests compare them)."""
     if (x.dtype != jnp.float32 or w.dtype != jnp.int8 or x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]
             or w_scale.shape != (w.shape[1],) or x.shape[1] > MAX_K):
         raise ValueError(f"expected float32 x [M, K], int8 w [K, N] and w_scale [N] with K <= {MAX_K}, got "
