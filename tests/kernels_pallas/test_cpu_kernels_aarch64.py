@@ -54,13 +54,17 @@ def write_cases(path: str) -> None:
                 f.write(np.ascontiguousarray(a).tobytes())
 
 
-# The attention driver's cases: (q_lens, kv_lens, cache dtype, sliding window, soft cap), head_dim 64 (its 8-float
-# vector passes), 6 query / 2 KV heads, pages of 8: decode rows, a prefill past the 8-token block, last 8-key groups
-# of 1-7 keys.
-ATTENTION_CASES = [([1, 11, 3, 1], [26, 11, 40, 3], np.float32, None, None),
-                   ([1, 11, 3, 1], [26, 11, 40, 3], np.int8, None, None),
-                   ([2, 1, 9], [17, 33, 9], np.int8, 5, 3.0),
-                   ([1, 1], [61, 7], np.float32, 12, None)]
+# The attention driver's cases: (q_lens, kv_lens, cache dtype, sliding window, soft cap, head_dim), 6 query / 2 KV
+# heads, pages of 8: decode rows, a prefill past the 8-token block, last 8-key groups of 1-7 keys; its 8-float vector
+# passes at head_dim 64 and 128 (compiled for them) and 40 (known at run time), its loops at 36.
+ATTENTION_CASES = [([1, 11, 3, 1], [26, 11, 40, 3], np.float32, None, None, 64),
+                   ([1, 11, 3, 1], [26, 11, 40, 3], np.int8, None, None, 64),
+                   ([2, 1, 9], [17, 33, 9], np.int8, 5, 3.0, 64),
+                   ([1, 1], [61, 7], np.float32, 12, None, 64),
+                   ([1, 11, 3], [26, 11, 40], np.int8, 7, None, 128),
+                   ([1, 11, 3], [26, 11, 40], np.float32, None, 3.0, 40),
+                   ([1, 11, 3], [26, 11, 40], np.int8, 5, None, 40),
+                   ([1, 9], [20, 9], np.float32, None, None, 36)]
 
 
 def write_attention_cases(path: str) -> None:
@@ -71,24 +75,24 @@ def write_attention_cases(path: str) -> None:
     from tests.kernels_pallas.test_ragged_paged_attention import make_case
 
     with open(path, "wb") as f:
-        for i, (q_lens, kv_lens, dtype, window, cap) in enumerate(ATTENTION_CASES):
+        for i, (q_lens, kv_lens, dtype, window, cap, head_dim) in enumerate(ATTENTION_CASES):
             rng = np.random.default_rng(i)
             pages_per_seq = -(-max(kv_lens) // 8) + 1
-            q, kv, lens, pages, cu, n = make_case(rng, q_lens, kv_lens, num_q_heads=6, num_kv_heads=2, head_dim=64,
-                                                  page_size=8, pages_per_seq=pages_per_seq,
+            q, kv, lens, pages, cu, n = make_case(rng, q_lens, kv_lens, num_q_heads=6, num_kv_heads=2,
+                                                  head_dim=head_dim, page_size=8, pages_per_seq=pages_per_seq,
                                                   num_pages=pages_per_seq * len(q_lens) + 1)
             scales = None
             if dtype == np.int8:
                 kv, scales = (np.asarray(a) for a in quantize_cache(jnp.asarray(kv), jnp.int8))
-            opts = dict(sm_scale=0.125, sliding_window=window, soft_cap=cap, k_scale=0.7 if cap else 1.0,
+            opts = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap, k_scale=0.7 if cap else 1.0,
                         v_scale=1.3 if cap else 1.0)
             want = np.asarray(ragged_paged_attention_reference(
                 *map(jnp.asarray, (q, kv, lens, pages, cu, n)),
                 kv_scales=None if scales is None else jnp.asarray(scales), **opts), np.float32)
             stride = 0 if scales is None else scales.shape[1] * scales.shape[2]
-            f.write(np.array([q.shape[0], 6, 64, 2, kv.shape[1], 8, len(q_lens), pages_per_seq, len(q_lens),
+            f.write(np.array([q.shape[0], 6, head_dim, 2, kv.shape[1], 8, len(q_lens), pages_per_seq, len(q_lens),
                               dtype == np.int8, stride, window or 0], np.int64).tobytes())
-            f.write(np.array([0.125, cap or 0.0, opts["k_scale"], opts["v_scale"]], np.float32).tobytes())
+            f.write(np.array([opts["sm_scale"], cap or 0.0, opts["k_scale"], opts["v_scale"]], np.float32).tobytes())
             for a in (q, kv, *([] if scales is None else [scales.astype(np.float32)]), lens, pages, cu, want):
                 f.write(np.ascontiguousarray(a).tobytes())
 
@@ -121,8 +125,8 @@ def test_aarch64_int8_matmul_matches_the_w8a8_model_under_qemu(tmp_path, portabl
 
 @needs_cross
 def test_aarch64_attention_matches_the_reference_under_qemu(tmp_path):
-    """The attention kernel's NEON build (its 8-float vector passes: no AVX-512 path there) against the JAX
-    reference's outputs, float32 and int8 caches, a sliding window and a soft cap."""
+    """The attention kernel's NEON build (its 8-float vector passes: no AVX-512 path there; its loops at head_dim 36)
+    against the JAX reference's outputs, float32 and int8 caches, a sliding window and a soft cap."""
     out = run_driver(tmp_path, CROSS, [f"-march={MARCH}"], [QEMU, "-L", SYSROOT], driver=ATTENTION_DRIVER)
     assert out.count(": ok (") == len(ATTENTION_CASES), out
 

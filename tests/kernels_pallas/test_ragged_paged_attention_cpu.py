@@ -85,8 +85,12 @@ def test_kv_dtypes_and_options(kv_dtype, options):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+# The builds without the AVX-512 path that this CPU runs: the portable one, and the AVX2 one on x86 with AVX2.
+GENERIC_BUILDS = ["portable", *(["avx2"] if gate.host_isa().startswith(("avx2", "avx512")) else [])]
+
+
 @needs_cxx
-@pytest.mark.parametrize("build_name", ["avx2", "portable"])
+@pytest.mark.parametrize("build_name", GENERIC_BUILDS)
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("head_dim", [64, 128, 40, 36])
 def test_generic_builds_match_the_reference(build_name, kv_dtype, head_dim):
@@ -100,6 +104,37 @@ def test_generic_builds_match_the_reference(build_name, kv_dtype, head_dim):
     for options in ({}, {"sliding_window": 5, "soft_cap": 3.0, "k_scale": 0.7, "v_scale": 1.3}):
         got, want = run_both(args, kv_dtype=kv_dtype, build_name=build_name, sm_scale=head_dim ** -0.5, **options)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_cxx
+@pytest.mark.parametrize("build_name", ["native", *GENERIC_BUILDS])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 36])
+@pytest.mark.parametrize("window", [None, 13, 100])
+def test_a_query_token_has_the_same_bits_in_any_block(build_name, head_dim, window):
+    """Batch-invariant mode's premise, on every build: a query token's output is the same bits decoded alone (its 3
+    query rows one block) as the last of a prefill of 2-11 tokens (its rows then split over blocks of 4 and 1 rows
+    beside other tokens' rows; with a window the item's first key, and so its 8-key groups and 64-key value blocks,
+    shift), with another sequence in the batch or not."""
+    rng = np.random.default_rng(3)
+    q, kv, lens, pages, cu, _ = make_case(rng, [11, 5], [150, 23], num_q_heads=6, num_kv_heads=2,
+                                          head_dim=head_dim, page_size=8, pages_per_seq=19, num_pages=40)
+    kv = jnp.asarray(kv)
+
+    def last_token(tokens: int, other: bool) -> np.ndarray:
+        """The first sequence's last token's output, from a step whose first sequence has `tokens` query tokens."""
+        q_lens = [tokens, 5] if other else [tokens]
+        step_q = np.concatenate([q[11 - tokens:11], q[11:16]] if other else [q[11 - tokens:11]])
+        step_cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        step_lens, step_pages = lens[:len(q_lens)], pages[:len(q_lens)]
+        out = cpu.ragged_paged_attention_cpu(jnp.asarray(step_q), kv, jnp.asarray(step_lens), jnp.asarray(step_pages),
+                                             jnp.asarray(step_cu), jnp.array([len(q_lens)], jnp.int32),
+                                             sm_scale=head_dim ** -0.5, sliding_window=window, build=build_name)
+        return np.asarray(out)[tokens - 1]
+
+    alone = last_token(1, False)
+    for tokens in (2, 3, 7, 9, 11):
+        for other in (False, True):
+            np.testing.assert_array_equal(last_token(tokens, other), alone, err_msg=f"{tokens} tokens, other {other}")
 
 
 def poisoned_pool_case(rng, *, head_dim, sliding_window, q_lens=(1, 9, 3, 0, 2), kv_lens=(21, 9, 30, 12, 6),

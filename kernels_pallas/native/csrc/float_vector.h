@@ -8,6 +8,16 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+// A 32-byte vector passed by value on a target without AVX (the SSE builds): g++ warns that such an ABI differs from
+// AVX's. These functions are inline within one library, so no call crosses the two.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace pagejax {
 
 typedef float Float8 __attribute__((vector_size(32)));
@@ -20,9 +30,31 @@ inline Float8 load8(const float* p) {
 
 inline void store8(float* p, Float8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Lane j of the result = the sum of v[j]'s 8 lanes, every v[j] summed in the same order ((lanes 0+2) + (1+3)) +
-// ((4+6) + (5+7)), whatever its position j: a transpose-and-add tree, 7 adds and 14 shuffles for 8 sums, where 8
-// reductions one at a time take 3 adds and 3 shuffles each.
+// a * b + c, rounded once where the CPU has FMA, through the ISA's FMA intrinsic: the library's -fassociative-math
+// lets g++ regroup a chain of `+` differently where it is inlined into different code (it did, by how many query
+// rows a block held), but not a chain of intrinsic calls, so a sum written with fma8 keeps its order everywhere.
+inline Float8 fma8(Float8 a, Float8 b, Float8 c) {
+#if defined(__FMA__) && defined(__AVX__)
+  return reinterpret_cast<Float8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                  reinterpret_cast<__m256>(c)));
+#elif defined(__aarch64__)
+  float32x4_t x[2], y[2], z[2];
+  std::memcpy(x, &a, sizeof(a));
+  std::memcpy(y, &b, sizeof(b));
+  std::memcpy(z, &c, sizeof(c));
+  for (int h = 0; h < 2; ++h) z[h] = vfmaq_f32(z[h], x[h], y[h]);
+  Float8 out;
+  std::memcpy(&out, z, sizeof(out));
+  return out;
+#else
+  return a * b + c;  // no FMA unit (baseline x86): the compiler's multiply and add
+#endif
+}
+
+// Lane j of the result = the sum of v[j]'s 8 lanes: a transpose-and-add tree, 7 adds and 14 shuffles for 8 sums,
+// where 8 reductions one at a time take 3 adds and 3 shuffles each. Written as ((lanes 0+2) + (1+3)) + ((4+6) +
+// (5+7)); the compiler may regroup the whole-vector adds (-fassociative-math; it did on aarch64), but every regrouping
+// applies to all lanes alike, so each v[j] is summed in the same order whatever its position j.
 #if defined(__AVX__)
 // One 256-bit register per vector: shuffles of 8 lanes (within 128-bit halves, then across them).
 #if defined(__clang__)

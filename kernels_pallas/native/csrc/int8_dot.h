@@ -4,8 +4,9 @@
 //   * AVX2 (x86-64-v3: Zen 2/3, Intel since Haswell): vpmaddubsw + vpmaddwd. vpmaddubsw takes unsigned x signed
 //     bytes and saturates its int16 pair sums, so the signs move to x (vpsignb) and |w| is the unsigned operand:
 //     |w| <= 128 and |x| <= 127 (x is quantized to [-127, 127]) bound a pair by 2 * 128 * 127 < 2^15, no saturation.
-//     With AVX-VNNI (Intel client CPUs since Alder Lake, Zen 5; -march=native there), one vpdpbusd replaces the
-//     three, on W made unsigned (+128) as on AVX-512 VNNI; the kernel subtracts 128 * (row sum of x) (`kBias`).
+//     With AVX-VNNI and no AVX-512 VNNI (Intel client CPUs since Alder Lake; -march=native there), one vpdpbusd
+//     replaces the three, on W made unsigned (+128) as on AVX-512 VNNI; the kernel subtracts 128 * (row sum of x)
+//     (`kBias`).
 //   * ARMv8.2-A with the dot-product extension (Apple M1+, Graviton 2+, Ampere Altra): sdot, signed x signed.
 // All are exact integer arithmetic, so every path gives the same int32 sums and the kernel's result stays
 // bit-identical to the JAX W8A8 path. Which ISA a build targets is the compiler's -march (build.py).

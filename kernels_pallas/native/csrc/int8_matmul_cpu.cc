@@ -352,9 +352,10 @@ struct Int8Vector {
   }
 
   // More rows: one strip of kCols columns per item, its K cut into blocks of kBlock 4-row groups. A block is packed
-  // once (kBlock * 4 pieces: 16 KiB on AVX2, in L1) and then run by every chunk of R rows of x, whose
-  // accumulators stay in registers within the block and carry over blocks in `carry` (L1/L2). Packing the whole
-  // strip (in L2 at K = 1536) for 3-row chunks that spilled accumulators measured half as fast (BENCHMARKS.md).
+  // once (kBlock * 4 pieces, in L1: 16 KiB on AVX2, 8 KiB with AVX-VNNI, where twice the block measured the same) and
+  // then run by every chunk of R rows of x, whose accumulators stay in registers within the block and carry over
+  // blocks in `carry` (L1/L2). Packing the whole strip (in L2 at K = 1536) for 3-row chunks that spilled accumulators
+  // measured half as fast (BENCHMARKS.md).
   static constexpr int64_t kBlock = kCols == 32 ? 64 : 128;
   // Rows per chunk, R x 4 accumulators in registers beside 2 x 4 weights (AVX2: 16 registers), 4 on NEON (32).
   static constexpr int kRowChunk = kCols == 32 ? 2 : 4;

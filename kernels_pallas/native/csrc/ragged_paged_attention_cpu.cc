@@ -217,7 +217,8 @@ struct Attention {
   // p[r * L + j - lo] = (q_r . k_j) * scale_j for rows [r0, r0 + R) and keys [lo, hi), each key row converted once
   // (into `row_f`; a float32 row is read in place), its R dot products accumulated lane by lane and 8 keys' sums
   // across lanes taken together (`sum8x8`). Each key's score is the same sum, in the same order, whichever of the 8
-  // slots it takes, so it does not depend on the block's other keys or rows.
+  // slots it takes and however many rows share the block (the chain is `fma8`'s), so it does not depend on the
+  // block's other keys or rows: batch-invariant mode relies on it.
   template <int R>
   void scores8(const Item& it, int64_t lo, int64_t hi, int64_t L, const float* qbuf, int64_t r0, float* row_f,
                float* p) const {
@@ -246,7 +247,8 @@ struct Attention {
       }
       for (int r = 0; r < R; ++r) {
         pagejax::Float8 dot = pagejax::load8(q0 + r * D) * pagejax::load8(kf);
-        for (int64_t c = 8; c < D; c += 8) dot += pagejax::load8(q0 + r * D + c) * pagejax::load8(kf + c);
+        for (int64_t c = 8; c < D; c += 8)
+          dot = pagejax::fma8(pagejax::load8(q0 + r * D + c), pagejax::load8(kf + c), dot);
         part[r][n] = dot;
       }
       key_scale[n] = ks;
@@ -319,19 +321,22 @@ struct Attention {
 
   // acc[0, D) += sum over j < n of (w[j] * scale[j]) * rows[j * D, (j + 1) * D), j ascending.
   void weighted_sum(const float* w, const float* scale, const float* rows, int64_t n, float* acc) const {
+    // The vector branches sum in key order through fma8, which the compiler does not regroup: a row's sum cannot
+    // depend on where the value blocks begin (its item's first key).
     if constexpr (kVector8 && kD > 0) {  // a float array of kD stayed in memory (a load and a store per FMA)
       pagejax::Float8 a[kD / 8];
       for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::load8(acc + 8 * c);
       for (int64_t j = 0; j < n; ++j) {
-        const float wj = w[j] * scale[j];
-        for (int c = 0; c < kD / 8; ++c) a[c] += wj * pagejax::load8(rows + j * kD + 8 * c);
+        const pagejax::Float8 wj = pagejax::Float8{} + w[j] * scale[j];
+        for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::fma8(wj, pagejax::load8(rows + j * kD + 8 * c), a[c]);
       }
       for (int c = 0; c < kD / 8; ++c) pagejax::store8(acc + 8 * c, a[c]);
     } else if (vector8()) {  // a head_dim known only here: one vector of the row at a time, over every key
       const int64_t D = dim();
       for (int64_t c = 0; c < D; c += 8) {
         pagejax::Float8 a = pagejax::load8(acc + c);
-        for (int64_t j = 0; j < n; ++j) a += (w[j] * scale[j]) * pagejax::load8(rows + j * D + c);
+        for (int64_t j = 0; j < n; ++j)
+          a = pagejax::fma8(pagejax::Float8{} + w[j] * scale[j], pagejax::load8(rows + j * D + c), a);
         pagejax::store8(acc + c, a);
       }
     } else if constexpr (kD > 0) {
