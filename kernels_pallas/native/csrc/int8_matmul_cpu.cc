@@ -27,6 +27,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 #include "int8_amx.h"
 #include "int8_dot.h"
 #include "parallel_for.h"
@@ -421,7 +425,8 @@ struct Int8Vector {
 #endif
 
 // Row r of x into xq (zero-padded to k_pad), its scale and its integer sum. g++ vectorizes neither loop (a float
-// max and rint), so the AVX-512 and AVX2 builds spell them out: 16 or 8 lanes, the same operations per element.
+// max and rint), so the AVX-512, AVX2 and NEON builds spell them out: 16, 8 or 4 lanes, the same operations per
+// element.
 // Row r of x quantized: xq[r * k_pad + c] = round(x[r, c] / x_scale[r]) (zero for c >= K), xsum[r] = sum of row r.
 void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t* xsum) {
 #if defined(__AVX512F__) && !defined(PAGEJAX_PORTABLE)
@@ -471,6 +476,31 @@ void quantize_row(const float* xr, int64_t k, int8_t* qr, float* xscale, int32_t
   int32_t sum = 0;
   for (int32_t v : partial) sum += v;
   for (int64_t c = k8; c < k; ++c) sum += (qr[c] = quantize(xr[c], inv_scale));
+  *xsum = sum;
+#elif defined(__aarch64__) && !defined(PAGEJAX_PORTABLE)
+  // NEON, 4 lanes, then the portable loop's operations on the tail: vmaxnm skips a NaN lane as std::max(amax, NaN)
+  // keeps amax; vcvtn rounds half to even, as rint does.
+  const int64_t k4 = k / 4 * 4;
+  float32x4_t vmax = vdupq_n_f32(0.f);
+  for (int64_t c = 0; c < k4; c += 4) vmax = vmaxnmq_f32(vmax, vabsq_f32(vld1q_f32(xr + c)));
+  float amax = vmaxnmvq_f32(vmax);
+  for (int64_t c = k4; c < k; ++c) amax = std::max(amax, std::fabs(xr[c]));
+  const float scale = *xscale = amax > 0.f ? amax * (1.f / 127.f) : 1.f;
+  const float inv_scale = 1.f / scale;
+  const float32x4_t inv = vdupq_n_f32(inv_scale), lo = vdupq_n_f32(-127.f), hi = vdupq_n_f32(127.f);
+  int32x4_t vsum = vdupq_n_s32(0);
+  for (int64_t c = 0; c < k4; c += 4) {
+    float32x4_t v = vmulq_f32(vld1q_f32(xr + c), inv);
+    v = vbslq_f32(vceqq_f32(v, v), v, vdupq_n_f32(0.f));  // NaN -> 0
+    v = vmaxq_f32(lo, vminq_f32(hi, v));
+    const int32x4_t q = vcvtnq_s32_f32(v);
+    vsum = vaddq_s32(vsum, q);
+    const int16x4_t q16 = vmovn_s32(q);
+    const int8x8_t q8 = vmovn_s16(vcombine_s16(q16, q16));
+    std::memcpy(qr + c, &q8, 4);
+  }
+  int32_t sum = vaddvq_s32(vsum);
+  for (int64_t c = k4; c < k; ++c) sum += (qr[c] = quantize(xr[c], inv_scale));
   *xsum = sum;
 #else
   const float inv_scale = 1.f / (*xscale = row_scale(xr, k));
