@@ -133,10 +133,10 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
                 if text is not None and detokenizer.plain and length >= row.plain_from and \
                         row.stop_ends.isdisjoint(text):
                     detokenizer.add_plain(token, text)
-                    seq.output_text += text
+                    seq.append_text(text)
                     continue
-                before = len(seq.output_text)
-                seq.output_text += detokenizer.add(token)
+                before = seq.text_len
+                seq.append_text(detokenizer.add(token))
                 if row.stop and length - seq.num_prompt_tokens > row.min_tokens:
                     stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
                     if stop is not None:
@@ -268,9 +268,10 @@ def outputs(engine: Engine, request_ids: Iterable[str]) -> list[RequestOutput]:
 
 def request_output(engine: Engine, request: Request) -> RequestOutput:
     """The request's output now. What later steps change of its sequences (token count, text, reasons, logprob
-    count and sum) is captured; the completions are built only when read (`DeferredRequestOutput`)."""
+    count and sum) is captured (the text as a `Sequence.text_snapshot`, joined when read); the completions are built
+    only when read (`DeferredRequestOutput`)."""
     pending = engine.in_flight.rows if engine.in_flight is not None else ()
-    states = [(seq, len(seq.token_ids) - (seq in pending), seq.output_text, seq.finish_reason, seq.stop_reason,
+    states = [(seq, len(seq.token_ids) - (seq in pending), seq.text_snapshot(), seq.finish_reason, seq.stop_reason,
                len(seq.output_logprobs), seq.cumulative_logprob) for seq in request.seqs]
     # Position 0 has no logprob: [None] also for a one-token prompt, whose steps predict no prompt position.
     prompt_lp = (list(request.seqs[0].prompt_logprobs) or [None]) if request.params.prompt_logprobs is not None \
@@ -283,10 +284,10 @@ def request_output(engine: Engine, request: Request) -> RequestOutput:
 def _completions(states: list[tuple]) -> list[CompletionOutput]:
     """The completions of `request_output`'s captured states (the placeholder of an in-flight token excluded)."""
     out = []
-    for seq, end, text, finish_reason, stop_reason, num_logprobs, cumulative in states:
+    for seq, end, (parts, count), finish_reason, stop_reason, num_logprobs, cumulative in states:
         asked = seq.params.logprobs is not None
         out.append(CompletionOutput(
-            index=seq.index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:end],
+            index=seq.index, text="".join(parts[:count]), token_ids=seq.token_ids[seq.num_prompt_tokens:end],
             logprobs=seq.output_logprobs[:num_logprobs] if asked else None, finish_reason=finish_reason,
             stop_reason=stop_reason, logprobs_mode=seq.params.logprobs_mode if asked else None,
             cumulative_logprob=cumulative if asked else None))

@@ -43,7 +43,10 @@ class Sequence:
     output_logprobs: list[LogprobsDict] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[LogprobsDict | None] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (filled only when logprobs are asked)
-    output_text: str = ""
+    # The output text as the pieces it grew by (`append_text`): `text += piece` on an attribute copies the whole text,
+    # a cost per token that grows with the text. `output_text` joins them when read.
+    text_parts: list[str] = dataclasses.field(default_factory=list, repr=False)
+    text_len: int = 0  # len(output_text)
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
     fast_row: Any = None  # the fold's per-sequence constants (inference/engine/fold.py), made after its first token
@@ -56,6 +59,37 @@ class Sequence:
     @pages.setter
     def pages(self, pages: list[int]) -> None:
         self.block_tables[0] = pages
+
+    @property
+    def output_text(self) -> str:
+        parts = self.text_parts
+        if len(parts) > 1:  # joined once; a new list, so a `text_snapshot` of the old one still reads as it was
+            self.text_parts = parts = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self.text_parts = [text] if text else []
+        self.text_len = len(text)
+
+    def append_text(self, text: str) -> None:
+        if text:
+            self.text_parts.append(text)
+            self.text_len += len(text)
+
+    def text_from(self, start: int) -> str:
+        """output_text[start:], joining only the last pieces it spans (a stop string's look-back)."""
+        parts, need = self.text_parts, self.text_len - max(start, 0)
+        i, got = len(parts), 0
+        while i > 0 and got < need:
+            i -= 1
+            got += len(parts[i])
+        return "".join(parts[i:])[got - need:] if need > 0 else ""
+
+    def text_snapshot(self) -> tuple[list[str], int]:
+        """The text now, without joining it: its pieces are only appended to (a cut or a join makes a new list), so
+        "".join(parts[:count]) is the text at this moment whatever happens to the sequence later."""
+        return self.text_parts, len(self.text_parts)
 
     @property
     def num_tokens(self) -> int:

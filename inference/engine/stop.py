@@ -29,7 +29,7 @@ def _append_text(seq: Sequence, tokenizer) -> None:
                                                 prompt_ids=seq.token_ids[:seq.num_prompt_tokens])
         seq.output_text = seq.detokenizer.add(seq.output_token_ids)  # all of them (several after a preemption)
     else:
-        seq.output_text += seq.detokenizer.add(seq.token_ids[-1])
+        seq.append_text(seq.detokenizer.add(seq.token_ids[-1]))
 
 
 def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
@@ -40,7 +40,7 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
     # vLLM: below min_tokens only the length limits end a sequence (the sampler banned EOS and stop_token_ids).
     below_min = seq.num_output_tokens < params.min_tokens
     if tokenizer is not None and params.detokenize:
-        before = len(seq.output_text)
+        before = seq.text_len
         _append_text(seq, tokenizer)
         if params.stop and seq.num_output_tokens > params.min_tokens:
             # A new match can only end in the new text: look back by the longest stop string.
@@ -61,11 +61,13 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int],
 def match_stop_string(seq: Sequence, start: int, stops: tuple[str, ...]) -> str | None:
     """The first of `stops` found in the text from `start` on (then the text is cut at it, or after it with
     `include_stop_str_in_output`), or None."""
-    text = seq.output_text
+    start = max(start, 0)
+    text = seq.text_from(start)  # only the look-back: the whole text is joined only to cut it
     for stop in stops:
-        at = text.find(stop, start)
+        at = text.find(stop)
         if at >= 0:
-            seq.output_text = text[:at + len(stop) if seq.params.include_stop_str_in_output else at]
+            end = start + at + (len(stop) if seq.params.include_stop_str_in_output else 0)
+            seq.output_text = seq.output_text[:end]
             return stop
     return None
 
@@ -73,4 +75,4 @@ def match_stop_string(seq: Sequence, start: int, stops: tuple[str, ...]) -> str 
 def flush_text(seq: Sequence) -> None:
     """At the end of a sequence (not cut by a stop string): emit what the detokenizer held back."""
     if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
-        seq.output_text += seq.detokenizer.finish()
+        seq.append_text(seq.detokenizer.finish())
