@@ -426,10 +426,14 @@ def side_by_side(baseline: str) -> list[dict]:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.abspath(__file__)
     rows = []
-    for n in [int(s) for s in FLAGS.seqs]:
-        for name, tree in (("base", base), ("this", here)):
-            for row in _run_in(tree, script, n):
-                rows.append({**row, "tree": name})
+    try:
+        for n in [int(s) for s in FLAGS.seqs]:
+            for name, tree in (("base", base), ("this", here)):
+                for row in _run_in(tree, script, n):
+                    rows.append({**row, "tree": name})
+    finally:
+        if not os.path.isdir(baseline):  # the worktree made for this run (a path given is the caller's)
+            subprocess.run(["git", "-C", here, "worktree", "remove", "--force", base], capture_output=True)
     for n in [int(s) for s in FLAGS.seqs]:
         pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"]}
         if len(pair) == 2:
