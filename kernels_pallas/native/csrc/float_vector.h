@@ -55,14 +55,19 @@ inline Float8 fma8(Float8 a, Float8 b, Float8 c) {
 // where 8 reductions one at a time take 3 adds and 3 shuffles each. Written as ((lanes 0+2) + (1+3)) + ((4+6) +
 // (5+7)); the compiler may regroup the whole-vector adds (-fassociative-math; it did on aarch64), but every regrouping
 // applies to all lanes alike, so each v[j] is summed in the same order whatever its position j.
+//
+// Lanes of two vectors picked by index (0 .. n-1: a's, n .. 2n-1: b's), as each compiler spells it (g++ takes the
+// indices as a vector of `Lanes`).
+#if defined(__clang__)
+#define PAGEJAX_SHUFFLE(Lanes, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PAGEJAX_SHUFFLE(Lanes, a, b, ...) __builtin_shuffle(a, b, Lanes{__VA_ARGS__})
+#endif
+
 #if defined(__AVX__)
 // One 256-bit register per vector: shuffles of 8 lanes (within 128-bit halves, then across them).
-#if defined(__clang__)
-#define PAGEJAX_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
 typedef int32_t Int8Lanes __attribute__((vector_size(32)));
-#define PAGEJAX_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, Int8Lanes{__VA_ARGS__})
-#endif
+#define PAGEJAX_SHUFFLE8(a, b, ...) PAGEJAX_SHUFFLE(Int8Lanes, a, b, __VA_ARGS__)
 
 inline Float8 sum8x8(const Float8 (&v)[8]) {
   Float8 t[4], u[2];
@@ -78,12 +83,8 @@ inline Float8 sum8x8(const Float8 (&v)[8]) {
 // 128-bit registers (NEON, SSE): a vector is two of them, and shuffles across the pair compiled to lane-by-lane
 // moves (g++ 12, aarch64), so the same tree runs on each half's 4 lanes (zip / trn) and adds the halves last.
 typedef float Float4 __attribute__((vector_size(16)));
-#if defined(__clang__)
-#define PAGEJAX_SHUFFLE4(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
 typedef int32_t Int4Lanes __attribute__((vector_size(16)));
-#define PAGEJAX_SHUFFLE4(a, b, ...) __builtin_shuffle(a, b, Int4Lanes{__VA_ARGS__})
-#endif
+#define PAGEJAX_SHUFFLE4(a, b, ...) PAGEJAX_SHUFFLE(Int4Lanes, a, b, __VA_ARGS__)
 
 inline Float8 sum8x8(const Float8 (&v)[8]) {
   Float4 half[2][8];  // half[h][i] = lanes 4h .. 4h+3 of v[i]

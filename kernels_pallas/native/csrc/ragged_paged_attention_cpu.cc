@@ -322,8 +322,10 @@ struct Attention {
   // acc[0, D) += sum over j < n of (w[j] * scale[j]) * rows[j * D, (j + 1) * D), j ascending.
   void weighted_sum(const float* w, const float* scale, const float* rows, int64_t n, float* acc) const {
     // The vector branches sum in key order through fma8, which the compiler does not regroup: a row's sum cannot
-    // depend on where the value blocks begin (its item's first key).
-    if constexpr (kVector8 && kD > 0) {  // a float array of kD stayed in memory (a load and a store per FMA)
+    // depend on where the value blocks begin (its item's first key). With the head_dim compiled in, every vector's
+    // accumulator stays in a register over the keys (a float array stayed in memory: a load and a store per FMA;
+    // one vector at a time over every key, as for a head_dim known only here, measured slower: BENCHMARKS.md).
+    if constexpr (kVector8 && kD > 0) {
       pagejax::Float8 a[kD / 8];
       for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::load8(acc + 8 * c);
       for (int64_t j = 0; j < n; ++j) {
@@ -331,7 +333,7 @@ struct Attention {
         for (int c = 0; c < kD / 8; ++c) a[c] = pagejax::fma8(wj, pagejax::load8(rows + j * kD + 8 * c), a[c]);
       }
       for (int c = 0; c < kD / 8; ++c) pagejax::store8(acc + 8 * c, a[c]);
-    } else if (vector8()) {  // a head_dim known only here: one vector of the row at a time, over every key
+    } else if (vector8()) {  // a head_dim known only here
       const int64_t D = dim();
       for (int64_t c = 0; c < D; c += 8) {
         pagejax::Float8 a = pagejax::load8(acc + c);
@@ -339,15 +341,7 @@ struct Attention {
           a = pagejax::fma8(pagejax::Float8{} + w[j] * scale[j], pagejax::load8(rows + j * D + c), a);
         pagejax::store8(acc + c, a);
       }
-    } else if constexpr (kD > 0) {
-      float a[kD];
-      std::copy(acc, acc + kD, a);
-      for (int64_t j = 0; j < n; ++j) {
-        const float wj = w[j] * scale[j];
-        for (int d = 0; d < kD; ++d) a[d] += wj * rows[j * kD + d];
-      }
-      std::copy(a, a + kD, acc);
-    } else {
+    } else {  // a head_dim of no whole vectors (a compiled head_dim takes a vector path)
       const int64_t D = dim();
       for (int64_t j = 0; j < n; ++j) {
         const float wj = w[j] * scale[j];
