@@ -239,7 +239,7 @@ class ModelRunner:
         # host's (numpy) and those gathered on the device from the previous step's samples (async scheduling) must
         # reach the jitted step alike, or each would compile its own variant (a one-device KV cache is committed
         # there too, for the same reason).
-        self.token_sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self.token_sharding = jax.sharding.make_single_device_sharding(self._device)
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         self.num_state_slots = num_state_slots if padded.has_state_layers else 0
         if padded.has_state_layers:
@@ -455,7 +455,7 @@ class ModelRunner:
             # give the jitted steps another input signature (a new entry in their cache).
             if all(not isinstance(x, jax.Array) or x.devices() == {self._device} for x in leaves):
                 return [jnp.asarray(x) for x in leaves]
-            return reshard_all(leaves, [jax.sharding.SingleDeviceSharding(self._device)] * len(leaves))
+            return reshard_all(leaves, [jax.sharding.make_single_device_sharding(self._device)] * len(leaves))
         return reshard_all(leaves, self.param_shardings)
 
 

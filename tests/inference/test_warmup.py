@@ -130,7 +130,7 @@ def test_folded_extras_leave_tokens_and_logits_alone():
         fold_extras(penalized, StepFlags(extras=True), vocab_size=vocab, penalty_len=8)
     # With the runner's sharding the large parts live on the device: the no-op ones made once (the same arrays at
     # every step, nothing to send), a real mask and real ids put there too; the per-row parts stay numpy.
-    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    where = jax.sharding.make_single_device_sharding(jax.devices()[0])
     first, again = (fold_extras(sampling, StepFlags(True, True), vocab_size=vocab, penalty_len=64, sharding=where)
                     for _ in range(2))
     assert first.token_mask is again.token_mask and first.penalties.prompt_ids is again.penalties.prompt_ids
