@@ -43,7 +43,14 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(self.hv * self.dv, d, dtype=dtype, rngs=rngs)
         self.config, self.layer = config, layer
         self.mesh, self.attn_impl = mesh, attn_impl  # what the runner asks of every layer's mixer
-        self.batch_invariant = False  # models/batch_invariant.py: the recurrent form for every step
+        self.batch_invariant = False  # models/batch_invariant.py: the invariant form for every step
+
+    def mode(self, meta: AttentionMetadata) -> str:
+        """The invariant form in batch-invariant mode (any split of a prompt, any batch, the same bits), the
+        recurrent one for decode steps and speculative verification (per-token states), the chunked one otherwise."""
+        if self.batch_invariant:
+            return "invariant"
+        return "recurrent" if meta.max_q_len <= 1 or meta.state_spec_slots is not None else "chunked"
 
     def _project(self, x: jax.Array):
         """x[T, D] -> (q|k|v [T, C] for the conv, z [T, Hv, Dv], b and a [T, Hv]), un-grouping transformers'
@@ -71,9 +78,8 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        recurrent = (self.batch_invariant or meta.max_q_len <= 1 or meta.state_spec_slots is not None)
         o, ssm = ragged_gated_delta_rule(q, k, v, g, beta, state.ssm, meta, chunk_size=CHUNK_SIZE,
-                                         mode="recurrent" if recurrent else "chunked")
+                                         mode=self.mode(meta))
         gated = self.norm(o) * jax.nn.silu(z.astype(jnp.float32))  # Qwen3NextRMSNormGated
         return self.out_proj(gated.astype(x.dtype).reshape(t, -1)), RecurrentState(conv=conv, ssm=ssm)
 

@@ -93,14 +93,17 @@ class Mamba2Mixer(nnx.Module):
 
     @property
     def batch_invariant(self) -> bool:
-        """Set with the model's projections (models/batch_invariant.py flags every Linear): then the recurrent form
-        runs on every step and the norm sums in a fixed order, so any split of a prompt gives the same bits."""
+        """Set with the model's projections (models/batch_invariant.py flags every Linear): then the SSD runs in its
+        invariant form on every step and the norm sums in a fixed order, so any split of a prompt gives the same
+        bits."""
         return self.in_proj.batch_invariant
 
     def mode(self, meta) -> str:
-        """The recurrent form for decode steps, speculative verification (per-token states) and batch-invariant
-        mode (any split of a prompt gives the same bits); the chunked form otherwise."""
-        if self.batch_invariant or meta.max_q_len == 1 or getattr(meta, "state_spec_slots", None) is not None:
+        """The invariant form in batch-invariant mode (any split of a prompt, any batch, the same bits), the
+        recurrent one for decode steps and speculative verification (per-token states), the chunked one otherwise."""
+        if self.batch_invariant:
+            return "invariant"
+        if meta.max_q_len == 1 or getattr(meta, "state_spec_slots", None) is not None:
             return "recurrent"
         return "chunked"
 

@@ -1,35 +1,41 @@
 """The gated delta rule (Gated DeltaNet; Yang et al. 2024, as transformers' Qwen3-Next computes it) over a ragged
-batch, in two forms with one signature.
+batch, in three forms with one signature.
 
 Per value head, with S the state [Dk, Dv] and the query scaled by Dk ** -0.5 (q and k l2-normed first):
     S <- exp(g_t) * S;  S <- S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T q_t
   * "recurrent": that update token by token (`torch_recurrent_gated_delta_rule`), every sequence of the batch in
     parallel, one scan step per position of the longest chunk (`meta.max_q_len`): decode is one step.
+  * "invariant": the recurrent form with every sum over Dk in a fixed order (recurrent/ordered_sum.py), so a
+    sequence's bits depend neither on how its prompt is split nor on the other sequences of its steps (XLA:CPU's
+    reduces vectorize by the shape); batch-invariant mode runs it.
   * "chunked": `torch_chunk_gated_delta_rule`'s matmul form. Each sequence's chunk is cut into blocks of
     `chunk_size` starting at its own first token, so no block mixes sequences; the intra-block part (the UT
     transform, a unit-lower-triangular solve) runs for all blocks at once, then one scan over the blocks carries
     the state, restarting from a sequence's initial state at its first block.
-Both read each sequence's initial state from its slot (zeros for a fresh sequence) and write its final state back
+All read each sequence's initial state from its slot (zeros for a fresh sequence) and write its final state back
 (kernels_pallas/recurrent/ragged.py has the rules); the recurrent form also writes per-position states
-(`state_spec_slots`). Batch-invariant mode runs the recurrent form so any split of a prompt gives the same bits.
+(`state_spec_slots`), as does the invariant form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.recurrent.ordered_sum import ordered_sum
 from kernels_pallas.recurrent.ragged import (check_meta, initial_states, query_spans, spec_destinations,
                                              token_sequences, write_final_states, write_position_states)
 
-MODES = ("chunked", "recurrent")
+MODES = ("chunked", "recurrent", "invariant")
+Sum = Callable[..., jax.Array]  # (x, axis=...) -> x summed over that axis: jnp.sum, or ordered_sum
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x * rsqrt(sum(x²) + eps) over the last axis (transformers' / FLA's l2norm)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def l2norm(x: jax.Array, eps: float = 1e-6, total: Sum = jnp.sum) -> jax.Array:
+    """x * rsqrt(sum(x²) + eps) over the last axis (transformers' / FLA's l2norm); `total` sums over an axis."""
+    return x * jax.lax.rsqrt(total(x * x, axis=-1)[..., None] + eps)
 
 
 def _check(q, k, v, g, beta, state, mode, chunk_size):
@@ -57,13 +63,14 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     _check(q, k, v, g, beta, state, mode, chunk_size)
     check_meta(meta)
     if mode == "chunked" and getattr(meta, "state_spec_slots", None) is not None:
-        raise ValueError("per-position states (state_spec_slots) need mode='recurrent'")
+        raise ValueError("per-position states (state_spec_slots) need mode='recurrent' or 'invariant'")
     num_tokens, hk, dk = q.shape
     hv = v.shape[1]
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    total = ordered_sum if mode == "invariant" else jnp.sum
     q, k = f32(q), f32(k)
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm(q, total=total), l2norm(k, total=total)
     q = q * (dk ** -0.5 if scale is None else scale)
     if hv != hk:
         q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
@@ -71,8 +78,8 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     init = initial_states(state, meta)  # [S, Hv, Dk, Dv]
     zero = lambda x: jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)  # noqa: E731
     args = tuple(zero(x) for x in (q, k, f32(v), f32(g), f32(beta)))
-    if mode == "recurrent":
-        out, final, per_token = _recurrent(*args, init, meta, seq, offset, valid)
+    if mode != "chunked":
+        out, final, per_token = _recurrent(*args, init, meta, seq, offset, valid, total)
     else:
         out, final = _chunked(*args, init, meta, chunk_size)
         per_token = None
@@ -83,17 +90,17 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     return zero(out).astype(v.dtype), new_state
 
 
-def _step(h, q, k, v, g, beta):
+def _step(h, q, k, v, g, beta, total: Sum):
     """One token for a batch of states h [B, Hv, Dk, Dv]; q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv].
-    Products and sums over Dk rather than dots: a dot's summation order may depend on B on XLA:CPU, and
-    batch-invariant mode needs each sequence's bits independent of the batch."""
+    Products and sums over Dk (`total`) rather than dots: a dot's summation order may depend on B on XLA:CPU,
+    and the invariant mode's sums do not."""
     h = h * jnp.exp(g)[..., None, None]
-    delta = (v - jnp.sum(h * k[..., :, None], axis=-2)) * beta[..., None]
+    delta = (v - total(h * k[..., :, None], axis=-2)) * beta[..., None]
     h = h + k[..., :, None] * delta[..., None, :]
-    return h, jnp.sum(h * q[..., :, None], axis=-2)
+    return h, total(h * q[..., :, None], axis=-2)
 
 
-def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid):
+def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid, total: Sum):
     """Every sequence advances one token per scan step (position j of its chunk), so decode is a single step."""
     num_tokens = q.shape[0]
     starts, q_lens = query_spans(meta)
@@ -104,7 +111,7 @@ def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid):
         idx = starts + j
         active = (j < q_lens) & (idx < num_tokens)
         at = jnp.clip(idx, 0, num_tokens - 1)
-        h_new, o = _step(h, q[at], k[at], v[at], g[at], beta[at])
+        h_new, o = _step(h, q[at], k[at], v[at], g[at], beta[at], total)
         h = jnp.where(active[:, None, None, None], h_new, h)
         out = out.at[jnp.where(active, idx, num_tokens)].set(o, mode="drop")
         return (h, out), (h if spec else None)

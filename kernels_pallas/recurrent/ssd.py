@@ -1,5 +1,6 @@
-"""Mamba2's state space duality (SSD) over a ragged batch: the chunked (matmul) form for prefill and the recurrent
-form (a scan over tokens) for decode and batch-invariant mode. Pure JAX, with the signature a Pallas kernel would
+"""Mamba2's state space duality (SSD) over a ragged batch: the chunked (matmul) form for prefill, the recurrent
+form (a scan over tokens) for decode, and the invariant form, the recurrent one with its sum over the state in a
+fixed order (recurrent/ordered_sum.py), for batch-invariant mode. Pure JAX, with the signature a Pallas kernel would
 have; the reference kernels are tested against.
 
 Per head h of sequence s, with the discretized step dt (softplus'ed, biased and clamped by the caller), the state
@@ -22,10 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.recurrent.ordered_sum import ordered_sum
 from kernels_pallas.recurrent.ragged import (check_meta, initial_states, query_spans, spec_destinations,
                                              token_sequences, write_final_states, write_position_states)
 
-SSD_MODES = ("chunked", "recurrent")
+SSD_MODES = ("chunked", "recurrent", "invariant")
 
 
 def check_ssd_inputs(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, state: jax.Array,
@@ -49,8 +51,9 @@ def check_ssd_inputs(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C:
         raise ValueError(f"unknown SSD mode {mode!r}; expected one of {SSD_MODES}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if getattr(meta, "state_spec_slots", None) is not None and mode != "recurrent":
-        raise ValueError("state_spec_slots (per-token states for speculative verification) needs mode='recurrent'")
+    if getattr(meta, "state_spec_slots", None) is not None and mode == "chunked":
+        raise ValueError("state_spec_slots (per-token states for speculative verification) needs mode='recurrent' "
+                         "or 'invariant'")
 
 
 def _by_head(v: jax.Array, heads: int) -> jax.Array:
@@ -65,9 +68,9 @@ def _lay_out(v: jax.Array, dest: jax.Array, rows: int, width: int) -> jax.Array:
     return buf.at[dest].set(v.astype(jnp.float32), mode="drop").reshape(rows, width, *v.shape[1:])
 
 
-def _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block: int, keep_states: bool):
+def _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block: int, keep_states: bool, ordered: bool):
     """Scan over each sequence's tokens, all sequences at once, on a [S, q_block] layout (empty rows have dt = 0
-    and x = 0, so they leave the state as it is). Returns (y [T, H, P], final [S, H, P, N], each token's state
+    and x = 0, so they leave the state as it is); `ordered`: y's sum over N in a fixed order. Returns (y [T, H, P], final [S, H, P, N], each token's state
     [T, H, P, N] or None)."""
     heads = x.shape[1]
     seqs = h0.shape[0]
@@ -78,7 +81,7 @@ def _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block: int, keep_states
         x_t, dt_t, b_t, c_t = inputs
         h = (h * jnp.exp(dt_t * A)[..., None, None]
              + (x_t * dt_t[..., None])[..., None] * _by_head(b_t, heads)[..., None, :])
-        y = jnp.sum(h * _by_head(c_t, heads)[..., None, :], axis=-1)
+        y = (ordered_sum if ordered else jnp.sum)(h * _by_head(c_t, heads)[..., None, :], axis=-1)
         return h, (y, h if keep_states else None)
 
     final, (ys, hs) = jax.lax.scan(step, h0, (xs, dts, bs, cs))
@@ -168,9 +171,10 @@ def ragged_ssd(
     h0 = initial_states(state, meta).astype(jnp.float32)
     x, dt, A, B, C = (jnp.asarray(v, jnp.float32) for v in (x, dt, A, B, C))
     spec = getattr(meta, "state_spec_slots", None)
-    if mode == "recurrent":
+    if mode != "chunked":
         q_block = min(getattr(meta, "max_q_len", None) or tokens, tokens)
-        y, final, per_token = _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block, spec is not None)
+        y, final, per_token = _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block, spec is not None,
+                                         mode == "invariant")
     else:
         _, q_lens = query_spans(meta)
         y, final = _chunked(x, dt, A, B, C, h0, q_lens, seq, offset, valid, chunk_size)

@@ -11,6 +11,7 @@ import pytest
 
 from kernels_pallas.recurrent.conv import ragged_causal_conv1d
 from kernels_pallas.recurrent.gated_delta_rule import ragged_gated_delta_rule
+from kernels_pallas.recurrent.ordered_sum import ordered_sum
 
 NUM_SLOTS = 8
 
@@ -91,7 +92,7 @@ CASES = [[1, 1, 1], [7, 1, 12, 3], [16, 9, 1, 17, 2]]
 
 
 @pytest.mark.parametrize("q_lens", CASES)
-@pytest.mark.parametrize("mode,chunk", [("recurrent", 64), ("chunked", 4), ("chunked", 8)])
+@pytest.mark.parametrize("mode,chunk", [("recurrent", 64), ("invariant", 64), ("chunked", 4), ("chunked", 8)])
 def test_gated_delta_rule_matches_the_naive_loop(q_lens, mode, chunk):
     _, meta, cu, context, slots, args = random_batch(len(q_lens) * 7 + chunk, q_lens)
     run = jax.jit(lambda *a: ragged_gated_delta_rule(*a, meta, chunk_size=chunk, mode=mode))
@@ -128,7 +129,7 @@ def test_recurrent_form_writes_per_position_states():
                 np.testing.assert_allclose(np.asarray(new)[spec[s, j]], per_token[cu[s] + j], atol=2e-5, rtol=1e-4)
                 written += 1
     assert written >= 2
-    with pytest.raises(ValueError, match="mode='recurrent'"):
+    with pytest.raises(ValueError, match="mode='recurrent' or 'invariant'"):
         ragged_gated_delta_rule(*map(jnp.asarray, args), meta, mode="chunked")
 
 
@@ -161,6 +162,69 @@ def test_causal_conv1d_writes_per_position_states():
     assert checked
     for s, j in checked:
         np.testing.assert_allclose(np.asarray(new)[spec[s, j]], per_token[cu[s] + j], atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_ordered_sum_is_the_left_fold_at_every_shape(axis):
+    """The same bits as numpy's float32 adds slice by slice, whatever the other dimensions (1 to 64 rows), where a
+    reduce's bits change with them on XLA:CPU."""
+    x = np.random.default_rng(4).standard_normal((64, 16, 24)).astype(np.float32) * 100
+    run = jax.jit(lambda a: ordered_sum(a, axis))
+    for rows in (1, 2, 5, 8, 64):
+        part = x[:rows]
+        want = np.take(part, 0, axis)
+        for i in range(1, part.shape[axis]):
+            want = want + np.take(part, i, axis)
+        np.testing.assert_array_equal(np.asarray(run(part)), want)
+
+
+def fresh_meta(q_lens, pad_tokens=0, pad_seqs=0, first_slot=1):
+    """Sequences with no context in slots first_slot, first_slot + 1, ... padded like the runner pads."""
+    n, real = len(q_lens), sum(q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens), [real] * pad_seqs]).astype(np.int32)
+    kv = np.array(list(q_lens) + [0] * pad_seqs, np.int32)
+    slots = np.array(list(range(first_slot, first_slot + n)) + [0] * pad_seqs, np.int32)
+    return SimpleNamespace(cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv), state_slots=jnp.asarray(slots),
+                           num_seqs=jnp.asarray([n], jnp.int32), max_q_len=int(max(q_lens)), state_spec_slots=None)
+
+
+def test_invariant_forms_give_a_sequence_the_same_bits_alone_batched_and_split():
+    """Batch-invariant mode's contract at the ops: sequence 0's conv and gated-delta-rule outputs and final states
+    are the same bits alone, batched with seven others (padding tokens and sequences included), and fed in two
+    steps through its slot. The recurrent form's reduces vectorize by the shape on XLA:CPU, so its bits differ
+    between these in the last place (kernels_pallas/recurrent/ordered_sum.py)."""
+    rng = np.random.default_rng(12)
+    hk, hv, dk, dv, taps = 2, 4, 16, 16, 4
+    lens = [13, 5, 9, 1, 11, 7, 3, 8]
+    seqs = [(rng.standard_normal((n, hk, dk)), rng.standard_normal((n, hk, dk)), rng.standard_normal((n, hv, dv)),
+             -np.exp(rng.standard_normal((n, hv))) * 0.3, 1 / (1 + np.exp(-rng.standard_normal((n, hv)))),
+             rng.standard_normal((n, hk * dk))) for n in lens]
+    w = rng.standard_normal((hk * dk, taps)).astype(np.float32)
+
+    def run(q, k, v, g, beta, x, ssm, conv, meta):
+        y, conv = ragged_causal_conv1d(x, w, None, conv, meta)
+        out, ssm = ragged_gated_delta_rule(q, k, v, g, beta, ssm, meta, mode="invariant")
+        return y, out, ssm, conv
+
+    def step(parts, meta, ssm, conv, pad_tokens):
+        arrays = [np.concatenate([p[i] for p in parts]).astype(np.float32) for i in range(6)]
+        arrays = [np.pad(a, [(0, pad_tokens)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
+        return jax.jit(lambda *a: run(*a, meta))(*map(jnp.asarray, arrays), ssm, conv)
+
+    ssm0, conv0 = jnp.zeros((NUM_SLOTS + 4, hv, dk, dv)), jnp.zeros((NUM_SLOTS + 4, hk * dk, taps - 1))
+    alone = step(seqs[:1], fresh_meta(lens[:1]), ssm0, conv0, 0)
+    batched = step(seqs, fresh_meta(lens, pad_tokens=5, pad_seqs=2), ssm0, conv0, 5)
+    first = step([[a[:6] for a in seqs[0]]], fresh_meta([6]), ssm0, conv0, 0)
+    rest = fresh_meta([7])
+    rest.kv_lens = jnp.asarray([13], jnp.int32)  # six tokens of context: its state comes from slot 1
+    second = step([[a[6:] for a in seqs[0]]], rest, first[2], first[3], 0)
+    n = lens[0]
+    for got in (batched, (np.concatenate([first[0], second[0]]), np.concatenate([first[1], second[1]]),
+                          second[2], second[3])):
+        np.testing.assert_array_equal(np.asarray(got[0])[:n], np.asarray(alone[0]))  # the conv's outputs
+        np.testing.assert_array_equal(np.asarray(got[1])[:n], np.asarray(alone[1]))  # the rule's outputs
+        np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(alone[2])[1])  # the state in slot 1
+        np.testing.assert_array_equal(np.asarray(got[3])[1], np.asarray(alone[3])[1])  # the conv state
 
 
 def test_bad_inputs_name_the_problem():

@@ -75,7 +75,8 @@ def _run(inputs, max_q_len=None, spec=None, **kw):
     return jax.jit(step)(x, dt, A, B, C, state, cu, kv_lens, slots, spec)
 
 
-@pytest.mark.parametrize("mode, chunk_size", [("chunked", 4), ("chunked", 5), ("chunked", 16), ("recurrent", 4)])
+@pytest.mark.parametrize("mode, chunk_size", [("chunked", 4), ("chunked", 5), ("chunked", 16), ("recurrent", 4),
+                                              ("invariant", 4)])
 @pytest.mark.parametrize("q_lens, kv_extra", [
     ([7, 1, 12, 3], [0, 5, 0, 9]),  # fresh and continuing sequences, lengths across chunk edges
     ([1, 1, 1], [4, 0, 2]),  # decode-shaped
@@ -85,7 +86,7 @@ def test_ragged_ssd_matches_the_per_token_loop(mode, chunk_size, q_lens, kv_extr
     rng = np.random.default_rng(len(q_lens) * 31 + chunk_size)
     slots = list(range(1, len(q_lens) + 1))[::-1]
     inputs = _batch(rng, q_lens, kv_extra, slots=slots)
-    y, state = _run(inputs, chunk_size=chunk_size, mode=mode, max_q_len=max(q_lens) if mode == "recurrent" else None)
+    y, state = _run(inputs, chunk_size=chunk_size, mode=mode, max_q_len=max(q_lens) if mode != "chunked" else None)
     x, dt, A, B, C, state0, cu, kv_lens, slot_arr = inputs
     want_y, want_state, _ = _naive(x, dt, A, B, C, state0, q_lens, kv_lens, slots)
     real = sum(q_lens)
@@ -100,12 +101,12 @@ def test_ragged_ssd_matches_the_per_token_loop(mode, chunk_size, q_lens, kv_extr
 
 
 def test_forms_agree_and_a_split_prompt_equals_the_whole():
-    """Chunked == recurrent on one batch; and a prompt fed as two steps through its slot equals the prompt fed at
-    once, in both forms (the recurrent form bitwise: batch-invariant mode relies on it)."""
+    """Chunked == recurrent == invariant on one batch; and a prompt fed as two steps through its slot equals the
+    prompt fed at once, in every form (the invariant form bitwise: batch-invariant mode relies on it)."""
     rng = np.random.default_rng(7)
     whole = _batch(rng, [11], [0], slots=[3], pad_tokens=0, pad_seqs=0)
     x, dt, A, B, C, state0, _, _, _ = whole
-    for mode in ("chunked", "recurrent"):
+    for mode in ("chunked", "recurrent", "invariant"):
         y_whole, s_whole = _run(whole, mode=mode, chunk_size=4)
         first = (x[:6], dt[:6], A, B[:6], C[:6], state0, np.array([0, 6], np.int32), np.array([6], np.int32),
                  np.array([3], np.int32))
@@ -114,16 +115,34 @@ def test_forms_agree_and_a_split_prompt_equals_the_whole():
                   np.array([11], np.int32), np.array([3], np.int32))
         y2, s2 = _run(second, mode=mode, chunk_size=4)
         split_y = np.concatenate([np.asarray(y1), np.asarray(y2)])
-        if mode == "recurrent":
+        if mode == "invariant":
             np.testing.assert_array_equal(split_y, np.asarray(y_whole))
             np.testing.assert_array_equal(np.asarray(s2)[3], np.asarray(s_whole)[3])
         else:
             np.testing.assert_allclose(split_y, np.asarray(y_whole), atol=ATOL, rtol=1e-5)
             np.testing.assert_allclose(np.asarray(s2)[3], np.asarray(s_whole)[3], atol=ATOL, rtol=1e-5)
     y_c, s_c = _run(whole, mode="chunked", chunk_size=3)
-    y_r, s_r = _run(whole, mode="recurrent")
-    np.testing.assert_allclose(np.asarray(y_c), np.asarray(y_r), atol=ATOL, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(s_c), np.asarray(s_r), atol=ATOL, rtol=1e-5)
+    for mode in ("recurrent", "invariant"):
+        y_r, s_r = _run(whole, mode=mode)
+        np.testing.assert_allclose(np.asarray(y_c), np.asarray(y_r), atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(s_c), np.asarray(s_r), atol=ATOL, rtol=1e-5)
+
+
+def test_invariant_form_gives_a_sequence_the_same_bits_alone_and_batched():
+    """A sequence's y and final state are the same bits alone and batched with five others (padding included): the
+    invariant form sums over the state in a fixed order, where the recurrent form's reduce vectorizes by the number
+    of sequences on XLA:CPU (kernels_pallas/recurrent/ordered_sum.py)."""
+    rng = np.random.default_rng(21)
+    q_lens = [9, 4, 1, 12, 6, 3]
+    x, dt, A, B, C, state0, cu, kv_lens, slots = _batch(rng, q_lens, [0] * 6, slots=range(1, 7), d_state=16,
+                                                        head_dim=16)
+    n = q_lens[0]
+    alone = (x[:n], dt[:n], A, B[:n], C[:n], state0, np.array([0, n], np.int32), np.array([n], np.int32),
+             np.array([1], np.int32))
+    y_alone, s_alone = _run(alone, mode="invariant", max_q_len=n)
+    y, s = _run((x, dt, A, B, C, state0, cu, kv_lens, slots), mode="invariant", max_q_len=max(q_lens))
+    np.testing.assert_array_equal(np.asarray(y)[:n], np.asarray(y_alone))
+    np.testing.assert_array_equal(np.asarray(s)[1], np.asarray(s_alone)[1])
 
 
 def test_speculative_slots_get_the_state_after_each_token():
@@ -152,7 +171,7 @@ def test_bad_inputs_name_the_problem():
         ragged_ssd(x, dt, A, np.zeros((x.shape[0], 3, 5)), np.zeros((x.shape[0], 3, 5)), state, meta)
     with pytest.raises(ValueError, match="unknown SSD mode"):
         ragged_ssd(x, dt, A, B, C, state, meta, mode="parallel")
-    with pytest.raises(ValueError, match="needs mode='recurrent'"):
+    with pytest.raises(ValueError, match="needs mode='recurrent' or 'invariant'"):
         ragged_ssd(x, dt, A, B, C, state, _meta(cu, kv_lens, slots, np.zeros((2, 2), np.int32)))
     with pytest.raises(ValueError, match="state_slots"):
         ragged_ssd(x, dt, A, B, C, state, _meta(cu, kv_lens, None))
