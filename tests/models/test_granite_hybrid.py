@@ -130,12 +130,12 @@ def test_greedy_decode_through_slots_is_transformers_greedy():
 
 
 def test_batch_invariant_mode_gives_the_same_bits_for_any_split():
-    """make_batch_invariant: the recurrent SSD on every step, so a prompt fed whole, in chunks, or beside another
-    sequence gives bitwise-identical logits (the prefix-caching and chunked-prefill tests rely on it)."""
+    """make_batch_invariant: the SSD's invariant form on every step, so a prompt fed whole, in chunks, or beside
+    another sequence gives bitwise-identical logits (the prefix-caching and chunked-prefill tests rely on it)."""
     from models.batch_invariant import make_batch_invariant
 
     model = make_batch_invariant(build_decoder(get_model_config("tiny-granite-hybrid"), seed=3))
-    assert all(model.layers[i].attn.mode(SimpleNamespace(max_q_len=16)) == "recurrent" for i in (0, 1, 3))
+    assert all(model.layers[i].attn.mode(SimpleNamespace(max_q_len=16)) == "invariant" for i in (0, 1, 3))
     rng = np.random.default_rng(4)
     prompt, other = rng.integers(0, model.config.vocab_size, 13), rng.integers(0, model.config.vocab_size, 13)
     (whole,) = run_ragged(model, [prompt], [[13]], slots=[1])
