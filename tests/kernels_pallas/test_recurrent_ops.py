@@ -164,18 +164,21 @@ def test_causal_conv1d_writes_per_position_states():
         np.testing.assert_allclose(np.asarray(new)[spec[s, j]], per_token[cu[s] + j], atol=1e-6)
 
 
-@pytest.mark.parametrize("axis", [0, 1, -1])
-def test_ordered_sum_is_the_left_fold_at_every_shape(axis):
-    """The same bits as numpy's float32 adds slice by slice, whatever the other dimensions (1 to 64 rows), where a
-    reduce's bits change with them on XLA:CPU."""
-    x = np.random.default_rng(4).standard_normal((64, 16, 24)).astype(np.float32) * 100
+@pytest.mark.parametrize("axis,size", [(0, 64), (1, 16), (1, 5), (-1, 24), (-1, 1)])
+def test_ordered_sum_is_the_pairwise_tree_at_every_shape(axis, size):
+    """The same bits as numpy's float32 adds of the halves (the axis zero-padded to a power of two), whatever the
+    other dimensions (1 to 64 rows), where a reduce's bits change with them on XLA:CPU."""
+    rng = np.random.default_rng(4)
     run = jax.jit(lambda a: ordered_sum(a, axis))
     for rows in (1, 2, 5, 8, 64):
-        part = x[:rows]
-        want = np.take(part, 0, axis)
-        for i in range(1, part.shape[axis]):
-            want = want + np.take(part, i, axis)
-        np.testing.assert_array_equal(np.asarray(run(part)), want)
+        shape = [size, rows, 24] if axis == 0 else [rows, 16, 24]
+        shape[axis] = size
+        x = rng.standard_normal(shape).astype(np.float32) * 100
+        want = np.moveaxis(x, axis, 0)
+        want = np.concatenate([want, np.zeros(((1 << (size - 1).bit_length()) - size,) + want.shape[1:], np.float32)])
+        while len(want) > 1:
+            want = want[:len(want) // 2] + want[len(want) // 2:]
+        np.testing.assert_array_equal(np.asarray(run(x)), want[0])
 
 
 def fresh_meta(q_lens, pad_tokens=0, pad_seqs=0, first_slot=1):
