@@ -17,7 +17,7 @@ from flax import nnx
 from kernels_pallas import rope_cpu
 from kernels_pallas.backend import target_backend
 from kernels_pallas.matmul.few_rows_cpu import few_rows_kernel_takes, few_rows_matmul_cpu
-from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum
+from kernels_pallas.matmul.invariant_cpu import invariant_matmul, invariant_row_sum, invariant_rsqrt
 from kernels_pallas.native import gate
 from models.config import ModelConfig, RopeScaling
 from models.quantization.modes import embedding_lookup, is_quantized, quantized_matmul
@@ -82,14 +82,14 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype) if style == "rms" else jnp.zeros((dim,), dtype))
         self.eps = eps
         self.style = style
-        self.batch_invariant = False  # models/batch_invariant.py: the mean square summed in a fixed order
+        self.batch_invariant = False  # models/batch_invariant.py: a fixed-order mean square, an exact rsqrt
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         squares = x32 * x32
         mean = (invariant_row_sum(squares)[..., None] / x.shape[-1] if self.batch_invariant
                 else jnp.mean(squares, axis=-1, keepdims=True))
-        normed = x32 * jax.lax.rsqrt(mean + self.eps)
+        normed = x32 * (invariant_rsqrt if self.batch_invariant else jax.lax.rsqrt)(mean + self.eps)
         w = self.weight[...].astype(jnp.float32)
         return (normed * (w if self.style == "rms" else 1.0 + w)).astype(x.dtype)
 

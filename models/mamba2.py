@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.matmul.invariant_cpu import invariant_row_sum
+from kernels_pallas.matmul.invariant_cpu import invariant_row_sum, invariant_rsqrt
 from kernels_pallas.recurrent.conv import ragged_causal_conv1d
 from kernels_pallas.recurrent.layout import RecurrentState
 from kernels_pallas.recurrent.ssd import ragged_ssd
@@ -86,7 +86,7 @@ class Mamba2Mixer(nnx.Module):
         squares = grouped * grouped
         mean = (invariant_row_sum(squares)[..., None] / squares.shape[-1] if self.batch_invariant
                 else jnp.mean(squares, axis=-1, keepdims=True))
-        normed = grouped * jax.lax.rsqrt(mean + self.eps)
+        normed = grouped * (invariant_rsqrt if self.batch_invariant else jax.lax.rsqrt)(mean + self.eps)
         # transformers casts back to the input dtype before the weight multiplies.
         out = self.norm_weight[...] * normed.reshape(rows, self.width).astype(dtype)
         return self.out_proj(out.astype(dtype))

@@ -91,6 +91,14 @@ def invariant_row_sum(x: jax.Array) -> jax.Array:
     return sums(sums(rows, SUM_CHUNK), chunks).reshape(lead)
 
 
+def invariant_rsqrt(x: jax.Array) -> jax.Array:
+    """1 / sqrt(x) from two correctly rounded IEEE operations: the same bits at any shape. Why: XLA:CPU's rsqrt is
+    not one function everywhere; jax 0.12.0.1's programs at LLVM -O0 gave a one-row RMSNorm other bits than the same
+    row among 300 (tests/inference/test_batch_invariance.py). The barrier keeps XLA from rewriting 1 / sqrt(x) back
+    into rsqrt(x) (it does, and then the bits differ the same way)."""
+    return 1.0 / jax.lax.optimization_barrier(jnp.sqrt(x))
+
+
 def invariant_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
     """The kernel's order in JAX: acc = acc + x[..., k] * w[k, :] for k = 0 .. K-1 (`lax.fori_loop`). JAX has no
     fma op, so this rounds the product separately and agrees with the kernel to rounding, not bitwise; the bitwise
@@ -106,4 +114,4 @@ def invariant_matmul_reference(x: jax.Array, w: jax.Array, *, transposed: bool =
     return acc.reshape(*x.shape[:-1], w_kn.shape[1])
 
 
-__all__ = ["KERNEL", "invariant_matmul", "invariant_matmul_reference", "invariant_row_sum"]
+__all__ = ["KERNEL", "invariant_matmul", "invariant_matmul_reference", "invariant_row_sum", "invariant_rsqrt"]

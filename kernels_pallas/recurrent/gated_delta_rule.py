@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.matmul.invariant_cpu import invariant_rsqrt
 from kernels_pallas.recurrent.ordered_sum import ordered_sum
 from kernels_pallas.recurrent.ragged import (check_meta, initial_states, query_spans, spec_destinations,
                                              token_sequences, write_final_states, write_position_states)
@@ -33,9 +34,12 @@ MODES = ("chunked", "recurrent", "invariant")
 Sum = Callable[..., jax.Array]  # (x, axis=...) -> x summed over that axis: jnp.sum, or ordered_sum
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6, total: Sum = jnp.sum) -> jax.Array:
-    """x * rsqrt(sum(x²) + eps) over the last axis (transformers' / FLA's l2norm); `total` sums over an axis."""
-    return x * jax.lax.rsqrt(total(x * x, axis=-1)[..., None] + eps)
+def l2norm(x: jax.Array, eps: float = 1e-6, invariant: bool = False) -> jax.Array:
+    """x * rsqrt(sum(x²) + eps) over the last axis (transformers' / FLA's l2norm); `invariant`: the sum and the
+    rsqrt the same bits at any shape."""
+    if invariant:
+        return x * invariant_rsqrt(ordered_sum(x * x, axis=-1)[..., None] + eps)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def _check(q, k, v, g, beta, state, mode, chunk_size):
@@ -70,7 +74,7 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     total = ordered_sum if mode == "invariant" else jnp.sum
     q, k = f32(q), f32(k)
     if use_qk_l2norm:
-        q, k = l2norm(q, total=total), l2norm(k, total=total)
+        q, k = l2norm(q, invariant=mode == "invariant"), l2norm(k, invariant=mode == "invariant")
     q = q * (dk ** -0.5 if scale is None else scale)
     if hv != hk:
         q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)

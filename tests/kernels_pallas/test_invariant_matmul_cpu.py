@@ -119,3 +119,16 @@ def test_row_sum_is_the_in_order_sum_of_64_element_chunks(n):
     want = np.cumsum(np.cumsum(padded, axis=2, dtype=np.float32)[:, :, -1], axis=1, dtype=np.float32)[:, -1]
     np.testing.assert_array_equal(np.asarray(invariant_row_sum(jnp.asarray(x))), want)
     np.testing.assert_array_equal(np.asarray(invariant_row_sum(jnp.asarray(x[2:3]))), want[2:3])
+
+
+def test_invariant_rsqrt_is_the_correctly_rounded_one_over_sqrt_at_every_shape():
+    """numpy's float32 1 / sqrt(x) (both operations correctly rounded) bit for bit, for one row and for 300, as a
+    column (an RMSNorm's per-row factor) and as rows: XLA's own rsqrt gave one row other bits (jax 0.12.0.1, -O0)."""
+    from kernels_pallas.matmul.invariant_cpu import invariant_rsqrt
+
+    x = np.abs(np.random.default_rng(3).standard_normal((300, 100))).astype(np.float32) * 7 + 1e-5
+    want = np.float32(1) / np.sqrt(x)
+    run = jax.jit(invariant_rsqrt)
+    for rows in (1, 2, 5, 17, 300):
+        np.testing.assert_array_equal(np.asarray(run(x[:rows])), want[:rows])
+        np.testing.assert_array_equal(np.asarray(run(x[:rows, :1])), want[:rows, :1])
