@@ -5,9 +5,10 @@ Per value head, with S the state [Dk, Dv] and the query scaled by Dk ** -0.5 (q 
     S <- exp(g_t) * S;  S <- S + k_t (beta_t * (v_t - S^T k_t))^T;  o_t = S^T q_t
   * "recurrent": that update token by token (`torch_recurrent_gated_delta_rule`), every sequence of the batch in
     parallel, one scan step per position of the longest chunk (`meta.max_q_len`): decode is one step.
-  * "invariant": the recurrent form with every sum over Dk in a fixed order (recurrent/ordered_sum.py), so a
-    sequence's bits depend neither on how its prompt is split nor on the other sequences of its steps (XLA:CPU's
-    reduces vectorize by the shape); batch-invariant mode runs it.
+  * "invariant": the recurrent form with every sum over Dk in a fixed order (recurrent/ordered_sum.py) and the
+    l2norm's rsqrt correctly rounded (`invariant_rsqrt`), so a sequence's bits depend neither on how its prompt is
+    split nor on the other sequences of its steps (XLA:CPU's reduces vectorize by the shape); batch-invariant mode
+    runs it.
   * "chunked": `torch_chunk_gated_delta_rule`'s matmul form. Each sequence's chunk is cut into blocks of
     `chunk_size` starting at its own first token, so no block mixes sequences; the intra-block part (the UT
     transform, a unit-lower-triangular solve) runs for all blocks at once, then one scan over the blocks carries
