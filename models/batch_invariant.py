@@ -1,12 +1,15 @@
 """Batch-invariant numerics for a built decoder: `make_batch_invariant(model)` switches every projection and the LM
-head to the row-invariant C++ matmul (`kernels_pallas/matmul/invariant_cpu.py`) and the cache-free forward's
-attention to the paged C++ kernel (`kernels_pallas/attention/causal.py`).
+head to the row-invariant C++ matmul (`kernels_pallas/matmul/invariant_cpu.py`), the norms to a fixed-order mean
+square (`invariant_row_sum`) and a correctly rounded rsqrt (`invariant_rsqrt`), the state layers (Gated DeltaNet,
+Mamba2) to their invariant forms (`kernels_pallas/recurrent/ordered_sum.py`), and the cache-free forward's attention
+to the paged C++ kernel (`kernels_pallas/attention/causal.py`).
 
-Why these two and nothing else: they are the only ops of a dense decoder whose float program for one row depends on
-the other rows. XLA:CPU's dot picks its blocking (and so its summation order) from the row count; the norms, RoPE
-(C++ tables), activations, residual adds and the sampler's log_softmax are row-wise in XLA:CPU, and the paged
-attention kernel gives a query row the same bits whatever chunk or query block it falls in
-(tests/inference/test_batch_invariance.py checks each). With both switched, a request's logits are the same bits
+Why these: they are the ops whose float program for one row depends on the other rows. XLA:CPU's dot picks its
+blocking (and so its summation order) from the row count, its reduces vectorize by the shape, and its rsqrt has
+given one row other bits than many; RoPE (C++ tables), activations, residual adds and the sampler's max and argmax
+are row-wise in XLA:CPU (the sampler's sums take `invariant_row_sum` itself), and the paged attention kernel gives
+a query row the same bits whatever chunk or query block it falls in (tests/inference/test_batch_invariance.py and
+the state layers' tests check each). With both switched, a request's logits are the same bits
 whatever else is in the batch, and `Decoder.forward` (a trainer's forward, `inference.rl.log_probs`) computes each
 position the way the engine's paged step does.
 

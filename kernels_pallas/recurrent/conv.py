@@ -41,8 +41,8 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None
     state_col = jnp.clip(taps - 1 + rel, 0, taps - 2)  # the conv state's column for rel < 0
     from_state = jnp.take_along_axis(init[seq], state_col[:, None, :], axis=2).transpose(0, 2, 1)  # [T, K, C]
     window = jnp.where((rel >= 0)[..., None], from_x, from_state)
-    # Products and a sum over the K taps in their order, not a dot nor a reduce: each token's bits must not depend
-    # on how many tokens share the step (batch-invariant mode; recurrent/ordered_sum.py).
+    # Products and a fixed-order sum over the K taps (pairwise), not a dot nor a reduce: each token's bits must not
+    # depend on how many tokens share the step (batch-invariant mode; recurrent/ordered_sum.py).
     y = ordered_sum(window * weight.astype(jnp.float32).T[None], axis=1)
     if bias is not None:
         y = y + bias.astype(jnp.float32)

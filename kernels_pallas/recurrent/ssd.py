@@ -70,8 +70,8 @@ def _lay_out(v: jax.Array, dest: jax.Array, rows: int, width: int) -> jax.Array:
 
 def _recurrent(x, dt, A, B, C, h0, seq, offset, valid, q_block: int, keep_states: bool, ordered: bool):
     """Scan over each sequence's tokens, all sequences at once, on a [S, q_block] layout (empty rows have dt = 0
-    and x = 0, so they leave the state as it is); `ordered`: y's sum over N in a fixed order. Returns (y [T, H, P], final [S, H, P, N], each token's state
-    [T, H, P, N] or None)."""
+    and x = 0, so they leave the state as it is); `ordered`: y's sum over N in a fixed order. Returns
+    (y [T, H, P], final [S, H, P, N], each token's state [T, H, P, N] or None)."""
     heads = x.shape[1]
     seqs = h0.shape[0]
     dest = jnp.where(valid & (offset < q_block), seq * q_block + offset, seqs * q_block)
@@ -162,7 +162,8 @@ def ragged_ssd(
     Rows of no sequence come back as zeros. The recurrent form scans `meta.max_q_len` steps (a static bound on
     every sequence's token count this step; the whole T when the meta has none). With `meta.state_spec_slots`
     (speculative verification) the state after the j-th token of sequence s is also written to slot
-    `state_spec_slots[s, j]`; the recurrent form keeps those per-token states, so it requires mode="recurrent".
+    `state_spec_slots[s, j]`; the recurrent form keeps those per-token states, so it requires mode="recurrent" (or
+    "invariant", the same form).
     """
     check_ssd_inputs(x, dt, A, B, C, state, meta, chunk_size, mode)
     tokens = x.shape[0]

@@ -181,8 +181,9 @@ def test_ordered_sum_is_the_pairwise_tree_at_every_shape(axis, size):
         np.testing.assert_array_equal(np.asarray(run(x)), want[0])
 
 
-def fresh_meta(q_lens, pad_tokens=0, pad_seqs=0, first_slot=1):
-    """Sequences with no context in slots first_slot, first_slot + 1, ... padded like the runner pads."""
+def fresh_meta(q_lens, pad_seqs=0, first_slot=1):
+    """Sequences with no context in slots first_slot, first_slot + 1, ... and `pad_seqs` padding sequences (the
+    padding tokens past the real ones belong to none)."""
     n, real = len(q_lens), sum(q_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens), [real] * pad_seqs]).astype(np.int32)
     kv = np.array(list(q_lens) + [0] * pad_seqs, np.int32)
@@ -216,7 +217,7 @@ def test_invariant_forms_give_a_sequence_the_same_bits_alone_batched_and_split()
 
     ssm0, conv0 = jnp.zeros((NUM_SLOTS + 4, hv, dk, dv)), jnp.zeros((NUM_SLOTS + 4, hk * dk, taps - 1))
     alone = step(seqs[:1], fresh_meta(lens[:1]), ssm0, conv0, 0)
-    batched = step(seqs, fresh_meta(lens, pad_tokens=5, pad_seqs=2), ssm0, conv0, 5)
+    batched = step(seqs, fresh_meta(lens, pad_seqs=2), ssm0, conv0, 5)
     first = step([[a[:6] for a in seqs[0]]], fresh_meta([6]), ssm0, conv0, 0)
     rest = fresh_meta([7])
     rest.kv_lens = jnp.asarray([13], jnp.int32)  # six tokens of context: its state comes from slot 1
