@@ -20,7 +20,6 @@ All read each sequence's initial state from its slot (zeros for a fresh sequence
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,10 +31,9 @@ from kernels_pallas.recurrent.ragged import (check_meta, initial_states, query_s
                                              token_sequences, write_final_states, write_position_states)
 
 MODES = ("chunked", "recurrent", "invariant")
-Sum = Callable[..., jax.Array]  # (x, axis=...) -> x summed over that axis: jnp.sum, or ordered_sum
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6, invariant: bool = False) -> jax.Array:
+def l2norm(x: jax.Array, invariant: bool = False, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x²) + eps) over the last axis (transformers' / FLA's l2norm); `invariant`: the sum and the
     rsqrt the same bits at any shape."""
     if invariant:
@@ -72,10 +70,9 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     num_tokens, hk, dk = q.shape
     hv = v.shape[1]
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    total = ordered_sum if mode == "invariant" else jnp.sum
     q, k = f32(q), f32(k)
     if use_qk_l2norm:
-        q, k = l2norm(q, invariant=mode == "invariant"), l2norm(k, invariant=mode == "invariant")
+        q, k = l2norm(q, mode == "invariant"), l2norm(k, mode == "invariant")
     q = q * (dk ** -0.5 if scale is None else scale)
     if hv != hk:
         q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
@@ -84,7 +81,7 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     zero = lambda x: jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)  # noqa: E731
     args = tuple(zero(x) for x in (q, k, f32(v), f32(g), f32(beta)))
     if mode != "chunked":
-        out, final, per_token = _recurrent(*args, init, meta, seq, offset, valid, total)
+        out, final, per_token = _recurrent(*args, init, meta, seq, offset, valid, mode == "invariant")
     else:
         out, final = _chunked(*args, init, meta, chunk_size)
         per_token = None
@@ -95,17 +92,18 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
     return zero(out).astype(v.dtype), new_state
 
 
-def _step(h, q, k, v, g, beta, total: Sum):
+def _step(h, q, k, v, g, beta, ordered: bool):
     """One token for a batch of states h [B, Hv, Dk, Dv]; q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv].
-    Products and sums over Dk (`total`) rather than dots: a dot's summation order may depend on B on XLA:CPU,
-    and the invariant mode's sums do not."""
+    Products and sums over Dk rather than dots: a dot's summation order may depend on B on XLA:CPU; `ordered`:
+    the sums in a fixed order too (the invariant form)."""
+    total = ordered_sum if ordered else jnp.sum
     h = h * jnp.exp(g)[..., None, None]
     delta = (v - total(h * k[..., :, None], axis=-2)) * beta[..., None]
     h = h + k[..., :, None] * delta[..., None, :]
     return h, total(h * q[..., :, None], axis=-2)
 
 
-def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid, total: Sum):
+def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid, ordered: bool):
     """Every sequence advances one token per scan step (position j of its chunk), so decode is a single step."""
     num_tokens = q.shape[0]
     starts, q_lens = query_spans(meta)
@@ -116,7 +114,7 @@ def _recurrent(q, k, v, g, beta, init, meta, seq, offset, valid, total: Sum):
         idx = starts + j
         active = (j < q_lens) & (idx < num_tokens)
         at = jnp.clip(idx, 0, num_tokens - 1)
-        h_new, o = _step(h, q[at], k[at], v[at], g[at], beta[at], total)
+        h_new, o = _step(h, q[at], k[at], v[at], g[at], beta[at], ordered)
         h = jnp.where(active[:, None, None, None], h_new, h)
         out = out.at[jnp.where(active, idx, num_tokens)].set(o, mode="drop")
         return (h, out), (h if spec else None)

@@ -181,13 +181,13 @@ def test_ordered_sum_is_the_pairwise_tree_at_every_shape(axis, size):
         np.testing.assert_array_equal(np.asarray(run(x)), want[0])
 
 
-def fresh_meta(q_lens, pad_seqs=0, first_slot=1):
-    """Sequences with no context in slots first_slot, first_slot + 1, ... and `pad_seqs` padding sequences (the
-    padding tokens past the real ones belong to none)."""
+def fresh_meta(q_lens, pad_seqs=0):
+    """Sequences with no context in slots 1, 2, ... and `pad_seqs` padding sequences (the padding tokens past the
+    real ones belong to none)."""
     n, real = len(q_lens), sum(q_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens), [real] * pad_seqs]).astype(np.int32)
     kv = np.array(list(q_lens) + [0] * pad_seqs, np.int32)
-    slots = np.array(list(range(first_slot, first_slot + n)) + [0] * pad_seqs, np.int32)
+    slots = np.array(list(range(1, n + 1)) + [0] * pad_seqs, np.int32)
     return SimpleNamespace(cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv), state_slots=jnp.asarray(slots),
                            num_seqs=jnp.asarray([n], jnp.int32), max_q_len=int(max(q_lens)), state_spec_slots=None)
 
