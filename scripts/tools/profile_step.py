@@ -65,6 +65,7 @@ flags.DEFINE_string("attn_impl", "auto", "Attention implementation (LLM(attn_imp
 flags.DEFINE_boolean("json", False, "Print one JSON object as the last line.")
 flags.DEFINE_integer("seed", 0, "Seed for the random prompts.")
 flags.DEFINE_boolean("ops", False, "Also trace the isolated step and list the top XLA ops by time.")
+flags.DEFINE_integer("ops_top", 12, "How many op kinds --ops lists, most expensive first (0: all of them).")
 
 
 class StepTimer:
@@ -272,7 +273,7 @@ def op_profile(llm: LLM, captured, repeats: int = 5, top: int = 12) -> list[dict
                 entry = totals.setdefault(kind, [0.0, 0])
                 entry[0] += event.duration_ns / 1e6 / repeats
                 entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top or None]
     return [{"op": k, "ms_per_step": v[0], "events_per_step": v[1] / repeats} for k, v in ranked]
 
 
@@ -313,7 +314,7 @@ def profile_batch(llm: LLM, batch: int) -> dict:
     run["host_to_device_transfers_per_step"] = count_transfers(llm, captured)
     isolated = replay(llm, captured, FLAGS.repeats)
     rates = machine_rates()
-    ops = op_profile(llm, captured) if FLAGS.ops else None
+    ops = op_profile(llm, captured, top=FLAGS.ops_top) if FLAGS.ops else None
     row = {"batch": batch, "warmup_s": warmup_s, **run, "isolated_ms": isolated,
            "context_at_replay": int(np.asarray(captured[0].attn.kv_lens).max()),
            "floor_ms": dense_floor_ms(llm, batch, rates), **({"ops": ops} if ops else {})}
