@@ -7,20 +7,25 @@ output (`request_output`).
 
 Why a fast path (`fold_tokens`): at a few hundred decoding sequences the host's step is bounded by per-sequence
 Python, and most rows of a steady decode step need nothing of the general path: no logprobs, no grammar, a token
-that is neither EOS nor a stop token, a length below the limits. Such a row's checks reduce to one length compare
-and one set test against constants kept per sequence (`FastRow`, made after its first token); its text (when it has
-stop strings or detokenizes) is one detokenizer `add` and a look-back for the stop strings. Every other row (a
-token in the stop set, a length at a limit, logprobs, structured outputs, the first token) takes `after_token`, the
-general path, whose checks (`stop.check_stop`) decide in the same order, so the results are the same.
+that is neither EOS nor a stop token, a length below the limits, and (when it detokenizes) a token whose text is
+plain and holds no stop string's last character. Such rows are found with array operations over the batch and
+their text is deferred (inference/engine/plain_rows.py: `FastRow` holds a row's constants). A row that is not
+plain but has none of the general path's needs appends its token's text with one detokenizer `add` and looks back
+for the stop strings; every other row (a token in the stop set, a length at a limit, logprobs, structured outputs,
+the first token) takes `after_token`, the general path, whose checks (`stop.check_stop`) decide in the same order,
+so the results are the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from inference.engine.async_scheduling import drop_placeholder
 from inference.engine.logprobs import TokenTexts, logprobs_dict
@@ -37,6 +42,7 @@ Engine = Any
 Request = Any
 
 log = logging.getLogger(__name__)
+_first = operator.itemgetter(0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,9 +58,9 @@ class FastRow:
     min_tokens: int
     token_times: list[float] | None  # its request's metrics.token_times when it is sample 0 (its tokens are timed)
     # Plain tokens -> their text (`Tokenizer.plain_texts`: whole UTF-8 alone): with its detokenizer holding nothing
-    # back, a plain token adds just that text, and if the text holds none of `stop_ends` no stop string ends in it.
-    plain: dict[int, str] = dataclasses.field(default_factory=dict)
-    stop_ends: frozenset[str] = frozenset()  # the stop strings' last characters
+    # back, a plain token adds just that text (`Sequence.settle_text`).
+    plain: dict[int, str]
+    table: np.ndarray  # the tokens that keep it plain (`PlainRows.table`)
     plain_from: int = 0  # len(token_ids) from which its last token's stop strings were checked (past min_tokens)
 
 
@@ -71,8 +77,10 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
     plain = engine.tokenizer.plain_texts(params.skip_special_tokens) if text else {}
-    return FastRow(token_limit(seq, engine.max_model_len), frozenset(stop_ids), text, stop,
-                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, frozenset(s[-1] for s in stop),
+    stop_ids, stop_ends = frozenset(stop_ids), frozenset(s[-1] for s in stop)
+    table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, stop_ends)
+    return FastRow(token_limit(seq, engine.max_model_len), stop_ids, text, stop,
+                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, table,
                    seq.num_prompt_tokens + params.min_tokens + 2 if stop else 0)
 
 
@@ -109,47 +117,37 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
 
 def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
     """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
-    metrics, logprobs, stop checks, text. Plain rows take the fast path (the module docstring), the rest
-    `after_token`. One request's failure fails only it.
-
-    A plain row (its token in `FastRow.plain`, its detokenizer `plain`, its stop strings checked at its last token:
-    `plain_from`, and none of their last characters in the token's text) appends that text without a decode and
-    skips the stop strings' look-back: a new match must end in the new text, at a stop string's last character."""
-    general = []
-    for item in sampled:
-        seq = item[0]
-        row = seq.fast_row
-        ids = seq.token_ids
-        length = len(ids)
-        if row is None or length >= row.length_limit or ids[-1] in row.stop_ids:
-            general.append(item)
-            continue
+    metrics, logprobs, stop checks, text. Plain rows are found and folded over the batch (`PlainRows.split`); of
+    the rest, rows with fast-path constants and neither a stop id nor a limit reached take the text-only path (the
+    module docstring), the others `after_token`. One request's failure fails only it."""
+    plain = engine.plain_rows.split(list(map(_first, sampled)), now)
+    if plain.all():
+        return
+    requests, rows = engine.requests, engine.plain_rows
+    for i in np.flatnonzero(~plain).tolist():
+        seq, out_row = sampled[i]
         try:
-            if row.token_times is not None:
-                row.token_times.append(now)
-            if row.text:
-                token, detokenizer = ids[-1], seq.detokenizer
-                text = row.plain.get(token)
-                if text is not None and detokenizer.plain and length >= row.plain_from and \
-                        row.stop_ends.isdisjoint(text):
-                    detokenizer.add_plain(token, text)
-                    seq.append_text(text)
-                    continue
-                before = seq.text_len
-                seq.append_text(detokenizer.add(token))
-                if row.stop and length - seq.num_prompt_tokens > row.min_tokens:
-                    stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
-                    if stop is not None:
-                        seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush
-                        finish(engine, seq, "stop")
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-            fail(engine, seq, exc)
-    requests = engine.requests
-    for seq, row in general:
-        try:
-            after_token(engine, seq, requests[seq.request_id], out, row, now)
-            if seq.fast_row is None and not seq.is_finished:
-                seq.fast_row = fast_row(engine, seq)
+            ids = seq.token_ids
+            length = len(ids)
+            seq.settle_text(length - 1)  # the plain run's text, before this token's
+            row = seq.fast_row
+            if row is None or length >= row.length_limit or ids[-1] in row.stop_ids:
+                after_token(engine, seq, requests[seq.request_id], out, out_row, now)
+                if seq.fast_row is None and not seq.is_finished:
+                    seq.fast_row = fast_row(engine, seq)
+                    rows.forget()
+            else:
+                if row.token_times is not None:
+                    row.token_times.append(now)
+                if row.text:
+                    before = seq.text_len
+                    seq.append_text(seq.detokenizer.add(ids[-1]))
+                    if row.stop and length - seq.num_prompt_tokens > row.min_tokens:
+                        stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
+                        if stop is not None:
+                            seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush
+                            finish(engine, seq, "stop")
+            rows.update(i, seq)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             fail(engine, seq, exc)
 
@@ -211,6 +209,7 @@ def record_prompt_logprobs(engine: Engine, seq: Sequence, out: StepOutput, offse
 def after_token(engine: Engine, seq: Sequence, request: Request, out: StepOutput, row: int, now: float) -> None:
     """The general path for the token that ends `seq.token_ids`: metrics, logprobs, stop checks and text."""
     token = seq.token_ids[-1]
+    seq.settle_text(len(seq.token_ids) - 1)  # a plain run's text, before this token's
     metrics = request.metrics
     if seq.index == 0:
         if metrics.first_token_time is None:
@@ -262,6 +261,8 @@ def outputs(engine: Engine, request_ids: Iterable[str]) -> list[RequestOutput]:
     requests, output = engine.requests, engine._output
     if engine.finished_only:
         done = engine.finished_ids
+        if not done:
+            return []
         return [output(requests[rid]) for rid in request_ids if rid in done and rid in requests]
     return [output(requests[rid]) for rid in request_ids if rid in requests]
 

@@ -37,6 +37,7 @@ from inference.engine.request_checks import bad_words_ids_of, compile_grammar, v
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
 from inference.engine.persistent_batch import PersistentDecodeBatch
+from inference.engine.plain_rows import PlainRows
 from inference.engine.sequence import Sequence
 from inference.spec_decode.adaptive_k import AdaptiveK
 from inference.spec_decode.proposer import Proposer
@@ -172,6 +173,7 @@ class Engine:
         self.finished_ids: set[str] = set()
         self.finished_only = False  # set for the length of one `step`: which outputs it builds
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
+        self.plain_rows = PlainRows(runner.config.vocab_size)  # the fold's plain rows, found over the batch
         # Every step returns its tokens this wide (`TokenFeed`). Engines built over one runner (an LLM rebuilt with
         # other limits, the server's) share it: the width only grows, so no engine's steps outgrow another's feed.
         runner.feed_width = max(runner.feed_width or 0, self.limits.max_seqs)

@@ -46,7 +46,10 @@ class Sequence:
     # The output text as the pieces it grew by (`append_text`): `text += piece` on an attribute copies the whole text,
     # a cost per token that grows with the text. `output_text` joins them when read.
     text_parts: list[str] = dataclasses.field(default_factory=list, repr=False)
-    text_len: int = 0  # len(output_text)
+    _text_len: int = 0  # len(output_text), less the deferred plain tokens' text
+    # token_ids[deferred_from:] were folded as plain tokens (inference/engine/plain_rows.py) whose text is not
+    # appended yet; every reader of the text appends it first (`settle_text`). None: no text is deferred.
+    deferred_from: int | None = None
     spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed for this step, not yet verified
     detokenizer: Any = None  # the tokenizer's IncrementalDetokenizer, made at the first generated token
     fast_row: Any = None  # the fold's per-sequence constants (inference/engine/fold.py), made after its first token
@@ -60,8 +63,35 @@ class Sequence:
     def pages(self, pages: list[int]) -> None:
         self.block_tables[0] = pages
 
+    def settle_text(self, end: int | None = None) -> None:
+        """Append the deferred plain tokens' text (each token's `fast_row.plain` text: what the detokenizer, plain
+        through them, emits for them; it is told of them too). `end`: the tokens before that index, and the plain
+        run ends (the fold, before a token that is not plain); None: every folded token (an in-flight placeholder,
+        a negative id, is not one), and the run goes on (a reader of the text)."""
+        start = self.deferred_from
+        if start is None:
+            return
+        ids = self.token_ids
+        if end is None:
+            end = self.deferred_from = len(ids) - (ids[-1] < 0)
+        else:
+            self.deferred_from = None
+        if end > start:
+            tokens = ids[start:end]
+            texts = list(map(self.fast_row.plain.__getitem__, tokens))
+            self.detokenizer.add_plains(tokens, texts)
+            text = "".join(texts)
+            self.text_parts.append(text)
+            self._text_len += len(text)
+
+    @property
+    def text_len(self) -> int:
+        self.settle_text()
+        return self._text_len
+
     @property
     def output_text(self) -> str:
+        self.settle_text()
         parts = self.text_parts
         if len(parts) > 1:  # joined once; a new list, so a `text_snapshot` of the old one still reads as it was
             self.text_parts = parts = ["".join(parts)]
@@ -69,17 +99,20 @@ class Sequence:
 
     @output_text.setter
     def output_text(self, text: str) -> None:
+        self.settle_text()
         self.text_parts = [text] if text else []
-        self.text_len = len(text)
+        self._text_len = len(text)
 
     def append_text(self, text: str) -> None:
+        """Append a token's text (after `settle_text`: its callers, the fold and the stop checks, settle first)."""
         if text:
             self.text_parts.append(text)
-            self.text_len += len(text)
+            self._text_len += len(text)
 
     def text_from(self, start: int) -> str:
         """output_text[start:], joining only the last pieces it spans (a stop string's look-back)."""
-        parts, need = self.text_parts, self.text_len - max(start, 0)
+        self.settle_text()
+        parts, need = self.text_parts, self._text_len - max(start, 0)
         i, got = len(parts), 0
         while i > 0 and got < need:
             i -= 1
@@ -89,6 +122,7 @@ class Sequence:
     def text_snapshot(self) -> tuple[list[str], int]:
         """The text now, without joining it: its pieces are only appended to (a cut or a join makes a new list), so
         "".join(parts[:count]) is the text at this moment whatever happens to the sequence later."""
+        self.settle_text()
         return self.text_parts, len(self.text_parts)
 
     @property

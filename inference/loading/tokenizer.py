@@ -335,13 +335,15 @@ class IncrementalDetokenizer:
         self._deltas.append(delta)
         return delta
 
-    def add_plain(self, token: int, text: str) -> None:
-        """`add(token)` for a detokenizer that is `plain` and a token whose `Tokenizer.plain_texts` text is `text`:
-        the state `add` leaves, and `text` is the delta it would return (the fold's plain rows: no decode)."""
-        self._ids.append(token)
-        self._prefix_offset = self._read_offset
-        self._read_offset += 1
-        self._deltas.append(text)
+    def add_plains(self, tokens: list[int], texts: list[str]) -> None:
+        """`add(token)` for each of `tokens` in turn, for a detokenizer that is `plain` and tokens whose
+        `Tokenizer.plain_texts` texts are `texts`: the state those adds leave (it stays plain), and `texts` are the
+        deltas they would return (the fold's plain rows, whose text is appended when read: no decode)."""
+        if tokens:
+            self._ids.extend(tokens)
+            self._read_offset += len(tokens)
+            self._prefix_offset = self._read_offset - 1
+            self._deltas.extend(texts)
 
     @property
     def text(self) -> str:

@@ -34,7 +34,8 @@ def _run(llm, requests, *, async_scheduling: bool, general_only: bool, monkeypat
     """Every request's final (token_ids, text, finish_reason, stop_reason), and how many tokens took the general
     path. `general_only`: no row takes the fast path (the fold before it); `recompute_at`: every running sequence
     is preempted and recomputed before that step; `plain`: counts the tokens whose text the batched plain update
-    appended without a decode (`IncrementalDetokenizer.add_plain`)."""
+    appended without a decode (`IncrementalDetokenizer.add_plains`). The texts every step's outputs showed, by
+    request, are returned in the dict too (under its request id + "/steps")."""
     plain = plain if plain is not None else [0]
     config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
     llm.engine.reset_prefix_cache()
@@ -42,13 +43,13 @@ def _run(llm, requests, *, async_scheduling: bool, general_only: bool, monkeypat
     engine.eos_token_ids = engine.eos_token_ids | set(eos)
     general = [0]
     after_token = fold.after_token
-    add_plain = IncrementalDetokenizer.add_plain
+    add_plains = IncrementalDetokenizer.add_plains
 
-    def counted_plain(self, token, text):
-        plain[0] += 1
-        return add_plain(self, token, text)
+    def counted_plain(self, tokens, texts):
+        plain[0] += len(tokens)
+        return add_plains(self, tokens, texts)
 
-    monkeypatch.setattr(IncrementalDetokenizer, "add_plain", counted_plain)
+    monkeypatch.setattr(IncrementalDetokenizer, "add_plains", counted_plain)
 
     def counted(*args):
         general[0] += 1
@@ -65,6 +66,7 @@ def _run(llm, requests, *, async_scheduling: bool, general_only: bool, monkeypat
             assert engine.recompute_running() > 0
         step += 1
         for out in engine.step():
+            finals.setdefault(out.request_id + "/steps", []).append(out.outputs[0].text)
             if out.finished:
                 c = out.outputs[0]
                 finals[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.stop_reason)
@@ -138,33 +140,48 @@ def test_fast_path_gives_the_general_paths_outputs(llm, reference, monkeypatch, 
         assert fast[rid][1] == text, rid
     assert fast["stop-across-kept"][2:] == ("stop", fast["stop-across"][3])
     assert len(fast["stop-id-below-min"][0]) >= 4 and len(fast["eos-below-min"][0]) >= 6
-    total = sum(len(v[0]) for v in slow.values())
+    assert any(len(set(v)) > 2 for k, v in fast.items() if k.endswith("/steps"))  # texts read while they grew
+    total = sum(len(v[0]) for k, v in slow.items() if not k.endswith("/steps"))
     assert slow_general == total  # every token took the general path there
     assert fast_general < total / 2  # and most took the fast path here
     assert plain[0] > total / 4  # many of those as one batched text update (no detokenizer add, no look-back)
 
 
 def test_plain_update_is_add(llm):
-    """`add_plain` leaves a detokenizer as `add` does and its text is `add`'s delta, for every token it may be used
-    for (a plain text, the detokenizer plain), over real text with multi-byte characters between."""
+    """`add_plains` leaves a detokenizer as `add` of each token does and its texts are `add`'s deltas, for every run
+    of tokens it may be used for (plain texts, the detokenizer plain before them), over real text with multi-byte
+    characters between: runs of one token and whole runs at once."""
     tokenizer = llm.tokenizer
     ids = tokenizer.encode("Plain text, then émojis 🙂🙃 and 漢字 between words.\n\nMore text: 12345 end.")
     plain = tokenizer.plain_texts(True)
     assert plain and all(text and tokenizer.decode([i]) == text for i, text in list(plain.items())[::97])
-    a, b = tokenizer.detokenizer(prompt_ids=[1, 2]), tokenizer.detokenizer(prompt_ids=[1, 2])
-    used = 0
-    for token in ids:
-        expected = a.add(token)
-        if token in plain and b.plain:
-            b.add_plain(token, plain[token])
-            assert plain[token] == expected
-            used += 1
-        else:
-            b.add(token)
-        assert (b.text, b._ids, b._prefix_offset, b._read_offset, b._whole, b.plain) == \
-            (a.text, a._ids, a._prefix_offset, a._read_offset, a._whole, a.plain)
-    assert 0 < used < len(ids)  # some tokens are pieces of a multi-byte character
-    assert a.finish() == b.finish()
+    longest = 0
+    for whole_runs in (False, True):
+        a, b = tokenizer.detokenizer(prompt_ids=[1, 2]), tokenizer.detokenizer(prompt_ids=[1, 2])
+        used, run = 0, []
+
+        def flush():
+            nonlocal longest
+            b.add_plains(run, [plain[t] for t in run])
+            longest = max(longest, len(run))
+            run.clear()
+            assert (b.text, b._ids, b._prefix_offset, b._read_offset, b._whole, b.plain) == \
+                (a.text, a._ids, a._prefix_offset, a._read_offset, a._whole, a.plain)
+
+        for token in ids:
+            if token in plain and b.plain:  # b stays plain through a run
+                assert plain[token] == a.add(token)
+                run.append(token)
+                used += 1
+                if not whole_runs:
+                    flush()
+                continue
+            flush()
+            assert b.add(token) == a.add(token)
+        flush()
+        assert 0 < used < len(ids)  # some tokens are pieces of a multi-byte character
+        assert a.finish() == b.finish()
+    assert longest > 3
 
 
 def test_fast_path_after_a_preemption(llm, reference, monkeypatch):
@@ -176,3 +193,90 @@ def test_fast_path_after_a_preemption(llm, reference, monkeypatch):
     plain, _ = _run(llm, requests, async_scheduling=True, general_only=False, monkeypatch=monkeypatch, eos=eos)
     assert {rid: v for rid, v in runs[0].items() if rid != "sampled"} == \
         {rid: v for rid, v in plain.items() if rid != "sampled"}  # greedy: the preemption changed no token
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monkeypatch, async_scheduling):
+    """64 requests arriving at random steps, with stop strings, aborts and every step's outputs read (the text of
+    the plain rows settled mid-run, with a token in flight): every step's text and each final output equal the
+    general path's (no row plain, no text deferred)."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    vocab = llm.runner.config.vocab_size
+    requests = []
+    for i in range(64):
+        prompt = rng.integers(1, vocab, int(rng.integers(3, 30))).tolist()
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(4, 24)),
+                                stop=[["e"], ["the", " a"], [], ["\n"]][i % 4], ignore_eos=i % 5 != 0,
+                                include_stop_str_in_output=i % 3 == 0, min_tokens=i % 4)
+        requests.append((f"r{i}", prompt, params))
+    arrivals = rng.poisson(4, 100).tolist()
+    aborts = {rid: int(rng.integers(2, 8)) for rid, _, _ in requests if rng.random() < 0.15}
+    runs = []
+    for general_only in (False, True):
+        config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
+        llm.engine.reset_prefix_cache()
+        engine = Engine(llm.runner, llm.tokenizer, config)
+        if general_only:
+            monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
+        pending, seen, step = list(requests), [], 0
+        while pending or engine.has_unfinished_requests():
+            for _ in range(arrivals[step] if step < len(arrivals) else len(pending)):
+                if pending:
+                    engine.add_request(*pending.pop(0))
+            step += 1
+            for out in engine.step():
+                c = out.outputs[0]
+                seen.append((out.request_id, c.text, tuple(c.token_ids), c.finish_reason, c.stop_reason))
+                if out.finished:
+                    engine.pop_finished(out.request_id)
+                elif out.request_id in aborts and len(c.token_ids) >= aborts[out.request_id]:
+                    engine.abort(out.request_id)
+                    c = engine.output_of(out.request_id).outputs[0]
+                    seen.append((out.request_id, c.text, tuple(c.token_ids), c.finish_reason, "aborted"))
+                    engine.pop_finished(out.request_id)
+        monkeypatch.undo()
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    reasons = {entry[3] for entry in runs[0]}
+    assert {"stop", "length", "abort"} <= reasons
+
+
+def test_token_tables_and_settled_text(llm):
+    """A kind of row's token table (`PlainRows.table`): a stop id, a token whose text holds a stop string's last
+    character, a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row plain; a
+    row that does not detokenize is kept plain by every token but its stop ids. A sequence's deferred text is
+    appended when read, without an in-flight placeholder, and the run goes on after the read."""
+    from inference.engine.plain_rows import PlainRows
+    from inference.engine.sequence import Sequence
+
+    tokenizer, vocab = llm.tokenizer, llm.runner.config.vocab_size
+    plain = tokenizer.plain_texts(True)
+    rows = PlainRows(vocab)
+    eos = next(iter(llm.engine.eos_token_ids))
+    with_x = next(i for i, text in plain.items() if "x" in text and i != eos)
+    no_x = [i for i, text in plain.items() if "x" not in text and i != eos][:50]
+    partial = next(i for i in range(vocab) if i not in plain)
+    table = rows.table(frozenset({eos}), True, True, plain, frozenset("x"))
+    assert table.shape == (vocab + 1,) and not table[vocab]
+    assert not table[eos] and not table[with_x] and not table[partial] and table[no_x].all()
+    assert rows.table(frozenset({eos}), True, True, plain, frozenset("x")) is table  # made once
+    bare = rows.table(frozenset({eos}), False, True, plain, frozenset())
+    assert not bare[eos] and not bare[vocab] and bare[:vocab].sum() == vocab - 1
+
+    seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2,
+                   params=SamplingParams(), seed=0, arrival_order=0)
+    seq.detokenizer = tokenizer.detokenizer(prompt_ids=[1, 2])
+    seq.fast_row = fold.FastRow(100, frozenset({eos}), True, (), 0, 0, None, plain, table)
+    reference = tokenizer.detokenizer(prompt_ids=[1, 2])
+    seq.token_ids += no_x[:3]
+    seq.deferred_from = 2
+    seq.token_ids.append(-1)  # a token in flight
+    assert seq.output_text == "".join(reference.add(t) for t in no_x[:3])
+    assert seq.deferred_from == 5 and seq.text_len == len(seq.output_text)  # the run goes on from the placeholder
+    seq.token_ids[-1] = no_x[3]
+    seq.token_ids.append(with_x)
+    seq.settle_text(len(seq.token_ids) - 1)  # the fold, before a token that is not plain
+    assert seq.deferred_from is None and seq.output_text == reference.text + reference.add(no_x[3])
+    assert seq.detokenizer.add(with_x) == reference.add(with_x)

@@ -1,0 +1,132 @@
+"""The fold's plain rows, found with array operations over the batch (`fold.fold_tokens`).
+
+Why: at a few hundred decoding sequences the host's step was bounded by per-row Python in the fold: for every row,
+its length against the limits, its token against the stop ids and its text against the stop strings' last
+characters, then one detokenizer update and one text append. Most rows of a steady decode step need nothing else
+(`fold.FastRow`). Here each row's constants are kept as arrays while the fold's rows stay the same sequences in the
+same order, and whether a sampled token keeps its row plain is one lookup in a table over the vocabulary, one table
+for each kind of row (its stop ids, whether it detokenizes, its stop strings' last characters). A plain row's text
+is deferred: the sequence appends it when its text is read, or before its next token that is not plain
+(`Sequence.settle_text`), as the per-token updates would have. What is left per plain row is in C loops (its length
+and last token read, its token time appended).
+
+A token keeps its row plain when the row has fast-path constants, its length is below the row's limit, the token is
+not one of the row's stop ids, and, for a row that detokenizes, its detokenizer holds nothing back, the stop strings
+were checked at the row's last token, and the token's text is whole UTF-8 alone with none of the stop strings' last
+characters (so no stop string can end in it). Every other row takes the fold's per-row path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import operator
+
+import numpy as np
+
+from inference.engine.sequence import Sequence
+
+_token_ids = operator.attrgetter("token_ids")
+_last = operator.itemgetter(-1)
+_MAX_TABLES = 64  # distinct kinds of rows kept; past it the tables are made again as rows need them
+
+
+@dataclasses.dataclass
+class _Rows:
+    """The constants of the last fold's rows, by row."""
+
+    seqs: list[Sequence]
+    limit: np.ndarray  # i64: FastRow.length_limit; 0 for a row without fast-path constants (never plain)
+    plain_from: np.ndarray  # i64: FastRow.plain_from (rows that detokenize)
+    text: np.ndarray  # bool: FastRow.text
+    table_of: np.ndarray  # i64: the row's table in `tables`
+    tables: np.ndarray  # bool[kinds, vocab + 1]: a token keeps a row of that kind plain
+    times: list[list[float] | None]  # FastRow.token_times
+    timed: np.ndarray  # bool: times[i] is not None
+    plain_state: np.ndarray  # bool: the row's detokenizer holds nothing back (IncrementalDetokenizer.plain)
+    deferring: np.ndarray  # bool: the row's text is deferred (Sequence.deferred_from is set)
+
+
+class PlainRows:
+    """One engine's token tables and the kept constants of its last fold's rows."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size  # the logits' width: no sampled token is past it
+        self._tables: dict[tuple, np.ndarray] = {}
+        self._none = np.zeros(vocab_size + 1, bool)  # the table of rows without fast-path constants
+        self._rows: _Rows | None = None
+
+    def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
+              stop_ends: frozenset[str]) -> np.ndarray:
+        """The table of a kind of row: True at the tokens that keep it plain, False past the vocabulary (the last
+        entry, where an out-of-range token is looked up). `plain`: the tokenizer's `plain_texts` for
+        `skip_special_tokens`."""
+        key = (stop_ids, text, skip_special_tokens, stop_ends)
+        table = self._tables.get(key)
+        if table is None:
+            size = self.vocab_size
+            table = np.zeros(size + 1, bool)
+            if text:
+                table[[i for i, s in plain.items() if i < size and stop_ends.isdisjoint(s)]] = True
+            else:
+                table[:size] = True
+            table[[i for i in stop_ids if 0 <= i < size]] = False
+            if len(self._tables) >= _MAX_TABLES:
+                self._tables.clear()
+            self._tables[key] = table
+        return table
+
+    def forget(self) -> None:
+        """Drop the kept rows (a row's constants changed: it got its fast-path constants)."""
+        self._rows = None
+
+    def split(self, seqs: list[Sequence], now: float) -> np.ndarray:
+        """Which of `seqs` (each with its new token last in `token_ids`) are plain, as a bool array; their fold is
+        done here: the token's time for a timed row, and the text deferred for a row that detokenizes."""
+        rows = self._rows
+        if rows is None or rows.seqs != seqs:  # identities compared in C
+            rows = self._rows = self._build(seqs)
+        n = len(seqs)
+        ids = list(map(_token_ids, seqs))
+        lengths = np.fromiter(map(len, ids), np.int64, n)
+        tokens = np.minimum(np.fromiter(map(_last, ids), np.int64, n), self.vocab_size)
+        plain = rows.tables[rows.table_of, tokens]
+        plain &= lengths < rows.limit
+        plain &= ~rows.text | (rows.plain_state & (lengths >= rows.plain_from))
+        timed = plain & rows.timed
+        if timed.any():
+            collections.deque(map(list.append, itertools.compress(rows.times, timed.tolist()),
+                                  itertools.repeat(now)), 0)
+        start = plain & rows.text & ~rows.deferring  # a plain run starts at this token
+        for i in np.flatnonzero(start).tolist():
+            seqs[i].deferred_from = int(lengths[i]) - 1
+        rows.deferring |= start
+        return plain
+
+    def update(self, i: int, seq: Sequence) -> None:
+        """After row `i`'s token took the per-row path: its text is settled, and its detokenizer's state read."""
+        rows = self._rows
+        if rows is not None and i < len(rows.seqs) and rows.seqs[i] is seq:
+            rows.deferring[i] = seq.deferred_from is not None
+            rows.plain_state[i] = getattr(seq.detokenizer, "plain", False)
+
+    def _build(self, seqs: list[Sequence]) -> _Rows:
+        n = len(seqs)
+        kinds: dict[int, int] = {id(self._none): 0}
+        tables = [self._none]
+        table_of, limit, plain_from, text = [0] * n, [0] * n, [0] * n, [False] * n
+        times: list[list[float] | None] = [None] * n
+        for i, seq in enumerate(seqs):
+            row = seq.fast_row
+            if row is None:
+                continue
+            kind = table_of[i] = kinds.setdefault(id(row.table), len(kinds))
+            if kind == len(tables):
+                tables.append(row.table)
+            limit[i], plain_from[i], text[i], times[i] = row.length_limit, row.plain_from, row.text, row.token_times
+        plain_state = np.fromiter((getattr(seq.detokenizer, "plain", False) for seq in seqs), bool, n)
+        deferring = np.fromiter((seq.deferred_from is not None for seq in seqs), bool, n)
+        timed = np.fromiter((t is not None for t in times), bool, n)
+        return _Rows(list(seqs), np.array(limit, np.int64), np.array(plain_from, np.int64), np.array(text, bool),
+                     np.array(table_of, np.int64), np.stack(tables), times, timed, plain_state, deferring)
