@@ -126,6 +126,8 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
         reasons, lasting = _params_reasons(seqs)
         if checked is not None:
             checked.seqs = list(seqs) if lasting and not reasons else None
+    if batch.computed is not None:  # the steady decode pass's rows: plain decode rows, no drafts
+        return reasons
     if any(map(_spec_tokens, seqs)):
         reasons.add("speculative")
     pending = in_flight.rows if in_flight is not None else None
@@ -161,13 +163,15 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     return inp.replace(feed=TokenFeed(prev=in_flight.pending.feed, dst=dst, src=src))
 
 
-def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
+def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep, none_finished: bool = False
+            ) -> InFlightStep:
     """The host bookkeeping of a dispatched step that needs no token (`Engine._advance`, as the synchronous
-    `Engine._process` does before it appends a token), and a placeholder for each token the step samples."""
+    `Engine._process` does before it appends a token), and a placeholder for each token the step samples.
+    `none_finished`: no sequence was finished since `batch` was scheduled (then no row needs to be checked)."""
     seqs = batch.seqs
     if engine.state is None and not engine.scheduler.awaiting_fork and batch.is_decode \
-            and not operator.countOf(map(_status, seqs), FINISHED):
-        return _advance_decode(engine, seqs, pending)
+            and (none_finished or not operator.countOf(map(_status, seqs), FINISHED)):
+        return _advance_decode(engine, seqs, pending, batch.computed)
     rows: dict[Sequence, int] = {}
     request_ids: dict[str, None] = {}
     for i, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens)):
@@ -184,14 +188,18 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFl
     return InFlightStep(pending, rows, list(request_ids))
 
 
-def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep) -> InFlightStep:
+def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep,
+                    computed: np.ndarray | None) -> InFlightStep:
     """`advance` of a step whose every row computes one token, none finished, with no state layers and no samples
     waiting to fork: `Engine._advance`'s bookkeeping as array operations and C loops over the rows, with per-row
-    Python only where a row fills a page (its chain hash is registered)."""
+    Python only where a row fills a page (its chain hash is registered). `computed`: the rows' computed tokens as
+    the steady decode pass read them (`ScheduledBatch.computed`), whose rows each computed their one uncomputed
+    token: every row samples."""
     n = len(seqs)
-    after = np.fromiter(map(_computed, seqs), np.int64, n) + 1
+    after = (np.fromiter(map(_computed, seqs), np.int64, n) if computed is None else computed) + 1
     collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
-    sampled = after >= np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+    sampled = after >= np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) if computed is None else \
+        np.ones(n, bool)
     # A row's first step (after == 1) starts its chain; a step that fills a page registers it (`fold.advance`).
     for i in np.flatnonzero((after == 1) | (after % engine.page_size == 0)).tolist():
         try:
@@ -204,6 +212,8 @@ def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep) 
     else:
         rows = dict(zip(itertools.compress(seqs, sampled.tolist()), np.flatnonzero(sampled).tolist()))
     collections.deque(map(list.append, map(_token_ids, rows), itertools.repeat(PLACEHOLDER)), 0)
+    if computed is not None and len(rows) == n:
+        engine.scheduler.advanced(seqs, after)
     return InFlightStep(pending, rows, list(dict.fromkeys(map(_request_id, seqs))))
 
 
@@ -274,8 +284,9 @@ def async_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
         if prev is not None:
             engine.async_stats.overlapped_steps += 1
         engine.in_flight = None
+        removed = engine.scheduler.num_removed
         outputs = fold(engine, prev) if prev is not None else []
-        engine.in_flight = advance(engine, batch, pending)
+        engine.in_flight = advance(engine, batch, pending, none_finished=engine.scheduler.num_removed == removed)
         return merge_outputs(outputs, fold_in_flight(engine, only_if_idle=True))
     for reason in reasons:
         engine.async_stats.sync_steps[reason] = engine.async_stats.sync_steps.get(reason, 0) + 1

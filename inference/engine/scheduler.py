@@ -43,6 +43,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens of each sequence computed this step
     admitted: list[Sequence] = dataclasses.field(default_factory=list)  # taken from the waiting queue this step
+    # Each row's computed tokens as the steady decode pass read them (`Scheduler._schedule_decode_steady`), set only
+    # for its batches: every row computes its one uncomputed token, with no drafts. The passes after it (async
+    # scheduling's checks, the kept decode batch) take that from here instead of walking the rows again.
+    computed: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +65,7 @@ class ScheduledBatch:
 
     @property
     def speculative(self) -> bool:
-        return any(map(_spec_tokens, self.seqs))
+        return self.computed is None and any(map(_spec_tokens, self.seqs))
 
 
 #: The waiting order (priority, arrival), as a C-level key: the decode pass's order of the running sequences.
@@ -116,6 +120,9 @@ class Scheduler:
         # (their next page is known to be private, so a row needs a page test only when it crosses a boundary).
         self._order: tuple[list[Sequence], np.ndarray | None] | None = None
         self._checked: set[Sequence] = set()
+        self._no_partial = False  # the last steady decode pass found no running row prefilling
+        self._advanced: tuple[list[Sequence], np.ndarray] | None = None  # see `advanced`
+        self.num_removed = 0  # sequences taken out by `remove` so far (finished or aborted)
         # That pass applies without drafts and with one KV cache group without a window (the page test's premise).
         self._steady_pages = proposer is None and all(g.window is None for g in block_manager.groups) \
             and block_manager.num_groups == 1
@@ -138,6 +145,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self._order = None
+        self.num_removed += 1
         self._checked.discard(seq)
         self.block_manager.release(seq)
         if self.state is not None:
@@ -145,6 +153,13 @@ class Scheduler:
         for sibling in [s for s in self.awaiting_fork if s.request_id == seq.request_id]:
             self.awaiting_fork.remove(sibling)
             bisect.insort(self.waiting, sibling, key=_queue_key)
+
+    def advanced(self, seqs: list[Sequence], computed: np.ndarray) -> None:
+        """Told by the engine after it advanced a steady decode batch (`seqs`, the last pass's rows in its order)
+        without its tokens: each row now has `computed` tokens computed and one token more (its placeholder). The
+        next steady pass takes that instead of reading the rows, if its rows are still these: a row that leaves
+        or joins (a finish, an abort, a preemption, an admission, a fork) makes it read them."""
+        self._advanced = (seqs, computed)
 
     def fork_due(self, parent: Sequence) -> bool:
         """Whether `parent`'s siblings fork now: sample 0 has computed its prompt (with state layers: all of it but
@@ -201,6 +216,8 @@ class Scheduler:
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
         decode = self._schedule_decode()
+        if decode is not None and decode.computed is not None and self._no_partial and not self.waiting:
+            return decode  # the steady decode state, known from the decode pass: nothing to prefill
         budget = self.config.max_num_batched_tokens - (decode.num_tokens if decode else 0)
         seqs, counts = (decode.seqs, decode.num_new_tokens) if decode else ([], [])
         return self._schedule_prefill(budget, seqs, counts)
@@ -316,8 +333,13 @@ class Scheduler:
                 if limit is not None else None
             self._order = (order, limits)
         order, limits = self._order
-        computed, left = uncomputed(order)
+        advanced, self._advanced = self._advanced, None
+        if advanced is not None and advanced[0] == order:  # identities compared in C
+            computed, left = advanced[1], np.ones(len(order), np.int64)
+        else:
+            computed, left = uncomputed(order)
         decoding = left == 1
+        self._no_partial = not (left > 1).any()  # no running row is prefilling (a preemption's victim leaves them)
         if int(decoding.sum()) > self.config.max_num_seqs:  # the cap cuts the pass short: the general pass's order
             self._checked = set()
             return self._schedule_decode_general()
@@ -338,7 +360,10 @@ class Scheduler:
             decoding &= np.fromiter((s.status is RUNNING for s in order), bool, len(order))
         scheduled = order if decoding.all() else list(itertools.compress(order, decoding.tolist()))
         self._checked = set(scheduled) if rows or len(checked) != len(scheduled) else checked
-        return ScheduledBatch(list(scheduled), [1] * len(scheduled)) if scheduled else None
+        if not scheduled:
+            return None
+        return ScheduledBatch(list(scheduled), [1] * len(scheduled),
+                              computed=computed if len(scheduled) == len(order) else computed[decoding])
 
     def _schedule_decode_general(self) -> ScheduledBatch | None:
         """Every decoding row in queue order, each checked for drafts, pages and preemption (`_grow_decode_row`)."""

@@ -31,7 +31,8 @@ def _requests(rng: np.random.Generator, count: int) -> list[tuple]:
 
 def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) -> list:
     """Drive one scheduler over a random workload; returns every step's (request, sample, tokens) rows and the
-    preemption count. `finishing`: async scheduling's rule (every decoded row has a token in flight)."""
+    preemption count. `finishing`: async scheduling's rule (every decoded row has a token in flight). The steady
+    pass is told of each of its batches' advance (`Scheduler.advanced`), as the async engine does."""
     rng = np.random.default_rng(seed)
     requests = _requests(rng, 120)
     arrivals = rng.poisson(3, 400).tolist()
@@ -43,7 +44,7 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
                           finishing=(lambda s: s in in_flight and s.num_tokens >= token_limit(s, MAX_LEN))
                           if finishing else None)
     scheduler._steady_pages = steady
-    log, next_id, step = [], 0, 0
+    log, next_id, step, hints = [], 0, 0, 0
 
     def finish(seq):
         seq.status = SequenceStatus.FINISHED
@@ -63,6 +64,10 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
         if batch is None:
             continue
         log.append([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        if batch.computed is not None:  # the steady pass read its rows: what the engine's async advance tells it
+            hints += 1
+            assert batch.computed.tolist() == [s.num_computed_tokens for s in batch.seqs]
+            scheduler.advanced(batch.seqs, batch.computed + 1)  # a finish below makes the next pass read the rows
         in_flight = set()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):  # the engine's `_advance`, then the token
             seq.num_computed_tokens += n
@@ -77,6 +82,7 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
                     finish(seq)
         if step % 17 == 0 and scheduler.running:  # an abort of a running sequence
             finish(scheduler.running[len(scheduler.running) // 2])
+    assert hints > 0 if steady else hints == 0
     return [log, scheduler.num_preemptions]
 
 
