@@ -202,6 +202,8 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
     general path's (no row plain, no text deferred)."""
     import numpy as np
 
+    from tests.inference.test_persistent_batch import drive
+
     rng = np.random.default_rng(5)
     vocab = llm.runner.config.vocab_size
     requests = []
@@ -220,27 +222,13 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
         engine = Engine(llm.runner, llm.tokenizer, config)
         if general_only:
             monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
-        pending, seen, step = list(requests), [], 0
-        while pending or engine.has_unfinished_requests():
-            for _ in range(arrivals[step] if step < len(arrivals) else len(pending)):
-                if pending:
-                    engine.add_request(*pending.pop(0))
-            step += 1
-            for out in engine.step():
-                c = out.outputs[0]
-                seen.append((out.request_id, c.text, tuple(c.token_ids), c.finish_reason, c.stop_reason))
-                if out.finished:
-                    engine.pop_finished(out.request_id)
-                elif out.request_id in aborts and len(c.token_ids) >= aborts[out.request_id]:
-                    engine.abort(out.request_id)
-                    c = engine.output_of(out.request_id).outputs[0]
-                    seen.append((out.request_id, c.text, tuple(c.token_ids), c.finish_reason, "aborted"))
-                    engine.pop_finished(out.request_id)
+        seen = []
+        finals = drive(engine, requests, arrivals, dict(aborts), seen)
+        seen += [(rid, out.outputs[0].text, out.outputs[0].finish_reason) for rid, out in sorted(finals.items())]
         monkeypatch.undo()
         runs.append(seen)
     assert runs[0] == runs[1]
-    reasons = {entry[3] for entry in runs[0]}
-    assert {"stop", "length", "abort"} <= reasons
+    assert {"stop", "length", "abort"} <= {entry[-1] for entry in runs[0] if len(entry) == 3}
 
 
 def test_token_tables_and_settled_text(llm):

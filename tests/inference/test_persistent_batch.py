@@ -46,9 +46,10 @@ def _workload(rng: np.random.Generator, vocab: int, count: int):
     return requests
 
 
-def _drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int]) -> dict:
+def drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int], seen: list | None = None) -> dict:
     """Step to the end: `arrivals[k]` requests join before step k (the rest after the last), a request in `aborts`
-    is aborted once it has reported that many tokens."""
+    is aborted once it has reported that many tokens; `seen` gets every step's outputs' (request, text, tokens,
+    reasons)."""
     pending, finals, step = list(requests), {}, 0
     while pending or engine.has_unfinished_requests():
         for _ in range(arrivals[step] if step < len(arrivals) else len(pending)):
@@ -57,6 +58,9 @@ def _drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int]
         step += 1
         for out in engine.step():
             rid = out.request_id
+            if seen is not None:
+                c = out.outputs[0]
+                seen.append((rid, c.text, tuple(c.token_ids), c.finish_reason, c.stop_reason))
             if out.finished:
                 finals[rid] = out
                 engine.pop_finished(rid)
@@ -82,7 +86,7 @@ def test_kept_batch_gives_the_general_paths_outputs(llm, async_scheduling):
         llm.engine.reset_prefix_cache()
         engine = Engine(llm.runner, llm.tokenizer, config)
         engine.persistent = persistent(engine.page_size)
-        results.append((_drive(engine, requests, arrivals, dict(aborts)), engine))
+        results.append((drive(engine, requests, arrivals, dict(aborts)), engine))
     (got, kept), (want, general) = results
     assert got.keys() == want.keys() == {rid for rid, _, _ in requests}
     for rid in want:
@@ -163,7 +167,7 @@ def test_async_folds_equal_sync_on_256_requests_and_prefill_steps_overlap(llm):
             engine = Engine(runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config,
                                                                        async_scheduling=flag))
             derived_before = [0]
-            results[flag] = _drive(engine, requests, arrivals, dict(aborts))
+            results[flag] = drive(engine, requests, arrivals, dict(aborts))
             if flag:
                 async_dispatches, dispatches = dispatches, []
     finally:
