@@ -143,14 +143,23 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
     return reasons
 
 
-def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None) -> ModelInput:
+def fed_in_order(batch: ScheduledBatch, in_flight: InFlightStep | None) -> bool:
+    """Whether `batch`'s rows are exactly the in-flight step's sampled rows, in its order (the steady decode state:
+    every input token is a placeholder, fed from that step)."""
+    return in_flight is not None and len(in_flight.rows) == len(batch.seqs) and list(in_flight.rows) == batch.seqs
+
+
+def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFlightStep | None,
+                        in_order: bool = False) -> ModelInput:
     """`inp` with a `TokenFeed`: each placeholder input token is replaced, inside the step on the device, by the
     in-flight step's sampled token of that sequence (the placeholder is a decode row's only token: `sync_reasons`
-    holds every other case back). Unchanged (the runner adds a no-op feed) when nothing is in flight."""
+    holds every other case back). Unchanged (the runner adds a no-op feed) when nothing is in flight. `in_order`:
+    `fed_in_order` holds (then no sequence is looked up)."""
     if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
-    rows = in_flight.rows
-    prev_row = np.fromiter(map(rows.get, batch.seqs, itertools.repeat(-1)), np.int32, len(batch.seqs))  # C loops
+    rows, n = in_flight.rows, len(batch.seqs)
+    prev_row = np.fromiter(rows.values(), np.int32, n) if in_order else \
+        np.fromiter(map(rows.get, batch.seqs, itertools.repeat(-1)), np.int32, n)  # C loops
     fed = prev_row >= 0
     count = int(fed.sum())
     if not count:
@@ -214,7 +223,10 @@ def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep,
     collections.deque(map(list.append, map(_token_ids, rows), itertools.repeat(PLACEHOLDER)), 0)
     if computed is not None and len(rows) == n:
         engine.scheduler.advanced(seqs, after)
-    return InFlightStep(pending, rows, list(dict.fromkeys(map(_request_id, seqs))))
+    last = engine.advanced_requests
+    if last is None or last[0] != seqs:  # the same rows as the last advance (identities compared in C): its requests
+        last = engine.advanced_requests = (seqs, list(dict.fromkeys(map(_request_id, seqs))))
+    return InFlightStep(pending, rows, last[1])
 
 
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
@@ -234,7 +246,7 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     # Each in place of its placeholder (an aborted sequence is no longer in `rows`), in C loops over the rows.
     collections.deque(map(operator.setitem, map(_token_ids, rows), itertools.repeat(-1),
                           map(tokens.__getitem__, rows.values())), 0)
-    engine._fold_tokens(list(rows.items()), out, now)
+    engine._fold_tokens(list(rows), list(rows.values()), out, now)
     return engine._outputs(in_flight.request_ids)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,7 +41,6 @@ Engine = Any
 Request = Any
 
 log = logging.getLogger(__name__)
-_first = operator.itemgetter(0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,7 +87,8 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
     now = time.perf_counter()
     touched: dict[str, Request] = {}
     verified: list[tuple[Sequence, int]] = []  # (sequence, drafts accepted) for the proposer's hook
-    sampled: list[tuple[Sequence, int]] = []  # (sequence, row) that got a token: folded together below
+    sampled: list[Sequence] = []  # sequences that got a token, and their rows: folded together below
+    sampled_rows: list[int] = []
     tokens = out.tokens.tolist()  # Python ints, converted once for the whole batch
     requests = engine.requests
     offset = 0
@@ -106,26 +105,27 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
                 record_prompt_logprobs(engine, seq, out, first_row, count)
             if advance(engine, seq, count):  # else a prefill chunk that does not reach the end: nothing sampled
                 seq.token_ids.append(tokens[i])
-                sampled.append((seq, i))
+                sampled.append(seq)
+                sampled_rows.append(i)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             fail(engine, seq, exc)
-    fold_tokens(engine, sampled, out, now)
+    fold_tokens(engine, sampled, sampled_rows, out, now)
     if verified:
         engine.proposer.on_accepted([seq for seq, _ in verified], [n for _, n in verified])
     return outputs(engine, touched)
 
 
-def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOutput, now: float) -> None:
-    """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (with its row of `out`):
-    metrics, logprobs, stop checks, text. Plain rows are found and folded over the batch (`PlainRows.split`); of
+def fold_tokens(engine: Engine, seqs: list[Sequence], rows: list[int], out: StepOutput, now: float) -> None:
+    """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (`rows`: each one's row of
+    `out`): metrics, logprobs, stop checks, text. Plain rows are found and folded over the batch (`PlainRows.split`); of
     the rest, rows with fast-path constants and neither a stop id nor a limit reached take the text-only path (the
     module docstring), the others `after_token`. One request's failure fails only it."""
-    plain = engine.plain_rows.split(list(map(_first, sampled)), now)
+    plain = engine.plain_rows.split(seqs, out.tokens[np.fromiter(rows, np.int64, len(rows))], now)
     if plain.all():
         return
-    requests, rows = engine.requests, engine.plain_rows
+    requests, kept = engine.requests, engine.plain_rows
     for i in np.flatnonzero(~plain).tolist():
-        seq, out_row = sampled[i]
+        seq, out_row = seqs[i], rows[i]
         try:
             ids = seq.token_ids
             length = len(ids)
@@ -135,7 +135,7 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
                 after_token(engine, seq, requests[seq.request_id], out, out_row, now)
                 if seq.fast_row is None and not seq.is_finished:
                     seq.fast_row = fast_row(engine, seq)
-                    rows.forget()
+                    kept.forget()
             else:
                 if row.token_times is not None:
                     row.token_times.append(now)
@@ -147,7 +147,7 @@ def fold_tokens(engine: Engine, sampled: list[tuple[Sequence, int]], out: StepOu
                         if stop is not None:
                             seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush
                             finish(engine, seq, "stop")
-            rows.update(i, seq)
+            kept.update(i, seq)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
             fail(engine, seq, exc)
 

@@ -30,9 +30,9 @@ from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.token_mask import allowed_row, restrict_rows
 from inference.sampling.params import SamplingParams
-from inference.engine.async_scheduling import (AsyncStats, InFlightStep, ParamsChecked, async_step,
-                                              feed_pending_tokens, finishes_in_flight, fold_in_flight,
-                                              merge_outputs)
+from inference.engine.async_scheduling import (PLACEHOLDER, AsyncStats, InFlightStep, ParamsChecked, async_step,
+                                              fed_in_order, feed_pending_tokens, finishes_in_flight,
+                                              fold_in_flight, merge_outputs)
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
@@ -167,6 +167,8 @@ class Engine:
         self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
         self.async_stats = AsyncStats()
         self.params_checked = ParamsChecked()  # sync_reasons' parameter checks, skipped while the rows are the same
+        # The rows of the last async decode advance and their requests, reused while the rows stay the same.
+        self.advanced_requests: tuple[list[Sequence], list[str]] | None = None
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)
         # Requests whose every sequence finished, not popped yet: a `step(finished_only=True)` builds outputs only
         # for these (fold.outputs).
@@ -357,7 +359,9 @@ class Engine:
         draft_probs = self._run_draft(batch) if batch.speculative else None
         lora_slots = self._lora_slots(batch)
         touched = self.block_manager.take_touched()
-        reused = None if self.num_spec and batch.speculative else self.persistent.next_step(batch, touched)
+        in_order = batch.computed is not None and fed_in_order(batch, in_flight)
+        reused = None if self.num_spec and batch.speculative else \
+            self.persistent.next_step(batch, touched, PLACEHOLDER if in_order else None)
         if reused is not None:  # the steady decode state: derived from the last step's arrays
             inp, sampling, flags = reused
             self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])
@@ -365,7 +369,7 @@ class Engine:
             inp, sampling, flags = self._build_step(batch, lora_slots, draft_probs)
             self.persistent.keep(batch, inp, sampling, flags, lora_slots is not None,
                                  self.block_manager.num_groups)
-        inp = feed_pending_tokens(inp, batch, in_flight)
+        inp = feed_pending_tokens(inp, batch, in_flight, in_order)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
                                    use_filters=flags.use_filters, logprobs=flags.extras,
                                    prompt_logprobs=flags.prompt_logprobs, fetch=fetch)

@@ -56,9 +56,10 @@ class PersistentDecodeBatch:
     def forget(self) -> None:
         self._kept = None
 
-    def next_step(self, batch: ScheduledBatch, touched: set[Sequence]
+    def next_step(self, batch: ScheduledBatch, touched: set[Sequence], last_token: int | None = None
                   ) -> tuple[ModelInput, SamplingTensors, StepFlags] | None:
-        """The step of `batch` derived from the kept one, or None (then build it in general and `keep` it)."""
+        """The step of `batch` derived from the kept one, or None (then build it in general and `keep` it).
+        `last_token`: every row's last token (async scheduling's placeholder, fed on the device), not read."""
         kept = self._kept
         # The same rows (an identity compare, in C), each computing one token (no prompt chunk, no drafts).
         if kept is None or batch.seqs != kept.seqs or sum(batch.num_new_tokens) != len(batch.seqs):
@@ -89,7 +90,8 @@ class PersistentDecodeBatch:
             return None
         size = inp.tokens.shape[0]
         tokens = np.zeros(size, np.int32)
-        tokens[:n] = np.fromiter(map(_last, map(_token_ids, seqs)), np.int32, n)  # C loops over the rows
+        tokens[:n] = np.fromiter(map(_last, map(_token_ids, seqs)), np.int32, n) if last_token is None \
+            else last_token  # C loops over the rows
         positions = np.zeros(size, np.int32)
         positions[:n] = starts
         kv_lens = np.zeros(inp.attn.kv_lens.shape[0], np.int32)

@@ -28,7 +28,6 @@ import numpy as np
 from inference.engine.sequence import Sequence
 
 _token_ids = operator.attrgetter("token_ids")
-_last = operator.itemgetter(-1)
 _MAX_TABLES = 64  # distinct kinds of rows kept; past it the tables are made again as rows need them
 
 
@@ -81,16 +80,16 @@ class PlainRows:
         """Drop the kept rows (a row's constants changed: it got its fast-path constants)."""
         self._rows = None
 
-    def split(self, seqs: list[Sequence], now: float) -> np.ndarray:
-        """Which of `seqs` (each with its new token last in `token_ids`) are plain, as a bool array; their fold is
-        done here: the token's time for a timed row, and the text deferred for a row that detokenizes."""
+    def split(self, seqs: list[Sequence], tokens: np.ndarray, now: float) -> np.ndarray:
+        """Which of `seqs` (each with its new token, `tokens[i]`, last in `token_ids`) are plain, as a bool array;
+        their fold is done here: the token's time for a timed row, and the text deferred for a row that
+        detokenizes."""
         rows = self._rows
         if rows is None or rows.seqs != seqs:  # identities compared in C
             rows = self._rows = self._build(seqs)
         n = len(seqs)
-        ids = list(map(_token_ids, seqs))
-        lengths = np.fromiter(map(len, ids), np.int64, n)
-        tokens = np.minimum(np.fromiter(map(_last, ids), np.int64, n), self.vocab_size)
+        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        tokens = np.minimum(tokens, self.vocab_size)
         plain = rows.tables[rows.table_of, tokens]
         plain &= lengths < rows.limit
         plain &= ~rows.text | (rows.plain_state & (lengths >= rows.plain_from))

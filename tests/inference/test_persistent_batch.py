@@ -20,7 +20,7 @@ class _NeverReuse(PersistentDecodeBatch):
     """The general path for every step: each step's input built from the sequences (the engine before the kept
     batch)."""
 
-    def next_step(self, batch, touched):
+    def next_step(self, batch, touched, last_token=None):
         return None
 
 
@@ -102,19 +102,24 @@ def test_kept_batch_gives_the_general_paths_outputs(llm, async_scheduling):
         assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
-def test_a_derived_step_equals_the_built_one(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_derived_step_equals_the_built_one(llm, async_scheduling):
     """Each derived decode input equals what `build_model_input` makes from the sequences, across page boundaries
-    (new pages, rows rewritten from their tables)."""
-    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, async_scheduling=False))
+    (new pages, rows rewritten from their tables); with async scheduling, also where every row's token is the
+    in-flight placeholder (not read: `last_token`)."""
+    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config,
+                                                                   async_scheduling=async_scheduling))
     rng = np.random.default_rng(1)
     for i in range(12):
         engine.add_request(f"d{i}", rng.integers(1, 500, int(rng.integers(3, 20))).tolist(),
                            SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True))
-    checked = 0
+    checked, unread = 0, 0
     original = engine.persistent.next_step
 
-    def checking(batch, touched):
-        derived = original(batch, touched)
+    def checking(batch, touched, last_token=None):
+        nonlocal checked, unread
+        unread += last_token is not None
+        derived = original(batch, touched, last_token)
         if derived is not None:
             inp, sampling, _ = derived
             built, _ = build_model_input(batch, engine.page_size, engine.limits)
@@ -124,7 +129,6 @@ def test_a_derived_step_equals_the_built_one(llm):
                 np.testing.assert_array_equal(getattr(inp.attn, name), getattr(built.attn, name), err_msg=name)
             assert inp.attn.max_q_len == built.attn.max_q_len
             np.testing.assert_array_equal(sampling.step[:len(batch.seqs)], [s.num_output_tokens for s in batch.seqs])
-            nonlocal checked
             checked += 1
         return derived
 
@@ -134,6 +138,7 @@ def test_a_derived_step_equals_the_built_one(llm):
             if out.finished:
                 engine.pop_finished(out.request_id)
     assert checked >= 20
+    assert (unread >= 20) if async_scheduling else not unread
 
 
 def test_async_folds_equal_sync_on_256_requests_and_prefill_steps_overlap(llm):
