@@ -73,16 +73,24 @@ class Sequence:
             return
         ids = self.token_ids
         if end is None:
-            end = self.deferred_from = len(ids) - (ids[-1] < 0)
+            end = len(ids)
+            if ids[-1] < 0:
+                end -= 1
+            self.deferred_from = end
         else:
             self.deferred_from = None
-        if end > start:
+        if end - start == 1:  # a reader at every step (streaming): one token, no lists
+            text = self.fast_row.plain[ids[start]]
+            self.detokenizer.add_plains(ids[start], text)
+        elif end > start:
             tokens = ids[start:end]
             texts = list(map(self.fast_row.plain.__getitem__, tokens))
             self.detokenizer.add_plains(tokens, texts)
             text = "".join(texts)
-            self.text_parts.append(text)
-            self._text_len += len(text)
+        else:
+            return
+        self.text_parts.append(text)
+        self._text_len += len(text)
 
     @property
     def text_len(self) -> int:
@@ -122,7 +130,8 @@ class Sequence:
     def text_snapshot(self) -> tuple[list[str], int]:
         """The text now, without joining it: its pieces are only appended to (a cut or a join makes a new list), so
         "".join(parts[:count]) is the text at this moment whatever happens to the sequence later."""
-        self.settle_text()
+        if self.deferred_from is not None:
+            self.settle_text()
         return self.text_parts, len(self.text_parts)
 
     @property

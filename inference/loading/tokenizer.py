@@ -335,11 +335,17 @@ class IncrementalDetokenizer:
         self._deltas.append(delta)
         return delta
 
-    def add_plains(self, tokens: list[int], texts: list[str]) -> None:
-        """`add(token)` for each of `tokens` in turn, for a detokenizer that is `plain` and tokens whose
-        `Tokenizer.plain_texts` texts are `texts`: the state those adds leave (it stays plain), and `texts` are the
-        deltas they would return (the fold's plain rows, whose text is appended when read: no decode)."""
-        if tokens:
+    def add_plains(self, tokens: int | list[int], texts: str | list[str]) -> None:
+        """`add(token)` for each of `tokens` in turn (or one token and its text), for a detokenizer that is `plain`
+        and tokens whose `Tokenizer.plain_texts` texts are `texts`: the state those adds leave (it stays plain),
+        and `texts` are the deltas they would return (the fold's plain rows, whose text is appended when read: no
+        decode)."""
+        if isinstance(tokens, int):
+            self._ids.append(tokens)
+            self._deltas.append(texts)
+            self._prefix_offset = self._read_offset
+            self._read_offset += 1
+        elif tokens:
             self._ids.extend(tokens)
             self._read_offset += len(tokens)
             self._prefix_offset = self._read_offset - 1
