@@ -19,6 +19,7 @@ handed to a step are fresh each step: a dispatched step may still read the previ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 
 import numpy as np
@@ -75,16 +76,18 @@ class PersistentDecodeBatch:
         pages = inp.attn.page_indices
         padded_pages = pages.shape[1]
         if touched:
-            rows = sorted(kept.row_of[s] for s in touched if s in kept.row_of)  # the few changed tables
+            rows = [kept.row_of[s] for s in touched if s in kept.row_of]  # the few changed tables
             if rows:
-                if max(len(seqs[i].pages) for i in rows) > padded_pages:  # a wider page bucket
+                tables = [seqs[i].pages for i in rows]
+                lengths = np.fromiter(map(len, tables), np.int64, len(rows))
+                if int(lengths.max()) > padded_pages:  # a wider page bucket
                     self._kept = None
                     return None
                 pages = pages.copy()
-                for i in rows:
-                    table = seqs[i].pages
-                    pages[i, :len(table)] = table
-                    pages[i, len(table):] = 0
+                pages[rows] = 0  # then every changed table at once: its row repeated, its columns counted
+                starts_of = np.repeat(np.cumsum(lengths) - lengths, lengths)
+                pages[np.repeat(rows, lengths), np.arange(starts_of.size) - starts_of] = \
+                    list(itertools.chain.from_iterable(tables))
         if int(starts.max()) // ps >= padded_pages:
             self._kept = None
             return None

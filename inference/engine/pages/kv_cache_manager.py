@@ -157,6 +157,8 @@ class KVCacheManager:
         return chain.hashes[num_pages - 1] if chain is not None and 0 < num_pages <= len(chain.hashes) else None
 
     def commit_full_pages(self, seq: Sequence) -> int:
+        if len(self.groups) == 1:  # called for every row that fills a page: no generator for the common case
+            return self.groups[0].commit_full_pages(seq)
         return sum(g.commit_full_pages(seq) for g in self.groups)
 
     def reset_prefix_cache(self) -> int:
