@@ -65,6 +65,7 @@ class ScheduledBatch:
 
     @property
     def speculative(self) -> bool:
+        # `computed` comes only from the steady pass, which runs only without a proposer: no drafts.
         return self.computed is None and any(map(_spec_tokens, self.seqs))
 
 
@@ -121,7 +122,7 @@ class Scheduler:
         self._order: tuple[list[Sequence], np.ndarray | None] | None = None
         self._checked: set[Sequence] = set()
         self._no_partial = False  # the last steady decode pass found no running row prefilling
-        self._advanced: tuple[list[Sequence], np.ndarray] | None = None  # see `advanced`
+        self._advanced: tuple[tuple, list[Sequence], np.ndarray] | None = None  # see `advanced`
         self.num_removed = 0  # sequences taken out by `remove` so far (finished or aborted)
         # That pass applies without drafts and with one KV cache group without a window (the page test's premise).
         self._steady_pages = proposer is None and all(g.window is None for g in block_manager.groups) \
@@ -157,9 +158,10 @@ class Scheduler:
     def advanced(self, seqs: list[Sequence], computed: np.ndarray) -> None:
         """Told by the engine after it advanced a steady decode batch (`seqs`, the last pass's rows in its order)
         without its tokens: each row now has `computed` tokens computed and one token more (its placeholder). The
-        next steady pass takes that instead of reading the rows, if its rows are still these: a row that leaves
-        or joins (a finish, an abort, a preemption, an admission, a fork) makes it read them."""
-        self._advanced = (seqs, computed)
+        next steady pass takes that instead of reading the rows only if its queue order is still the one it
+        scheduled them from: anything that changes `running` (a finish, an abort, a preemption, an admission, a
+        fork) drops that order, so a row preempted and admitted again is read, even when the rows end up the same."""
+        self._advanced = (self._order, seqs, computed)
 
     def fork_due(self, parent: Sequence) -> bool:
         """Whether `parent`'s siblings fork now: sample 0 has computed its prompt (with state layers: all of it but
@@ -334,8 +336,8 @@ class Scheduler:
             self._order = (order, limits)
         order, limits = self._order
         advanced, self._advanced = self._advanced, None
-        if advanced is not None and advanced[0] == order:  # identities compared in C
-            computed, left = advanced[1], np.ones(len(order), np.int64)
+        if advanced is not None and advanced[0] is self._order and advanced[1] == order:  # identities, in C
+            computed, left = advanced[2], np.ones(len(order), np.int64)
         else:
             computed, left = uncomputed(order)
         decoding = left == 1

@@ -257,7 +257,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._whole = self._is_whole(self._ids)  # the read part of the window, ids[prefix:read], is whole UTF-8
         # Every id read and the window whole: `add` of an id with a `Tokenizer.plain_texts` text emits just that
-        # text (`add_plain`).
+        # text (`add_plains`).
         self.plain = self._whole
         self._deltas: list[str] = []
 
