@@ -130,8 +130,7 @@ class Sequence:
     def text_snapshot(self) -> tuple[list[str], int]:
         """The text now, without joining it: its pieces are only appended to (a cut or a join makes a new list), so
         "".join(parts[:count]) is the text at this moment whatever happens to the sequence later."""
-        if self.deferred_from is not None:
-            self.settle_text()
+        self.settle_text()
         return self.text_parts, len(self.text_parts)
 
     @property

@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 
 from inference import SamplingParams
 from inference.engine import fold
 from inference.engine.llm_engine import Engine
 from inference.loading.tokenizer import IncrementalDetokenizer
+from tests.inference.test_persistent_batch import drive
 
 STEPS = 14  # tokens of the reference generation each case is cut from
 
@@ -203,10 +205,6 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
     """64 requests arriving at random steps, with stop strings, aborts and every step's outputs read (the text of
     the plain rows settled mid-run, with a token in flight): every step's text and each final output equal the
     general path's (no row plain, no text deferred)."""
-    import numpy as np
-
-    from tests.inference.test_persistent_batch import drive
-
     rng = np.random.default_rng(5)
     vocab = llm.runner.config.vocab_size
     requests = []
