@@ -209,7 +209,7 @@ class SamplerOutput(NamedTuple):
 
     tokens: i32[S]; logprob: f32[S] logprob of the sampled token; top_ids: i32[S, num_top] and top_logprobs:
     f32[S, num_top], the num_top most likely tokens in descending order; rank: i32[S] the sampled token's rank
-    (`token_rank`), or None where logprobs were not asked for. Which distribution the logprobs refer to is per row:
+    (`token_rank`). logprob and rank are None where logprobs were not asked for (`num_top` 0). Which distribution the logprobs refer to is per row:
     raw logits, or the processed (tempered + filtered) ones where `processed_logprobs` is set.
     """
 
@@ -453,7 +453,8 @@ def sample_with_logprobs(
     mask applies to both: "raw" is then the log-softmax of the masked logits (the constrained distribution before
     temperature and filters), as in vLLM, where the grammar bitmask is applied before the sampler; a row whose mask
     is only its `allowed_token_ids` (`t.mask_in_raw` False) keeps the unmasked raw logprobs, as vLLM's allowed list
-    comes after them. The sampled tokens' ranks (`SamplerOutput.rank`) come with num_top > 0 only.
+    comes after them. The sampled tokens' logprobs and ranks come with num_top > 0 only: a step that returns no
+    logprobs skips the log-softmax's passes over [S, V].
     """
     logits = logits.astype(jnp.float32)
     masked = apply_token_mask(logits, t.token_mask)
@@ -463,6 +464,10 @@ def sample_with_logprobs(
         in_raw = jnp.asarray(t.mask_in_raw)
         raw = jax.lax.cond(jnp.all(in_raw), lambda: masked, lambda: jnp.where(in_raw[:, None], masked, logits))
     tokens = _sample_processed(x, t)
+    if num_top == 0:  # no logprobs asked: their [S, V] passes (a log-softmax) would be computed and never read
+        s = tokens.shape[0]
+        return SamplerOutput(tokens=tokens, logprob=None, top_ids=jnp.zeros((s, 0), jnp.int32),
+                             top_logprobs=jnp.zeros((s, 0), jnp.float32))
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top, invariant=invariant)
     # The rank costs one more [S, V] pass: only steps that return logprobs (num_top > 0) pay for it.

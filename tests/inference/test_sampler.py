@@ -478,3 +478,20 @@ def test_jit_with_static_flags_and_pytree_tensors() -> None:
         logits, t, use_filters=False, num_top=0)
     assert out.top_ids.shape == (ROWS, 0) and out.tokens.shape == (ROWS,)
     assert len(jax.tree_util.tree_leaves(t)) == 7 and t.num_rows == ROWS
+
+
+def test_no_logprobs_asked_skips_the_log_softmax() -> None:
+    """num_top=0 (no row asked for logprobs): the same tokens as with logprobs, no logprob or rank returned, and no
+    exp / log traced (the greedy and Gumbel paths need neither; the noise's logs are inside its cond)."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(ROWS, 64)).astype(np.float32)
+    t = _tensors([SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=1.3),
+                  SamplingParams(temperature=0.7, top_k=5)], seeds=[1, 2, 3, 4], steps=[5, 5, 5, 5])
+    bare = jax.jit(S.sample_with_logprobs, static_argnames=("use_filters", "num_top"))(
+        logits, t, use_filters=True, num_top=0)
+    np.testing.assert_array_equal(np.asarray(bare.tokens), _sample_lp(logits, t, use_filters=True).tokens)
+    assert bare.logprob is None and bare.rank is None and bare.top_ids.shape == (ROWS, 0)
+    greedy = _tensors([SamplingParams(temperature=0)] * ROWS)
+    jaxpr = jax.make_jaxpr(lambda l, t: S.sample_with_logprobs(l, t, use_filters=False, num_top=0))(logits, greedy)
+    outer = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert {"exp", "log"}.isdisjoint(outer), outer
