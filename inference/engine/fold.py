@@ -8,10 +8,10 @@ output (`request_output`).
 Why a fast path (`fold_tokens`): at a few hundred decoding sequences the host's step is bounded by per-sequence
 Python, and most rows of a steady decode step need nothing of the general path: no logprobs, no grammar, a token
 that is neither EOS nor a stop token, a length below the limits, and (when it detokenizes) a token whose text is
-plain and holds no stop string's last character. Such rows are found with array operations over the batch and
-their text is deferred (inference/engine/plain_rows.py: `FastRow` holds a row's constants). A row that is not
-plain but has none of the general path's needs appends its token's text with one detokenizer `add` and looks back
-for the stop strings; every other row (a token in the stop set, a length at a limit, logprobs, structured outputs,
+plain and can end no stop string (`plain_rows.can_end_stop`). Such rows are found with array operations over the
+batch and their text is deferred (inference/engine/plain_rows.py: `FastRow` holds a row's constants). A row that
+is not plain but has none of the general path's needs appends its token's text with one detokenizer `add` and looks
+back for the stop strings; every other row (a token in the stop set, a length at a limit, logprobs, structured outputs,
 the first token) takes `after_token`, the general path, whose checks (`stop.check_stop`) decide in the same order,
 so the results are the same.
 """
@@ -75,8 +75,8 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
     plain = engine.tokenizer.plain_texts(params.skip_special_tokens) if text else {}
-    stop_ids, stop_ends = frozenset(stop_ids), frozenset(s[-1] for s in stop)
-    table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, stop_ends)
+    stop_ids = frozenset(stop_ids)
+    table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, frozenset(stop))
     return FastRow(token_limit(seq, engine.max_model_len), stop_ids, text, stop,
                    longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, table,
                    seq.num_prompt_tokens + params.min_tokens + 2 if stop else 0)

@@ -5,15 +5,15 @@ its length against the limits, its token against the stop ids and its text again
 characters, then one detokenizer update and one text append. Most rows of a steady decode step need nothing else
 (`fold.FastRow`). Here each row's constants are kept as arrays while the fold's rows stay the same sequences in the
 same order, and whether a sampled token keeps its row plain is one lookup in a table over the vocabulary, one table
-for each kind of row (its stop ids, whether it detokenizes, its stop strings' last characters). A plain row's text
+for each kind of row (its stop ids, whether it detokenizes, its stop strings). A plain row's text
 is deferred: the sequence appends it when its text is read, or before its next token that is not plain
 (`Sequence.settle_text`), as the per-token updates would have. What is left per plain row is in C loops (its length
 and last token read, its token time appended).
 
 A token keeps its row plain when the row has fast-path constants, its length is below the row's limit, the token is
 not one of the row's stop ids, and, for a row that detokenizes, its detokenizer holds nothing back, the stop strings
-were checked at the row's last token, and the token's text is whole UTF-8 alone with none of the stop strings' last
-characters (so no stop string can end in it). Every other row takes the fold's per-row path.
+were checked at the row's last token, and the token's text is whole UTF-8 alone and no stop string can end in it,
+whatever text came before (`can_end_stop`). Every other row takes the fold's per-row path.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ class _Rows:
     deferring: np.ndarray  # bool: the row's text is deferred (Sequence.deferred_from is set)
 
 
+def can_end_stop(text: str, stop: str) -> bool:
+    """Whether `stop` can end inside `text` appended to some text: `text` holds it whole, or starts with one of its
+    proper suffixes (the rest of it then ends the text before). Either way `text` holds its last character, the
+    cheap test that goes first."""
+    return stop[-1] in text and (stop in text or any(
+        text.startswith(stop[-k:]) for k in range(1, min(len(text), len(stop) - 1) + 1)))
+
+
 class PlainRows:
     """One engine's token tables and the kept constants of its last fold's rows."""
 
@@ -57,17 +65,18 @@ class PlainRows:
         self._rows: _Rows | None = None
 
     def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
-              stop_ends: frozenset[str]) -> np.ndarray:
+              stops: frozenset[str]) -> np.ndarray:
         """The table of a kind of row: True at the tokens that keep it plain, False past the vocabulary (the last
         entry, where an out-of-range token is looked up). `plain`: the tokenizer's `plain_texts` for
-        `skip_special_tokens`."""
-        key = (stop_ids, text, skip_special_tokens, stop_ends)
+        `skip_special_tokens`; `stops`: the row's stop strings."""
+        key = (stop_ids, text, skip_special_tokens, stops)
         table = self._tables.get(key)
         if table is None:
             size = self.vocab_size
             table = np.zeros(size + 1, bool)
             if text:
-                table[[i for i, s in plain.items() if i < size and stop_ends.isdisjoint(s)]] = True
+                table[[i for i, s in plain.items()
+                       if i < size and not any(can_end_stop(s, stop) for stop in stops)]] = True
             else:
                 table[:size] = True
             table[[i for i in stop_ids if 0 <= i < size]] = False

@@ -233,11 +233,11 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
 
 
 def test_token_tables_and_settled_text(llm):
-    """A kind of row's token table (`PlainRows.table`): a stop id, a token whose text holds a stop string's last
-    character, a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row plain; a
+    """A kind of row's token table (`PlainRows.table`): a stop id, a token whose text can end a stop string
+    (whatever came before), a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row plain; a
     row that does not detokenize is kept plain by every token but its stop ids. A sequence's deferred text is
     appended when read, without an in-flight placeholder, and the run goes on after the read."""
-    from inference.engine.plain_rows import PlainRows
+    from inference.engine.plain_rows import PlainRows, can_end_stop
     from inference.engine.sequence import Sequence
 
     tokenizer, vocab = llm.tokenizer, llm.runner.config.vocab_size
@@ -253,6 +253,14 @@ def test_token_tables_and_settled_text(llm):
     assert rows.table(frozenset({eos}), True, True, plain, frozenset("x")) is table  # made once
     bare = rows.table(frozenset({eos}), False, True, plain, frozenset())
     assert not bare[eos] and not bare[vocab] and bare[:vocab].sum() == vocab - 1
+    # A longer stop string "zx": a token with an "x" that cannot end it ("ex") keeps the row plain; one that starts
+    # with a suffix of it ("x...", after a "z") or holds it whole does not.
+    inside = next(i for i, text in plain.items() if "x" in text[1:] and "zx" not in text and text[0] != "x")
+    starts = next(i for i, text in plain.items() if text.startswith("x"))
+    longer = rows.table(frozenset({eos}), True, True, plain, frozenset({"zx"}))
+    assert longer[inside] and not longer[starts] and not longer[eos] and longer[no_x].all()
+    assert [can_end_stop(t, "<|a>x") for t in ("x", ">x", "a>xy", "<|a>x!", "ex", "x>", "<|a>")] == \
+        [True, True, True, True, False, True, False]
 
     seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2,
                    params=SamplingParams(), seed=0, arrival_order=0)
