@@ -62,6 +62,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("decode_steps", 24, "Measured decode steps per size (after every sequence is decoding).")
     flags.DEFINE_integer("repeats", 15, "Replays of one decode step for the device time.")
     flags.DEFINE_integer("seed", 0, "Seed for the prompts and the sampling.")
+    flags.DEFINE_integer("rounds", 1, "With --baseline: measure every size of both trees this many times (each round "
+                         "alternating them again), and report each tree's growth from the smallest size to the largest "
+                         "(host p50) as the median of the rounds' ratios: on a shared machine one round's ratio moves "
+                         "with the load.")
     flags.DEFINE_string("json", None, "Write the results here as JSON.")
     flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request (0: greedy, which skips the "
                        "sampler's full-vocabulary noise, most of this model's device time at large batch).")
@@ -327,7 +331,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
     recompiles = sum(runner.num_compilations().values()) - compiled  # jit cache misses of the measured run
-    device_ms = replay_ms(runner, capture["step"], repeats)  # its inputs committed to the device: a variant of its own
+    device_ms, launch_ms = replay_ms(runner, capture["step"], repeats)  # its inputs committed to the device: a variant of its own
     # Host arrays the captured decode step hands the device (each its own host -> device copy); a step without an
     # in-flight predecessor gets the runner's no-op feed, whose two index arrays are host arrays too.
     step_inp, step_sampling, _ = capture["step"]
@@ -347,6 +351,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     return {"seqs": num_seqs, "async_scheduling": engine.async_scheduling, "measured_steps": len(walls),
             "steps_per_s": 1e3 / step_ms, "step_ms": step_ms, "step_p50_ms": float(np.median(walls)
             * 1e3), "host_ms": host_ms, "phases_ms": phases_ms, "device_ms": device_ms,
+            "launch_ms": launch_ms,
             "device_busy": min(1.0, device_ms / step_ms), "host_ms_per_seq": host_ms / num_seqs,
             "recompiles_in_measured_run": recompiles,
             "host_arrays_per_step": host_arrays, "host_to_device_copies_per_step": transfers,
@@ -369,21 +374,23 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "persistent_steps": getattr(getattr(engine, "persistent", None), "reused_steps", None)}
 
 
-def replay_ms(runner, captured, repeats: int) -> float:
+def replay_ms(runner, captured, repeats: int) -> tuple[float, float]:
     """Median ms of the captured decode step alone, inputs already on the device (the KV cache is donated, so each
-    replay feeds the previous one's cache back)."""
+    replay feeds the previous one's cache back), and median ms until its jitted call returned: XLA's own launch, with
+    no engine code in it, which the host time includes."""
     inp, sampling, kwargs = captured
     if hasattr(runner, "noop_feed") and inp.feed is None:  # the variant the engine runs: every step carries a feed
         inp = inp.replace(feed=runner.noop_feed(inp.tokens.shape[0], inp.logits_indices.shape[0]))
     inp, sampling = jax.device_put((inp, sampling))
-    times = []
+    times, launches = [], []
     for _ in range(repeats + 2):
         t0 = time.perf_counter()
         sampled, _, runner.kv_caches, *_ = runner.decode_step(runner.param_leaves, runner.kv_caches, inp, sampling,
                                                               **kwargs)
+        launches.append(time.perf_counter() - t0)
         jax.block_until_ready(sampled)
         times.append(time.perf_counter() - t0)
-    return float(np.median(times[2:]) * 1e3)
+    return float(np.median(times[2:]) * 1e3), float(np.median(launches[2:]) * 1e3)
 
 
 def _tree_of(baseline: str) -> str:
@@ -427,22 +434,40 @@ def side_by_side(baseline: str) -> list[dict]:
     script = os.path.abspath(__file__)
     rows = []
     try:
-        for n in [int(s) for s in FLAGS.seqs]:
-            for name, tree in (("base", base), ("this", here)):
-                for row in _run_in(tree, script, n):
-                    rows.append({**row, "tree": name})
+        for round_ in range(FLAGS.rounds):
+            for n in [int(s) for s in FLAGS.seqs]:
+                for name, tree in (("base", base), ("this", here)):
+                    for row in _run_in(tree, script, n):
+                        rows.append({**row, "tree": name, "round": round_})
     finally:
         if not os.path.isdir(baseline):  # the worktree made for this run (a path given is the caller's)
             subprocess.run(["git", "-C", here, "worktree", "remove", "--force", base], capture_output=True)
     for n in [int(s) for s in FLAGS.seqs]:
-        pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"]}
+        pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"] and r["round"] == 0}
         if len(pair) == 2:
             b, t = pair["base"], pair["this"]
             print(f"seqs={n:4d}  host ms {b['host_ms']:.2f} -> {t['host_ms']:.2f} ({t['host_ms'] / b['host_ms']:.2f}x)"
                   f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}"
                   + "".join(f"  {k} {b.get(f'host_{k}_ms', float('nan')):.2f} -> {t[f'host_{k}_ms']:.2f}"
                             for k in ("p50", "p99", "min")), flush=True)
+    for name in ("base", "this"):
+        growth = size_growth([r for r in rows if r["tree"] == name and r["async_scheduling"]])
+        if growth:
+            print(f"{name}: host p50 growth {growth['from']} -> {growth['to']} sequences, median of "
+                  f"{len(growth['ratios'])} rounds {growth['median']:.2f}x (rounds: "
+                  + ", ".join(f"{x:.2f}" for x in growth["ratios"]) + ")", flush=True)
     return rows
+
+
+def size_growth(rows: list[dict]) -> dict | None:
+    """How one tree's host p50 grows from its smallest size to its largest, per round and the median of rounds."""
+    sizes = sorted({r["seqs"] for r in rows})
+    if len(sizes) < 2:
+        return None
+    by = {(r.get("round", 0), r["seqs"]): r["host_p50_ms"] for r in rows}
+    ratios = [by[k, sizes[-1]] / by[k, sizes[0]] for k in sorted({k for k, _ in by})
+              if (k, sizes[0]) in by and (k, sizes[-1]) in by]
+    return {"from": sizes[0], "to": sizes[-1], "ratios": ratios, "median": float(np.median(ratios))}
 
 
 def main(argv: list[str]) -> None:
@@ -455,6 +480,9 @@ def main(argv: list[str]) -> None:
             with open(FLAGS.json, "w") as f:
                 json.dump({"benchmark": "overhead", "jax": jax.__version__, "baseline": FLAGS.baseline,
                            "decode_steps": FLAGS.decode_steps, "temperature": FLAGS.temperature,
+                           "rounds": FLAGS.rounds, "growth": {name: size_growth(
+                               [r for r in rows if r["tree"] == name and r["async_scheduling"]])
+                               for name in ("base", "this")},
                            "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
         return
     from inference import LLM
@@ -482,7 +510,7 @@ def main(argv: list[str]) -> None:
                       f"host {row['host_ms']:7.2f} ms ({row['host_ms_per_seq'] * 1e3:6.1f} us/seq; p50 "
                       f"{row['host_p50_ms']:.2f} p99 {row['host_p99_ms']:.2f} max {row['host_max_ms']:.2f} min "
                       f"{row['host_min_ms']:.2f})  device "
-                      f"{row['device_ms']:6.2f} ms  busy {row['device_busy']:.2f}  "
+                      f"{row['device_ms']:6.2f} ms (launch {row['launch_ms']:.2f})  busy {row['device_busy']:.2f}  "
                       + "  ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
                       + f"  dispatch p50/max {row['dispatch_p50_ms']:.2f}/{row['dispatch_max_ms']:.2f}  gc "
                       f"{row['gc_ms_per_step']:.2f} ms/step (max {row['gc_max_ms']:.2f}) {row['gc_collections']}; "

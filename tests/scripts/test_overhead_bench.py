@@ -1,11 +1,11 @@
 """The overhead benchmark's garbage-collector timer counts what the collector does; its small-vocabulary workload
-stays in that vocabulary."""
+stays in that vocabulary; its growth from the smallest size to the largest is per round, then the median."""
 
 import gc
 
 import numpy as np
 
-from scripts.bench.overhead_bench import GcTimer, workload
+from scripts.bench.overhead_bench import GcTimer, size_growth, workload
 
 
 def test_gc_timer_counts_each_generation():
@@ -35,3 +35,13 @@ def test_workload_maps_its_prompts_into_a_small_vocabulary():
     small = workload(tokenizer, 4, np.random.default_rng(0), vocab=512)
     assert [len(p) for p in small] == [len(p) for p in full]
     assert [[t % 512 for t in p] for p in full] == small and max(map(max, full)) >= 512
+
+
+def test_size_growth_is_the_median_of_the_rounds_ratios():
+    rows = [{"round": r, "seqs": n, "host_p50_ms": ms} for r, n, ms in
+            [(0, 64, 1.0), (0, 8, 0.5), (0, 256, 2.4), (1, 64, 0.5), (1, 256, 0.9), (1, 8, 0.3), (2, 8, 1.0),
+             (2, 256, 1.5)]]
+    growth = size_growth(rows)
+    assert (growth["from"], growth["to"]) == (8, 256)
+    assert np.allclose(growth["ratios"], [4.8, 3.0, 1.5]) and np.isclose(growth["median"], 3.0)
+    assert size_growth([r for r in rows if r["seqs"] == 8]) is None  # one size: no growth
