@@ -51,8 +51,11 @@ def can_end_stop(text: str, stop: str) -> bool:
     """Whether `stop` can end inside `text` appended to some text: `text` holds it whole, or starts with one of its
     proper suffixes (the rest of it then ends the text before). Either way `text` holds its last character, the
     cheap test that goes first."""
-    return stop[-1] in text and (stop in text or any(
-        text.startswith(stop[-k:]) for k in range(1, min(len(text), len(stop) - 1) + 1)))
+    return stop[-1] in text and (stop in text or text.startswith(_proper_suffixes(stop)))
+
+
+def _proper_suffixes(stop: str) -> tuple[str, ...]:
+    return tuple(stop[-k:] for k in range(1, len(stop)))
 
 
 class PlainRows:
@@ -61,6 +64,11 @@ class PlainRows:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size  # the logits' width: no sampled token is past it
         self._tables: dict[tuple, np.ndarray] = {}
+        # The plain tokens' ids (under the vocabulary) by skip_special_tokens, and by (skip_special_tokens, a
+        # character) those whose text holds it: a new kind of row looks only at the tokens its stop strings' last
+        # characters pick out (the fold makes a row's table at its first token, on the step's path).
+        self._plain_ids: dict[bool, np.ndarray] = {}
+        self._holding: dict[tuple[bool, str], list[int]] = {}
         self._none = np.zeros(vocab_size + 1, bool)  # the table of rows without fast-path constants
         self._rows: _Rows | None = None
 
@@ -68,15 +76,22 @@ class PlainRows:
               stops: frozenset[str]) -> np.ndarray:
         """The table of a kind of row: True at the tokens that keep it plain, False past the vocabulary (the last
         entry, where an out-of-range token is looked up). `plain`: the tokenizer's `plain_texts` for
-        `skip_special_tokens`; `stops`: the row's stop strings."""
+        `skip_special_tokens` (one tokenizer an engine); `stops`: the row's stop strings."""
         key = (stop_ids, text, skip_special_tokens, stops)
         table = self._tables.get(key)
         if table is None:
             size = self.vocab_size
             table = np.zeros(size + 1, bool)
             if text:
-                table[[i for i, s in plain.items()
-                       if i < size and not any(can_end_stop(s, stop) for stop in stops)]] = True
+                ids = self._plain_ids.get(skip_special_tokens)
+                if ids is None:
+                    ids = self._plain_ids[skip_special_tokens] = np.fromiter(
+                        (i for i in plain if i < size), np.int64)
+                table[ids] = True
+                for stop in stops:  # `can_end_stop` over the tokens holding its last character
+                    suffixes = _proper_suffixes(stop)
+                    table[[i for i in self._holding_char(skip_special_tokens, plain, stop[-1])
+                           if stop in plain[i] or plain[i].startswith(suffixes)]] = False
             else:
                 table[:size] = True
             table[[i for i in stop_ids if 0 <= i < size]] = False
@@ -84,6 +99,17 @@ class PlainRows:
                 self._tables.clear()
             self._tables[key] = table
         return table
+
+    def _holding_char(self, skip_special_tokens: bool, plain: dict[int, str], char: str) -> list[int]:
+        """The plain tokens (under the vocabulary) whose text holds `char`."""
+        key = (skip_special_tokens, char)
+        ids = self._holding.get(key)
+        if ids is None:
+            if len(self._holding) >= _MAX_TABLES:
+                self._holding.clear()
+            size = self.vocab_size
+            ids = self._holding[key] = [i for i, s in plain.items() if i < size and char in s]
+        return ids
 
     def forget(self) -> None:
         """Drop the kept rows (a row's constants changed: it got its fast-path constants)."""

@@ -261,6 +261,12 @@ def test_token_tables_and_settled_text(llm):
     assert longer[inside] and not longer[starts] and not longer[eos] and longer[no_x].all()
     assert [can_end_stop(t, "<|a>x") for t in ("x", ">x", "a>xy", "<|a>x!", "ex", "x>", "<|a>")] == \
         [True, True, True, True, False, True, False]
+    # Made from the tokens holding each stop's last character (kept by character): the same as over every token.
+    stops = frozenset({"zx", "\n\nQuestion", "e"})
+    brute = np.zeros(vocab + 1, bool)
+    brute[[i for i, text in plain.items() if i < vocab and not any(can_end_stop(text, s) for s in stops)]] = True
+    brute[eos] = False
+    np.testing.assert_array_equal(rows.table(frozenset({eos}), True, True, plain, stops), brute)
 
     seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2,
                    params=SamplingParams(), seed=0, arrival_order=0)
