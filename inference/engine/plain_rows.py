@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import itertools
 import operator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,15 +48,17 @@ class _Rows:
     deferring: np.ndarray  # bool: the row's text is deferred (Sequence.deferred_from is set)
 
 
+def stop_end_test(stop: str) -> Callable[[str], bool]:
+    """Whether `stop` can end inside a text appended to some text: the text holds it whole, or starts with one of its
+    proper suffixes (the rest of it then ends the text before). Either way the text holds its last character, the
+    cheap test that goes first. A test of one stop string, applied to many tokens' texts."""
+    last, suffixes = stop[-1], tuple(stop[-k:] for k in range(1, len(stop)))
+    return lambda text: last in text and (stop in text or text.startswith(suffixes))
+
+
 def can_end_stop(text: str, stop: str) -> bool:
-    """Whether `stop` can end inside `text` appended to some text: `text` holds it whole, or starts with one of its
-    proper suffixes (the rest of it then ends the text before). Either way `text` holds its last character, the
-    cheap test that goes first."""
-    return stop[-1] in text and (stop in text or text.startswith(_proper_suffixes(stop)))
-
-
-def _proper_suffixes(stop: str) -> tuple[str, ...]:
-    return tuple(stop[-k:] for k in range(1, len(stop)))
+    """`stop_end_test(stop)(text)`."""
+    return stop_end_test(stop)(text)
 
 
 class PlainRows:
@@ -88,10 +91,10 @@ class PlainRows:
                     ids = self._plain_ids[skip_special_tokens] = np.fromiter(
                         (i for i in plain if i < size), np.int64)
                 table[ids] = True
-                for stop in stops:  # `can_end_stop` over the tokens holding its last character
-                    suffixes = _proper_suffixes(stop)
+                for stop in stops:  # only the tokens holding its last character can end it
+                    ends = stop_end_test(stop)
                     table[[i for i in self._holding_char(skip_special_tokens, plain, stop[-1])
-                           if stop in plain[i] or plain[i].startswith(suffixes)]] = False
+                           if ends(plain[i])]] = False
             else:
                 table[:size] = True
             table[[i for i in stop_ids if 0 <= i < size]] = False

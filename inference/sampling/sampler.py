@@ -209,8 +209,9 @@ class SamplerOutput(NamedTuple):
 
     tokens: i32[S]; logprob: f32[S] logprob of the sampled token; top_ids: i32[S, num_top] and top_logprobs:
     f32[S, num_top], the num_top most likely tokens in descending order; rank: i32[S] the sampled token's rank
-    (`token_rank`). logprob and rank are None where logprobs were not asked for (`num_top` 0). Which distribution the logprobs refer to is per row:
-    raw logits, or the processed (tempered + filtered) ones where `processed_logprobs` is set.
+    (`token_rank`). logprob and rank are None where logprobs were not asked for (`num_top` 0). Which distribution
+    the logprobs refer to is per row: raw logits, or the processed (tempered + filtered) ones where
+    `processed_logprobs` is set.
     """
 
     tokens: jax.Array
@@ -459,15 +460,15 @@ def sample_with_logprobs(
     logits = logits.astype(jnp.float32)
     masked = apply_token_mask(logits, t.token_mask)
     x = _processed(masked, t, use_filters=use_filters, invariant=invariant)
-    raw = masked
-    if t.token_mask is not None:
-        in_raw = jnp.asarray(t.mask_in_raw)
-        raw = jax.lax.cond(jnp.all(in_raw), lambda: masked, lambda: jnp.where(in_raw[:, None], masked, logits))
     tokens = _sample_processed(x, t)
     if num_top == 0:  # no logprobs asked: their [S, V] passes (a log-softmax) would be computed and never read
         s = tokens.shape[0]
         return SamplerOutput(tokens=tokens, logprob=None, top_ids=jnp.zeros((s, 0), jnp.int32),
                              top_logprobs=jnp.zeros((s, 0), jnp.float32))
+    raw = masked
+    if t.token_mask is not None:
+        in_raw = jnp.asarray(t.mask_in_raw)
+        raw = jax.lax.cond(jnp.all(in_raw), lambda: masked, lambda: jnp.where(in_raw[:, None], masked, logits))
     src = jnp.where(jnp.asarray(t.processed_logprobs)[:, None], x, raw)
     token_lp, top_ids, top_lp = compute_logprobs(src, tokens, num_top, invariant=invariant)
     # The rank costs one more [S, V] pass: only steps that return logprobs (num_top > 0) pay for it.

@@ -234,8 +234,8 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
 
 def test_token_tables_and_settled_text(llm):
     """A kind of row's token table (`PlainRows.table`): a stop id, a token whose text can end a stop string
-    (whatever came before), a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row plain; a
-    row that does not detokenize is kept plain by every token but its stop ids. A sequence's deferred text is
+    (whatever came before), a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row
+    plain; a row that does not detokenize is kept plain by every token but its stop ids. A sequence's deferred text is
     appended when read, without an in-flight placeholder, and the run goes on after the read."""
     from inference.engine.plain_rows import PlainRows, can_end_stop
     from inference.engine.sequence import Sequence
