@@ -24,7 +24,8 @@ comparison.
 
 Each row also has the gaps between a request's tokens over the whole measured run (all requests arrive at once, so
 prompts are prefilled while the first ones decode): ITL p50 and p99, under `--policy`. `--baseline` measures
-another checkout's engine beside this one's in the same run, each size in a fresh process of each tree.
+another checkout's engine beside this one's in the same run, each size in a fresh process of each tree, `--rounds`
+times (scripts/bench/ab_runs.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import gc
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -331,7 +331,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     dispatch_ms = np.asarray([p["dispatch"] for _, p in result["steps"]]) * 1e3
     gc_arr = np.asarray(gc_steps, np.float64)  # per step: gc ms, gen0 / gen1 / gen2 collections
     recompiles = sum(runner.num_compilations().values()) - compiled  # jit cache misses of the measured run
-    device_ms, launch_ms = replay_ms(runner, capture["step"], repeats)  # its inputs committed to the device: a variant of its own
+    # Its inputs committed to the device: a variant of its own.
+    device_ms, launch_ms = replay_ms(runner, capture["step"], repeats)
     # Host arrays the captured decode step hands the device (each its own host -> device copy); a step without an
     # in-flight predecessor gets the runner's no-op feed, whose two index arrays are host arrays too.
     step_inp, step_sampling, _ = capture["step"]
@@ -393,28 +394,6 @@ def replay_ms(runner, captured, repeats: int) -> tuple[float, float]:
     return float(np.median(times[2:]) * 1e3), float(np.median(launches[2:]) * 1e3)
 
 
-def _tree_of(baseline: str) -> str:
-    """A checkout of `baseline`: the path itself, or a detached git worktree of that commit made for this run."""
-    if os.path.isdir(baseline):
-        return os.path.abspath(baseline)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    tree = tempfile.mkdtemp(prefix="overhead_baseline_")
-    subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, baseline], check=True,
-                   capture_output=True)
-    return tree
-
-
-def _run_in(tree: str, script: str, size: int) -> list[dict]:
-    """One size measured by `script` in a fresh process whose imports come from `tree`."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        args = [sys.executable, script, f"--seqs={size}", f"--json={out.name}",
-                *(f"--{k}={v}" for k, v in _forwarded().items())]
-        env = {**os.environ, "OVERHEAD_BENCH_TREE": tree}
-        subprocess.run(args, cwd=tree, env=env, check=True)
-        with open(out.name) as f:
-            return json.load(f)["rows"]
-
-
 def _forwarded() -> dict[str, str]:
     """The flags a side-by-side run hands to each of its processes."""
     return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
@@ -426,23 +405,18 @@ def _forwarded() -> dict[str, str]:
             **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
 
-def side_by_side(baseline: str) -> list[dict]:
-    """Every size measured with the baseline tree's engine and this tree's, alternating, each in its own process
-    running this script (so both use the same timers and workload)."""
-    base = _tree_of(baseline)
+def side_by_side(baseline: str) -> tuple[list[dict], dict]:
+    """Every size measured with the baseline tree's engine and this tree's, alternating (scripts/bench/ab_runs.py),
+    each in its own process running this script (so both use the same timers and workload); the rows and each
+    tree's growth of host p50 from the smallest size to the largest."""
+    from scripts.bench.ab_runs import alternate, size_growth  # the parent's tree: a baseline may predate it
+
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.abspath(__file__)
-    rows = []
-    try:
-        for round_ in range(FLAGS.rounds):
-            for n in [int(s) for s in FLAGS.seqs]:
-                for name, tree in (("base", base), ("this", here)):
-                    for row in _run_in(tree, script, n):
-                        rows.append({**row, "tree": name, "round": round_})
-    finally:
-        if not os.path.isdir(baseline):  # the worktree made for this run (a path given is the caller's)
-            subprocess.run(["git", "-C", here, "worktree", "remove", "--force", base], capture_output=True)
-    for n in [int(s) for s in FLAGS.seqs]:
+    forwarded = [f"--{k}={v}" for k, v in _forwarded().items()]
+    sizes = [int(s) for s in FLAGS.seqs]
+    rows = list(alternate(baseline, here, os.path.abspath(__file__), sizes, FLAGS.rounds,
+                          lambda n: [f"--seqs={n}", *forwarded], "OVERHEAD_BENCH_TREE"))
+    for n in sizes:
         pair = {r["tree"]: r for r in rows if r["seqs"] == n and r["async_scheduling"] and r["round"] == 0}
         if len(pair) == 2:
             b, t = pair["base"], pair["this"]
@@ -450,39 +424,26 @@ def side_by_side(baseline: str) -> list[dict]:
                   f"  us/seq {b['host_ms_per_seq'] * 1e3:.1f} -> {t['host_ms_per_seq'] * 1e3:.1f}"
                   + "".join(f"  {k} {b.get(f'host_{k}_ms', float('nan')):.2f} -> {t[f'host_{k}_ms']:.2f}"
                             for k in ("p50", "p99", "min")), flush=True)
-    for name in ("base", "this"):
-        growth = size_growth([r for r in rows if r["tree"] == name and r["async_scheduling"]])
-        if growth:
-            print(f"{name}: host p50 growth {growth['from']} -> {growth['to']} sequences, median of "
-                  f"{len(growth['ratios'])} rounds {growth['median']:.2f}x (rounds: "
-                  + ", ".join(f"{x:.2f}" for x in growth["ratios"]) + ")", flush=True)
-    return rows
-
-
-def size_growth(rows: list[dict]) -> dict | None:
-    """How one tree's host p50 grows from its smallest size to its largest, per round and the median of rounds."""
-    sizes = sorted({r["seqs"] for r in rows})
-    if len(sizes) < 2:
-        return None
-    by = {(r.get("round", 0), r["seqs"]): r["host_p50_ms"] for r in rows}
-    ratios = [by[k, sizes[-1]] / by[k, sizes[0]] for k in sorted({k for k, _ in by})
-              if (k, sizes[0]) in by and (k, sizes[-1]) in by]
-    return {"from": sizes[0], "to": sizes[-1], "ratios": ratios, "median": float(np.median(ratios))}
+    growth = {name: size_growth([r for r in rows if r["tree"] == name and r["async_scheduling"]])
+              for name in ("base", "this")}
+    for name, g in growth.items():
+        if g:
+            print(f"{name}: host p50 growth {g['from']} -> {g['to']} sequences, median of {len(g['ratios'])} rounds "
+                  f"{g['median']:.2f}x (rounds: " + ", ".join(f"{x:.2f}" for x in g["ratios"]) + ")", flush=True)
+    return rows, growth
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.baseline:
-        rows = side_by_side(FLAGS.baseline)
+        rows, growth = side_by_side(FLAGS.baseline)
         if FLAGS.json:
             os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
             with open(FLAGS.json, "w") as f:
                 json.dump({"benchmark": "overhead", "jax": jax.__version__, "baseline": FLAGS.baseline,
                            "decode_steps": FLAGS.decode_steps, "temperature": FLAGS.temperature,
-                           "rounds": FLAGS.rounds, "growth": {name: size_growth(
-                               [r for r in rows if r["tree"] == name and r["async_scheduling"]])
-                               for name in ("base", "this")},
+                           "rounds": FLAGS.rounds, "growth": growth,
                            "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
         return
     from inference import LLM

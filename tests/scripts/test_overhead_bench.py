@@ -5,7 +5,8 @@ import gc
 
 import numpy as np
 
-from scripts.bench.overhead_bench import GcTimer, size_growth, workload
+from scripts.bench.ab_runs import size_growth
+from scripts.bench.overhead_bench import GcTimer, workload
 
 
 def test_gc_timer_counts_each_generation():
