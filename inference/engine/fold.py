@@ -53,6 +53,7 @@ class FastRow:
     text: bool  # it detokenizes (a tokenizer, detokenize=True): one detokenizer add a token
     stop: tuple[str, ...]  # stop strings, matched once more than min_tokens tokens exist
     lookback: int  # the longest stop string's length - 1: a new match starts at most this far before the new text
+    stop_ends: tuple[str, ...]  # the stop strings' last characters: a new match ends in a new text holding one
     min_tokens: int
     token_times: list[float] | None  # its request's metrics.token_times when it is sample 0 (its tokens are timed)
     # Plain tokens -> their text (`Tokenizer.plain_texts`: whole UTF-8 alone): with its detokenizer holding nothing
@@ -78,7 +79,8 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     stop_ids = frozenset(stop_ids)
     table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, frozenset(stop))
     return FastRow(token_limit(seq, engine.max_model_len), stop_ids, text, stop,
-                   longest_stop(stop) - 1 if stop else 0, params.min_tokens, times, plain, table,
+                   longest_stop(stop) - 1 if stop else 0, tuple({s[-1] for s in stop}), params.min_tokens, times,
+                   plain, table,
                    seq.num_prompt_tokens + params.min_tokens + 2 if stop else 0)
 
 
@@ -141,8 +143,13 @@ def fold_tokens(engine: Engine, seqs: list[Sequence], rows: list[int], out: Step
                     row.token_times.append(now)
                 if row.text:
                     before = seq.text_len
-                    seq.append_text(seq.detokenizer.add(ids[-1]))
-                    if row.stop and length - seq.num_prompt_tokens > row.min_tokens:
+                    piece = seq.detokenizer.add(ids[-1])
+                    seq.append_text(piece)
+                    generated = length - seq.num_prompt_tokens
+                    # Once the previous token's text was checked too (past min_tokens), the look-back holds no
+                    # match that ends before the new text: without a stop's last character in it, none is found.
+                    if row.stop and generated > row.min_tokens and (
+                            generated - 1 == row.min_tokens or any(map(piece.__contains__, row.stop_ends))):
                         stop = match_stop_string(seq, max(0, before - row.lookback), row.stop)
                         if stop is not None:
                             seq.stop_reason = stop  # the text is cut at the stop string: nothing to flush

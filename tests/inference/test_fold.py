@@ -111,6 +111,9 @@ def _cases(llm, reference) -> tuple[list, set[int], dict]:
         ("stop-across", p2, greedy.replace(stop=[across], ignore_eos=True)),
         ("stop-across-kept", p2, greedy.replace(stop=[across], include_stop_str_in_output=True, ignore_eos=True)),
         ("stop-below-min", p2, greedy.replace(stop=[across], min_tokens=STEPS - 2, ignore_eos=True)),
+        # Complete in the text of the last token below min_tokens: only the first checked token's look-back (as long
+        # as the longer stop string) finds it.
+        ("stop-found-at-min", p2, greedy.replace(stop=[across, "\x00" * 12], min_tokens=cut + 1, ignore_eos=True)),
         ("sampled", p0, SamplingParams(temperature=0.9, seed=3, max_tokens=STEPS, stop=["e"])),
     ]
     first = r0.index(r0[4])
@@ -141,12 +144,43 @@ def test_fast_path_gives_the_general_paths_outputs(llm, reference, monkeypatch, 
     for rid, text in texts.items():
         assert fast[rid][1] == text, rid
     assert fast["stop-across-kept"][2:] == ("stop", fast["stop-across"][3])
+    if len(texts["stop-across"]) + 12 >= len(fast["stop-found-at-min"][1]) + 2:  # the look-back reaches it
+        assert fast["stop-found-at-min"][2:] == ("stop", fast["stop-across"][3])
     assert len(fast["stop-id-below-min"][0]) >= 4 and len(fast["eos-below-min"][0]) >= 6
     assert any(len(set(v)) > 2 for k, v in fast.items() if k.endswith("/steps"))  # texts read while they grew
     total = sum(len(v[0]) for k, v in slow.items() if not k.endswith("/steps"))
     assert slow_general == total  # every token took the general path there
     assert fast_general < total / 2  # and most took the fast path here
     assert plain[0] > total / 4  # many of those as one batched text update (no detokenizer add, no look-back)
+
+
+def test_look_back_only_where_a_stop_can_end(llm, monkeypatch):
+    """A row off the plain path looks back for its stop strings at its first checked token (past min_tokens: the
+    text before it may hold a whole match), then only when its new text holds a stop string's last character."""
+    engine = Engine(llm.runner, llm.tokenizer, llm.engine.scheduler.config)
+    monkeypatch.setattr(engine.plain_rows, "table", lambda *args: engine.plain_rows._none)  # no row is plain
+    looked, match = [0], fold.match_stop_string
+
+    def counted(*args):
+        looked[0] += 1
+        return match(*args)
+
+    monkeypatch.setattr(fold, "match_stop_string", counted)
+    prompt, params = [5, 900, 1200], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=3)
+    for stop, last in (["\x00\x00"], "\x00"), (["e\x00", "\x00e"], "e"):
+        looked[0] = 0
+        engine.add_request(stop[0], prompt, params.replace(stop=stop))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        tokens = outs[-1].outputs[0].token_ids
+        detok = llm.tokenizer.detokenizer(prompt_ids=prompt)
+        pieces = [detok.add(t) for t in tokens]  # each token's new text
+        assert len(tokens) == 12 and outs[-1].outputs[0].text == "".join(pieces)
+        # The 1st token takes the general path, the 2nd and 3rd are below min_tokens, the 4th is the first checked,
+        # and the 12th reaches max_tokens (the general path again).
+        assert looked[0] == 1 + sum(last in piece for piece in pieces[4:-1])
+    assert looked[0] > 1  # the greedy text has an "e" past the 4th token
 
 
 def test_plain_update_is_add(llm):
@@ -271,7 +305,7 @@ def test_token_tables_and_settled_text(llm):
     seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2,
                    params=SamplingParams(), seed=0, arrival_order=0)
     seq.detokenizer = tokenizer.detokenizer(prompt_ids=[1, 2])
-    seq.fast_row = fold.FastRow(100, frozenset({eos}), True, (), 0, 0, None, plain, table)
+    seq.fast_row = fold.FastRow(100, frozenset({eos}), True, (), 0, (), 0, None, plain, table)
     reference = tokenizer.detokenizer(prompt_ids=[1, 2])
     seq.token_ids += no_x[:3]
     seq.deferred_from = 2
