@@ -240,6 +240,10 @@ class ModelRunner:
         # reach the jitted step alike, or each would compile its own variant (a one-device KV cache is committed
         # there too, for the same reason).
         self.token_sharding = jax.sharding.make_single_device_sharding(self._device)
+        # A dispatched step's tokens start their device -> host copy at once (`execute(fetch=False)`), so the fetch
+        # finds them on the host; on a CPU device the buffer is host memory already, and starting the copy costs the
+        # host time while the step runs and saves the fetch nothing (BENCHMARKS.md, host overhead, thirteenth round).
+        self.copies_early = self._device.platform != "cpu"
         spec = padded.kv_cache_spec(num_pages, page_size, kv_dtype)
         self.num_state_slots = num_state_slots if padded.has_state_layers else 0
         if padded.has_state_layers:
@@ -352,8 +356,9 @@ class ModelRunner:
             sampled, *spec = sampled
         pending = PendingStep(sampled, prompt, spec, tokens_only=not (logprobs or prompt_logprobs or spec), feed=wide)
         if not fetch:
-            for leaf in jax.tree.leaves(pending.tokens if pending.tokens_only else (sampled, prompt, spec)):
-                leaf.copy_to_host_async()  # the readback overlaps the next step instead of following it
+            if self.copies_early:
+                for leaf in jax.tree.leaves(pending.tokens if pending.tokens_only else (sampled, prompt, spec)):
+                    leaf.copy_to_host_async()  # the readback overlaps the next step instead of following it
             return pending
         return self.fetch(pending)
 

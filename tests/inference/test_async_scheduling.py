@@ -264,6 +264,21 @@ def test_a_step_that_fails_on_the_device_fails_its_requests_only(tiny_llama, mon
     assert final.error is None and len(final.outputs[0].token_ids) == 6
 
 
+def test_the_early_readback_is_started_off_the_cpu_only(tiny_llama, monkeypatch):
+    """A dispatched step's tokens start their copy to the host at dispatch on an accelerator; on a CPU device the
+    buffer is host memory already and no copy is started. Either way the async engine's tokens are the same."""
+    runner = tiny_llama.runner
+    assert runner.copies_early is False  # the CPU the tests run on
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=7, ignore_eos=True)
+    runs = []
+    for early in (False, True):
+        monkeypatch.setattr(runner, "copies_early", early)
+        engine, _ = engines(tiny_llama)
+        finals = drive(engine, {f"r{i}": ([5 + i, 6, 7], params) for i in range(4)}, {}, {}, {})
+        runs.append({rid: out.outputs[0].token_ids for rid, out in finals.items()})
+    assert runs[0] == runs[1] and all(len(t) == 7 for t in runs[0].values())
+
+
 def test_a_narrower_engine_over_the_same_runner_keeps_the_token_feed_wide_enough(tiny_llama):
     """Engines built over one runner share its feed width: an engine of 2 sequences built after this LLM's must not
     narrow the tokens its steps return, or the LLM's next async step of more rows could not widen the feed (a
