@@ -4,9 +4,10 @@ Most steps of a busy engine are the same sequences decoding one token each, in t
 before. Rebuilding their ragged input from the `Sequence` objects (`build_model_input`) and their sampling rows
 from the `SamplingParams` (`SamplingTensors.from_params`) every step is per-sequence Python that grows with the
 batch. Here the last decode step's arrays are kept, and the next step's are derived from them with array
-operations: every position and KV length moves on by one, the step index of every row too, and only the page-table
-rows of sequences whose table changed (`KVCacheManager.take_touched`: a new page at a page boundary, a copy on
-write) are rewritten from their tables, found through a row index kept with the batch. Each sequence's
+operations: every position and KV length moves on by one, the step index of every row too, and the page a row
+appended at its page boundary is written as one entry of the page table (`KVCacheManager.take_touched`), its row
+found through an index kept with the batch. Any other change of a row's table (a copy on write, a release) takes
+the general path. Each sequence's
 computed-token count (to check that every row really moved on by one) and last token are read in C loops (`map`
 over the rows), with no per-row Python.
 
@@ -19,11 +20,11 @@ handed to a step are fresh each step: a dispatched step may still read the previ
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 
 import numpy as np
 
+from inference.engine.pages.block_manager import TableChanges
 from inference.engine.scheduler import ScheduledBatch
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import ModelInput
@@ -57,7 +58,7 @@ class PersistentDecodeBatch:
     def forget(self) -> None:
         self._kept = None
 
-    def next_step(self, batch: ScheduledBatch, touched: set[Sequence], last_token: int | None = None
+    def next_step(self, batch: ScheduledBatch, changes: TableChanges, last_token: int | None = None
                   ) -> tuple[ModelInput, SamplingTensors, StepFlags] | None:
         """The step of `batch` derived from the kept one, or None (then build it in general and `keep` it).
         `last_token`: every row's last token (async scheduling's placeholder, fed on the device), not read."""
@@ -75,19 +76,18 @@ class PersistentDecodeBatch:
         ps, inp = self.page_size, kept.inp
         pages = inp.attn.page_indices
         padded_pages = pages.shape[1]
-        if touched:
-            rows = [kept.row_of[s] for s in touched if s in kept.row_of]  # the few changed tables
-            if rows:
-                tables = [seqs[i].pages for i in rows]
-                lengths = np.fromiter(map(len, tables), np.int64, len(rows))
-                if int(lengths.max()) > padded_pages:  # a wider page bucket
-                    self._kept = None
-                    return None
-                pages = pages.copy()
-                pages[rows] = 0  # then every changed table at once: its row repeated, its columns counted
-                starts_of = np.repeat(np.cumsum(lengths) - lengths, lengths)
-                pages[np.repeat(rows, lengths), np.arange(starts_of.size) - starts_of] = \
-                    list(itertools.chain.from_iterable(tables))
+        row_of = kept.row_of
+        if any(map(row_of.__contains__, changes.touched)):  # a row's table changed otherwise (rare): rebuild
+            self._kept = None
+            return None
+        appended = [(row_of[s], i, page) for s, i, page in changes.appended if s in row_of]
+        if appended:  # the pages rows opened at their page boundaries: one entry each
+            rows, index, page = (np.fromiter(x, np.int64, len(appended)) for x in zip(*appended))
+            if int(index.max()) >= padded_pages:  # a wider page bucket
+                self._kept = None
+                return None
+            pages = pages.copy()
+            pages[rows, index] = page
         if int(starts.max()) // ps >= padded_pages:
             self._kept = None
             return None

@@ -62,6 +62,17 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array.array("q", tokens).tobytes()).digest()
 
 
+@dataclasses.dataclass(frozen=True)
+class TableChanges:
+    """How the sequences' page tables changed since the engine last asked (`BlockManager.take_touched`)."""
+
+    touched: set[Sequence]  # any change but the one in `appended`: the whole table is read again
+    appended: list[tuple[Sequence, int, int]]  # (sequence, index, page): one page appended, the rest as it was
+
+    def __bool__(self) -> bool:
+        return bool(self.touched or self.appended)
+
+
 @dataclasses.dataclass
 class _Chain:
     """The chain hashes of one sequence's computed full pages: hashes[i] names pages[i]."""
@@ -97,9 +108,12 @@ class BlockManager:
         self.prefix_queries_tokens = 0
         self._generation = 0  # bumped by reset_prefix_cache: older chains never register again
         self._chains: dict[Sequence, _Chain] = {}
-        # Sequences whose table changed other than by nothing (every change but the in-place decode write): the
-        # engine's persistent decode batch rewrites only their rows (`take_touched`).
+        # Sequences whose table changed other than by nothing (every change but the in-place decode write) or by a
+        # page appended at a steady decode row's page boundary (`appended`: the sequence, the page's index, the
+        # page): the engine's persistent decode batch rewrites only their rows, or writes only the appended entries
+        # (`take_touched`).
         self.touched: set[Sequence] = set()
+        self.appended: list[tuple[Sequence, int, int]] = []
 
     # ---- stats ------------------------------------------------------------------------------------------------
     @property
@@ -222,14 +236,16 @@ class BlockManager:
         table = self.table(seq)
         if seq.num_computed_tokens // self.page_size != len(table):
             return False
-        self.touched.add(seq)
-        table.append(self._allocate())
+        page = self._allocate()
+        self.appended.append((seq, len(table), page))
+        table.append(page)
         return True
 
-    def take_touched(self) -> set[Sequence]:
-        """The sequences whose table changed since the last call (see `touched`)."""
-        touched, self.touched = self.touched, set()
-        return touched
+    def take_touched(self) -> TableChanges:
+        """How the sequences' tables changed since the last call (see `touched`)."""
+        changes = TableChanges(self.touched, self.appended)
+        self.touched, self.appended = set(), []
+        return changes
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `grow(seq, num_tokens)` would succeed: new pages plus copy-on-write copies fit."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence as Seq
 
-from inference.engine.pages.block_manager import BlockManager, OutOfPagesError, pages_needed
+from inference.engine.pages.block_manager import BlockManager, OutOfPagesError, TableChanges, pages_needed
 from inference.engine.sequence import Sequence
 
 
@@ -108,9 +108,12 @@ class KVCacheManager:
         `can_grow` and `grow` of `seq.num_computed_tokens + 1` tokens would do nothing."""
         return len(self.groups) == 1 and self.groups[0].decode_in_place(seq)
 
-    def take_touched(self) -> set[Sequence]:
-        """Sequences whose page tables changed since the last call (any group)."""
-        return set().union(*(g.take_touched() for g in self.groups))
+    def take_touched(self) -> TableChanges:
+        """How the sequences' page tables changed since the last call (any group)."""
+        if len(self.groups) == 1:
+            return self.groups[0].take_touched()
+        changes = [g.take_touched() for g in self.groups]
+        return TableChanges(set().union(*(c.touched for c in changes)), [a for c in changes for a in c.appended])
 
     def take_copies(self) -> list[list[tuple[int, int]]]:
         """Each group's queued page copies; run them on device (on that group's layers) before the next step."""
