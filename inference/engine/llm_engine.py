@@ -358,10 +358,10 @@ class Engine:
             self.runner.copy_state_slots(self.state.take_copies())
         draft_probs = self._run_draft(batch) if batch.speculative else None
         lora_slots = self._lora_slots(batch)
-        touched = self.block_manager.take_touched()
+        changes = self.block_manager.take_touched()
         in_order = batch.computed is not None and fed_in_order(batch, in_flight)
         reused = None if self.num_spec and batch.speculative else \
-            self.persistent.next_step(batch, touched, PLACEHOLDER if in_order else None)
+            self.persistent.next_step(batch, changes, PLACEHOLDER if in_order else None)
         if reused is not None:  # the steady decode state: derived from the last step's arrays
             inp, sampling, flags = reused
             self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])

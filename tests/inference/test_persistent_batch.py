@@ -20,7 +20,7 @@ class _NeverReuse(PersistentDecodeBatch):
     """The general path for every step: each step's input built from the sequences (the engine before the kept
     batch)."""
 
-    def next_step(self, batch, touched, last_token=None):
+    def next_step(self, batch, changes, last_token=None):
         return None
 
 
@@ -116,12 +116,12 @@ def test_a_derived_step_equals_the_built_one(llm, async_scheduling):
     checked, unread, appended = 0, 0, 0
     original = engine.persistent.next_step
 
-    def checking(batch, touched, last_token=None):
+    def checking(batch, changes, last_token=None):
         nonlocal checked, unread, appended
         unread += last_token is not None
-        derived = original(batch, touched, last_token)
+        derived = original(batch, changes, last_token)
         if derived is not None:
-            appended += len(touched.appended)  # pages opened at page boundaries, written as single entries
+            appended += len(changes.appended)  # pages opened at page boundaries, written as single entries
             inp, sampling, _ = derived
             built, _ = build_model_input(batch, engine.page_size, engine.limits)
             for name in ("tokens", "positions", "logits_indices", "target_ids"):

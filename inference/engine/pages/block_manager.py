@@ -66,11 +66,8 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 class TableChanges:
     """How the sequences' page tables changed since the engine last asked (`BlockManager.take_touched`)."""
 
-    touched: set[Sequence]  # any change but the one in `appended`: the whole table is read again
+    touched: set[Sequence]  # any change but the ones in `appended`: the table must be read again
     appended: list[tuple[Sequence, int, int]]  # (sequence, index, page): one page appended, the rest as it was
-
-    def __bool__(self) -> bool:
-        return bool(self.touched or self.appended)
 
 
 @dataclasses.dataclass
@@ -108,10 +105,10 @@ class BlockManager:
         self.prefix_queries_tokens = 0
         self._generation = 0  # bumped by reset_prefix_cache: older chains never register again
         self._chains: dict[Sequence, _Chain] = {}
-        # Sequences whose table changed other than by nothing (every change but the in-place decode write) or by a
-        # page appended at a steady decode row's page boundary (`appended`: the sequence, the page's index, the
-        # page): the engine's persistent decode batch rewrites only their rows, or writes only the appended entries
-        # (`take_touched`).
+        # How tables changed since the engine last asked (`take_touched`): a page appended at a steady decode row's
+        # page boundary (`appended`: the sequence, the page's index, the page), which the engine's persistent
+        # decode batch writes as one entry; any other change but the in-place decode write (`touched`), for which
+        # it builds the step from the tables again.
         self.touched: set[Sequence] = set()
         self.appended: list[tuple[Sequence, int, int]] = []
 
