@@ -14,7 +14,11 @@ hits), stop strings on every request, seeded sampling at temperature 0.8 (`--tem
 
 Device time is the same decode step replayed alone with its inputs already on the device (median of repeats); the
 device-busy fraction is device time over the engine's wall time per step. On this CPU "the device" is XLA's CPU
-runtime on the same cores, so host and device also compete for them: compare rows of one run, as ratios.
+runtime on the same cores, so host and device also compete for them: compare rows of one run, as ratios. With
+SmolLM2's vocabulary a 256-row step's sampling is not small here (~100 ms, streaming hundreds of MB), and the host's
+work that overlaps it runs with cold caches on a shared core. `--null_device` runs no model instead (every step's
+tokens a hash of the row's seed and step, scripts/bench/null_device.py): the engine's work is the same, the device's
+is next to nothing, so the host time is the host's own, as an accelerator's host would see it.
 
 `--modes`: the engine's scheduling, each mode on its own `Engine` over the one runner (the same compiled steps), in
 turn for every size: "sync" steps one at a time, "async" dispatches each step before the previous step's tokens are
@@ -83,6 +87,9 @@ def define_flags() -> None:
     flags.DEFINE_bool("host_only", False, "Wait for each dispatched step right after its dispatch (the wait counted as "
                       "wait_readback, outside host time), so the host's phases run with the device idle: the host's "
                       "own cost, without the cores' contention with the device's step (async mode).")
+    flags.DEFINE_bool("null_device", False, "Run no model: every step's tokens are a hash of the row's seed and step, "
+                      "the KV cache untouched (scripts/bench/null_device.py), so the host's work is measured without "
+                      "XLA's CPU device taking its cores and caches (what an accelerator's host sees).")
     flags.DEFINE_bool("phases", True, "Time each phase by wrapping the engine's functions (their per-call cost is "
                       "in the host time: ~1 us a wrapped call, hundreds a step at 256 sequences); --nophases times "
                       "only the wait, so host time is the engine's alone.")
@@ -360,7 +367,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "host_p99_ms": float(np.percentile(hosts, 99)), "host_max_ms": float(hosts.max()),
             "phases_p50_ms": {k: float(np.median([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
             "phases_min_ms": {k: float(np.min([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
-            "host_only": FLAGS.host_only, "phases_timed": FLAGS.phases, "vocab": llm.runner.config.vocab_size,
+            "host_only": FLAGS.host_only, "null_device": FLAGS.null_device, "phases_timed": FLAGS.phases,
+            "vocab": llm.runner.config.vocab_size,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
             "gc_collections": {f"gen{g}": int(gc_arr[:, 1 + g].sum()) for g in range(3)},
@@ -394,6 +402,18 @@ def replay_ms(runner, captured, repeats: int) -> tuple[float, float]:
     return float(np.median(times[2:]) * 1e3), float(np.median(launches[2:]) * 1e3)
 
 
+def install_null_device(runner) -> None:
+    """`scripts/bench/null_device.py`'s `install`, loaded from this script's folder: a side-by-side run's baseline
+    tree, first on the path, may predate it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "null_device", os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_device.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install(runner)
+
+
 def _forwarded() -> dict[str, str]:
     """The flags a side-by-side run hands to each of its processes."""
     return {"decode_steps": FLAGS.decode_steps, "repeats": FLAGS.repeats, "seed": FLAGS.seed,
@@ -401,6 +421,7 @@ def _forwarded() -> dict[str, str]:
             "step_outputs": FLAGS.step_outputs,
             **({"vocab": FLAGS.vocab} if FLAGS.vocab else {}),
             **({"host_only": True} if FLAGS.host_only else {}),
+            **({"null_device": True} if FLAGS.null_device else {}),
             **({} if FLAGS.phases else {"phases": False}),
             **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
@@ -457,6 +478,8 @@ def main(argv: list[str]) -> None:
         folder = tiny_model_folder(os.path.join(tmp, "tiny"), FLAGS.vocab)
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
+        if FLAGS.null_device:
+            install_null_device(llm.runner)
         config = llm.engine.scheduler.config
         if FLAGS.policy:
             config = dataclasses.replace(config, policy=FLAGS.policy)

@@ -1,9 +1,11 @@
 """The overhead benchmark's garbage-collector timer counts what the collector does; its small-vocabulary workload
-stays in that vocabulary; its growth from the smallest size to the largest is per round, then the median."""
+stays in that vocabulary; its growth from the smallest size to the largest is per round, then the median; its null
+device gives each request the hash of its seed and step, whatever the batch, and leaves the KV cache alone."""
 
 import gc
 
 import numpy as np
+import pytest
 
 from scripts.bench.ab_runs import size_growth
 from scripts.bench.overhead_bench import GcTimer, workload
@@ -46,3 +48,27 @@ def test_size_growth_is_the_median_of_the_rounds_ratios():
     assert (growth["from"], growth["to"]) == (8, 256)
     assert np.allclose(growth["ratios"], [4.8, 3.0, 1.5]) and np.isclose(growth["median"], 3.0)
     assert size_growth([r for r in rows if r["seqs"] == 8]) is None  # one size: no growth
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_null_device_tokens_are_the_hash_of_seed_and_step(tmp_path, async_scheduling):
+    import jax
+
+    from inference import LLM, SamplingParams
+    from scripts.bench.null_device import install, reference_tokens
+    from scripts.bench.overhead_bench import tiny_model_folder
+
+    llm = LLM(tiny_model_folder(str(tmp_path / "tiny"), vocab=512), dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=64, page_size=8, kv_cache_memory_bytes=1 << 20, max_model_len=128,
+              async_scheduling=async_scheduling)
+    install(llm.runner)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 9, 30, 12, 3)]  # more requests than rows: they take turns
+    seeds = [7, 2**40 + 3, 0, 11, 123456789, 5]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=10 + i, ignore_eos=True, detokenize=False)
+              for i, s in enumerate(seeds)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for out, seed, sp in zip(outs, seeds, params):
+        assert out.outputs[0].token_ids == reference_tokens(seed, sp.max_tokens, 512)
+    assert len({t for out in outs for t in out.outputs[0].token_ids}) > 30  # spread over the vocabulary
+    # Nothing ran the model: the prompts' KV was never written.
+    assert all(not np.asarray(c).any() for c in jax.tree.leaves(llm.runner.kv_caches))
