@@ -90,6 +90,10 @@ def define_flags() -> None:
     flags.DEFINE_bool("null_device", False, "Run no model: every step's tokens are a hash of the row's seed and step, "
                       "the KV cache untouched (scripts/bench/null_device.py), so the host's work is measured without "
                       "XLA's CPU device taking its cores and caches (what an accelerator's host sees).")
+    flags.DEFINE_integer("churn", 0, "0: every request decodes through the measured steps (the steady state). N > 0: "
+                         "continuous batching's usual state: output lengths uniform in [N/2, 3N/2] tokens, and each "
+                         "finished request replaced by a new one at once, so requests finish and arrive (and prompts "
+                         "are prefilled) while the others decode; the measured steps start after 3N/2 steps.")
     flags.DEFINE_bool("phases", True, "Time each phase by wrapping the engine's functions (their per-call cost is "
                       "in the host time: ~1 us a wrapped call, hundreds a step at 256 sequences); --nophases times "
                       "only the wait, so host time is the engine's alone.")
@@ -249,10 +253,14 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     from inference import SamplingParams
 
     engine, runner = llm.engine, llm.runner
-    prompts = workload(llm.tokenizer, num_seqs, rng, FLAGS.vocab)
-    # Long enough that nobody finishes inside the measured window; stop strings are checked on every token.
-    params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=decode_steps + 8, ignore_eos=True,
-                             stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(num_seqs)]
+    churn = FLAGS.churn
+    prompts = workload(llm.tokenizer, num_seqs * (4 if churn else 1), rng, FLAGS.vocab)
+    # Steady: long enough that nobody finishes inside the measured window. Stop strings are checked on every token.
+    lengths = rng.integers(churn // 2, churn * 3 // 2 + 1, len(prompts)) if churn else \
+        np.full(num_seqs, decode_steps + 8)
+    params = [SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=int(lengths[i]), ignore_eos=True,
+                             stop=["\n\n\n\n", "<|endoftext|>x"]) for i in range(len(prompts))]
+    warm_steps = churn * 3 // 2  # churn: by then the first requests have finished and their successors arrived
 
     finished_only = FLAGS.step_outputs == "finished" and \
         "finished_only" in inspect.signature(engine.step).parameters
@@ -261,12 +269,23 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
     def run(profiler: PhaseProfiler | None) -> dict:
         engine.reset_prefix_cache()
         engine.reset_stats()
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(f"r{num_seqs}-{i}", p, sp)
-        steps, gaps = [], []
+        added = 0
+
+        def add() -> None:
+            nonlocal added
+            engine.add_request(f"r{num_seqs}-{added}", prompts[added % len(prompts)], params[added % len(params)])
+            added += 1
+
+        for _ in range(num_seqs):
+            add()
+        steps, gaps, count = [], [], 0
         while engine.has_unfinished_requests():
-            decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
-                not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
+            if churn:
+                decoding = warm_steps <= count < warm_steps + decode_steps
+            else:
+                decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) and \
+                    not engine.scheduler.waiting and len(engine.scheduler.running) == num_seqs
+            count += 1
             if profiler is not None and decoding and len(steps) < decode_steps:
                 profiler_totals = dict(profiler.totals)
                 gc_before = gc_timer.snapshot()
@@ -286,6 +305,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
                 if out.finished:
                     gaps.extend(out.metrics.inter_token_latencies)
                     engine.pop_finished(out.request_id)
+                    if churn and count < warm_steps + decode_steps:  # its successor arrives at once
+                        add()
         return {"steps": steps, "gaps": gaps}
 
     run(None)  # compiles every shape of this workload
@@ -367,7 +388,8 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
             "host_p99_ms": float(np.percentile(hosts, 99)), "host_max_ms": float(hosts.max()),
             "phases_p50_ms": {k: float(np.median([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
             "phases_min_ms": {k: float(np.min([p[k] for _, p in result["steps"]]) * 1e3) for k in PHASES},
-            "host_only": FLAGS.host_only, "null_device": FLAGS.null_device, "phases_timed": FLAGS.phases,
+            "host_only": FLAGS.host_only, "null_device": FLAGS.null_device, "churn": FLAGS.churn,
+            "phases_timed": FLAGS.phases,
             "vocab": llm.runner.config.vocab_size,
             "dispatch_p50_ms": float(np.median(dispatch_ms)), "dispatch_max_ms": float(dispatch_ms.max()),
             "gc_ms_per_step": float(gc_arr[:, 0].mean()), "gc_max_ms": float(gc_arr[:, 0].max()),
@@ -422,6 +444,7 @@ def _forwarded() -> dict[str, str]:
             **({"vocab": FLAGS.vocab} if FLAGS.vocab else {}),
             **({"host_only": True} if FLAGS.host_only else {}),
             **({"null_device": True} if FLAGS.null_device else {}),
+            **({"churn": FLAGS.churn} if FLAGS.churn else {}),
             **({} if FLAGS.phases else {"phases": False}),
             **({"policy": FLAGS.policy} if FLAGS.policy else {})}
 
