@@ -52,6 +52,8 @@ from inference.engine.scheduler import ScheduledBatch, token_limit, uncomputed
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.runtime.batch import ModelInput, TokenFeed
 from inference.runtime.runner import PendingStep
+from inference.sampling.params import some_set
+from inference.sampling.sampler import needs_penalties
 
 # The functions below take the `Engine` (inference/engine/llm_engine.py), which imports this module: typed `Engine`
 # here it would be an import cycle, so the alias only names it.
@@ -64,6 +66,8 @@ _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _request_id = operator.attrgetter("request_id")
 _status = operator.attrgetter("status")
+_params = operator.attrgetter("params")
+_bad_words = operator.attrgetter("bad_words")
 FINISHED = SequenceStatus.FINISHED
 
 PLACEHOLDER = -1  # a token id no vocabulary has: the in-flight step's sampled token, until it is folded
@@ -97,20 +101,20 @@ class ParamsChecked:
 
 def _params_reasons(seqs: list[Sequence]) -> tuple[set[str], bool]:
     """The reasons that follow from the rows' sampling parameters (a row's prompt logprobs only while it still
-    predicts a prompt position), and whether they hold for every later step of these rows (no prompt logprobs)."""
+    predicts a prompt position), and whether they hold for every later step of these rows (no prompt logprobs).
+    Each is a C loop over the rows' parameters (their flags are cached properties)."""
+    params = list(map(_params, seqs))
     reasons, lasting = set(), True
-    for seq in seqs:
-        params = seq.params
-        if params.structured_outputs is not None:
-            reasons.add("structured_outputs")
-        if params.uses_penalties:
-            reasons.add("penalties")
-        if params.bad_words:
-            reasons.add("bad_words")
-        if params.prompt_logprobs is not None:
-            lasting = False
-            if seq.predicts_prompt:
-                reasons.add("prompt_logprobs")
+    if some_set(params, "structured_outputs"):
+        reasons.add("structured_outputs")
+    if needs_penalties(params):
+        reasons.add("penalties")
+    if any(map(_bad_words, params)):
+        reasons.add("bad_words")
+    if some_set(params, "prompt_logprobs"):
+        lasting = False
+        if any(seq.predicts_prompt for seq in seqs if seq.params.prompt_logprobs is not None):
+            reasons.add("prompt_logprobs")
     return reasons, lasting
 
 
@@ -178,9 +182,9 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep, none_fi
     `Engine._process` does before it appends a token), and a placeholder for each token the step samples.
     `none_finished`: no sequence was finished since `batch` was scheduled (then no row needs to be checked)."""
     seqs = batch.seqs
-    if engine.state is None and not engine.scheduler.awaiting_fork and batch.is_decode \
+    if engine.state is None and not engine.scheduler.awaiting_fork and not batch.speculative \
             and (none_finished or not operator.countOf(map(_status, seqs), FINISHED)):
-        return _advance_decode(engine, seqs, pending, batch.computed)
+        return _advance_rows(engine, seqs, batch.num_new_tokens, pending, batch.computed)
     rows: dict[Sequence, int] = {}
     request_ids: dict[str, None] = {}
     for i, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens)):
@@ -197,20 +201,22 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep, none_fi
     return InFlightStep(pending, rows, list(request_ids))
 
 
-def _advance_decode(engine: Engine, seqs: list[Sequence], pending: PendingStep,
-                    computed: np.ndarray | None) -> InFlightStep:
-    """`advance` of a step whose every row computes one token, none finished, with no state layers and no samples
-    waiting to fork: `Engine._advance`'s bookkeeping as array operations and C loops over the rows, with per-row
-    Python only where a row fills a page (its chain hash is registered). `computed`: the rows' computed tokens as
-    the steady decode pass read them (`ScheduledBatch.computed`), whose rows each computed their one uncomputed
-    token: every row samples."""
+def _advance_rows(engine: Engine, seqs: list[Sequence], counts: list[int], pending: PendingStep,
+                  computed: np.ndarray | None) -> InFlightStep:
+    """`advance` of a step without drafts, none of its rows finished, with no state layers and no samples waiting
+    to fork: `Engine._advance`'s bookkeeping as array operations and C loops over the rows, with per-row Python
+    only where a row completes a page (its chain hash is registered). `counts`: each row's computed tokens (1 for a
+    decode row, a prompt chunk's length). `computed`: the rows' computed tokens as the steady decode pass read them
+    (`ScheduledBatch.computed`), whose rows each computed their one uncomputed token: every row samples."""
     n = len(seqs)
-    after = (np.fromiter(map(_computed, seqs), np.int64, n) if computed is None else computed) + 1
+    before = np.fromiter(map(_computed, seqs), np.int64, n) if computed is None else computed
+    after = before + np.asarray(counts, np.int64)
     collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
     sampled = after >= np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) if computed is None else \
         np.ones(n, bool)
-    # A row's first step (after == 1) starts its chain; a step that fills a page registers it (`fold.advance`).
-    for i in np.flatnonzero((after == 1) | (after % engine.page_size == 0)).tolist():
+    # A row's first step starts its chain; a step that completes a page registers it (`fold.advance`).
+    ps = engine.page_size
+    for i in np.flatnonzero((before == 0) | (before // ps != after // ps)).tolist():
         try:
             engine.block_manager.commit_full_pages(seqs[i])
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import operator
 import random
 import threading
 import time
@@ -29,7 +30,7 @@ from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, row_edits
 from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
 from inference.sampling.token_mask import allowed_row, restrict_rows
-from inference.sampling.params import SamplingParams
+from inference.sampling.params import SamplingParams, some_set
 from inference.engine.async_scheduling import (PLACEHOLDER, AsyncStats, InFlightStep, ParamsChecked, async_step,
                                               fed_in_order, feed_pending_tokens, finishes_in_flight,
                                               fold_in_flight, merge_outputs)
@@ -46,6 +47,12 @@ from inference.lora.manager import LoRAManager
 from inference.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
+
+_params = operator.attrgetter("params")
+_token_ids = operator.attrgetter("token_ids")
+_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
+_seed = operator.attrgetter("seed")
+_uses_logit_rules = operator.attrgetter("uses_logit_rules")
 
 
 def freeze_heap() -> int:
@@ -383,17 +390,24 @@ class Engine:
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
-        params = [s.params for s in batch.seqs]
+        # Per-row reads in C loops (`map` over the rows); the per-request flags are `SamplingParams`' cached
+        # properties, and a part only some rows need (penalties, a mask, edits, prompt logprobs) looks at the rows
+        # only when one of them needs it.
+        seqs, n = batch.seqs, len(batch.seqs)
+        params = list(map(_params, seqs))
         pen = needs_penalties(params)  # only then the rows' token ids go to the device
         pad_to = inp.logits_indices.shape[0]
-        token_mask, mask_in_raw = self._token_mask(batch, pad_to)
+        token_mask, mask_in_raw = self._token_mask(batch, params, pad_to)
+        generated = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - \
+            np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
         sampling = SamplingTensors.from_params(
-            params, [s.seed for s in batch.seqs], [s.num_output_tokens for s in batch.seqs], pad_to=pad_to,
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in batch.seqs] if pen else None,
-            output_token_ids=[s.output_token_ids for s in batch.seqs] if pen else None,
-            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, pad_to))
-        wants_prompt = any(p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(batch.seqs, params))
-        flags = StepFlags.of_batch(needs_filters(params), any(p.logprobs is not None for p in params),
+            params, list(map(_seed, seqs)), generated, pad_to=pad_to,
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,
+            output_token_ids=[s.output_token_ids for s in seqs] if pen else None,
+            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, params, pad_to))
+        wants_prompt = some_set(params, "prompt_logprobs") and any(
+            p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(seqs, params))
+        flags = StepFlags.of_batch(needs_filters(params), some_set(params, "logprobs"),
                                    sampling.token_mask is not None, pen, wants_prompt,
                                    prefill=not (batch.is_decode or batch.speculative),
                                    logit_edits=sampling.logit_bias is not None)
@@ -401,18 +415,22 @@ class Engine:
                                sharding=self.runner.token_sharding)
         return inp, sampling, flags
 
-    def _token_mask(self, batch: ScheduledBatch, pad_to: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _token_mask(self, batch: ScheduledBatch, params: list[SamplingParams], pad_to: int
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The step's token bitmask (the grammars of the constrained rows that sample now, and the allowed lists;
         None when the batch has neither) and the rows whose raw logprobs see it (`token_mask.restrict_rows`)."""
         mask = self.structured.fill([(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                                     if s.num_computed_tokens + n >= s.num_tokens], pad_to=pad_to)
+                                     if s.num_computed_tokens + n >= s.num_tokens], pad_to=pad_to) \
+            if self.structured.active else None
         allowed = [(i, self.requests[s.request_id].allowed_mask, s.params.structured_outputs is not None)
-                   for i, s in enumerate(batch.seqs) if s.params.allowed_token_ids is not None]
+                   for i, s in enumerate(batch.seqs) if s.params.allowed_token_ids is not None] \
+            if some_set(params, "allowed_token_ids") else []
         return restrict_rows(mask, allowed, pad_to, self.runner.config.vocab_size)
 
-    def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
+    def _logit_bias(self, batch: ScheduledBatch, params: list[SamplingParams], pad_to: int
+                    ) -> LogitBiasTensors | None:
         """The batch's sparse logit edits (logit_bias, bad words, min_tokens), or None."""
-        if not any(s.params.uses_logit_rules for s in batch.seqs):
+        if not any(map(_uses_logit_rules, params)):
             return None
         # A row's stop ids for min_tokens: vLLM's all_stop_token_ids (stop_token_ids and EOS).
         edits = [row_edits(s.params, s.output_token_ids, self.requests[s.request_id].bad_words_ids,

@@ -29,6 +29,14 @@ import numpy as np
 from inference.engine.sequence import Sequence
 
 _token_ids = operator.attrgetter("token_ids")
+_fast_row = operator.attrgetter("fast_row")
+_table = operator.attrgetter("table")
+_length_limit = operator.attrgetter("length_limit")
+_plain_from = operator.attrgetter("plain_from")
+_text = operator.attrgetter("text")
+_token_times = operator.attrgetter("token_times")
+_detokenizer = operator.attrgetter("detokenizer")
+_deferred_from = operator.attrgetter("deferred_from")
 _MAX_TABLES = 64  # distinct kinds of rows kept; past it the tables are made again as rows need them
 
 
@@ -72,7 +80,7 @@ class PlainRows:
         # characters pick out (the fold makes a row's table at its first token, on the step's path).
         self._plain_ids: dict[bool, np.ndarray] = {}
         self._holding: dict[tuple[bool, str], list[int]] = {}
-        self._none = np.zeros(vocab_size + 1, bool)  # the table of rows without fast-path constants
+        self._no_row = _NoRow(np.zeros(vocab_size + 1, bool))  # what a row without fast-path constants reads as
         self._rows: _Rows | None = None
 
     def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
@@ -149,21 +157,33 @@ class PlainRows:
             rows.plain_state[i] = getattr(seq.detokenizer, "plain", False)
 
     def _build(self, seqs: list[Sequence]) -> _Rows:
+        """The rows' constants, read in C loops (`map` over the rows): a row without fast-path constants reads as
+        one that is never plain (`_NoRow`)."""
         n = len(seqs)
-        kinds: dict[int, int] = {id(self._none): 0}
-        tables = [self._none]
-        table_of, limit, plain_from, text = [0] * n, [0] * n, [0] * n, [False] * n
-        times: list[list[float] | None] = [None] * n
-        for i, seq in enumerate(seqs):
-            row = seq.fast_row
-            if row is None:
-                continue
-            kind = table_of[i] = kinds.setdefault(id(row.table), len(kinds))
-            if kind == len(tables):
-                tables.append(row.table)
-            limit[i], plain_from[i], text[i], times[i] = row.length_limit, row.plain_from, row.text, row.token_times
-        plain_state = np.fromiter((getattr(seq.detokenizer, "plain", False) for seq in seqs), bool, n)
-        deferring = np.fromiter((seq.deferred_from is not None for seq in seqs), bool, n)
-        timed = np.fromiter((t is not None for t in times), bool, n)
-        return _Rows(list(seqs), np.array(limit, np.int64), np.array(plain_from, np.int64), np.array(text, bool),
-                     np.array(table_of, np.int64), np.stack(tables), times, timed, plain_state, deferring)
+        rows = list(map(_fast_row, seqs))
+        for i in np.flatnonzero(np.fromiter(map(operator.is_, rows, itertools.repeat(None)), bool, n)).tolist():
+            rows[i] = self._no_row
+        tables = list(map(_table, rows))
+        ids = np.fromiter(map(id, tables), np.int64, n)
+        kinds, table_of = np.unique(ids, return_inverse=True)  # each distinct table once, by identity
+        by_id = dict(zip(ids.tolist(), tables))
+        times = list(map(_token_times, rows))
+        return _Rows(list(seqs), np.fromiter(map(_length_limit, rows), np.int64, n),
+                     np.fromiter(map(_plain_from, rows), np.int64, n), np.fromiter(map(_text, rows), bool, n),
+                     table_of.reshape(-1).astype(np.int64),
+                     np.stack([by_id[k] for k in kinds.tolist()] or [self._no_row.table]), times,
+                     np.fromiter(map(operator.is_not, times, itertools.repeat(None)), bool, n),
+                     np.fromiter(map(getattr, map(_detokenizer, seqs), itertools.repeat("plain"),
+                                     itertools.repeat(False)), bool, n),
+                     np.fromiter(map(operator.is_not, map(_deferred_from, seqs), itertools.repeat(None)), bool, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoRow:
+    """What `_Rows` reads of a row without fast-path constants (`FastRow`'s fields): never plain."""
+
+    table: np.ndarray
+    length_limit: int = 0
+    plain_from: int = 0
+    text: bool = False
+    token_times: None = None

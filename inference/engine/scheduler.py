@@ -61,6 +61,8 @@ class ScheduledBatch:
     @property
     def is_decode_phase(self) -> bool:
         """Every sequence is decoding (one token, plus any drafts it verifies): for step statistics."""
+        if not self.speculative:
+            return self.is_decode
         return all(n == 1 + len(s.spec_tokens) for s, n in zip(self.seqs, self.num_new_tokens))
 
     @property
@@ -74,6 +76,9 @@ _queue_key = operator.attrgetter("priority", "arrival_order")
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _spec_tokens = operator.attrgetter("spec_tokens")
+_params = operator.attrgetter("params")
+_max_tokens = operator.attrgetter("max_tokens")
+_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 RUNNING = SequenceStatus.RUNNING
 
 
@@ -81,6 +86,14 @@ def token_limit(seq: Sequence, max_model_len: int) -> int:
     """The token count at which `seq` surely finishes by length: its max_tokens, or the context."""
     limit = seq.params.max_tokens
     return max_model_len if limit is None else min(max_model_len, seq.num_prompt_tokens + limit)
+
+
+def token_limits(seqs: list[Sequence], max_model_len: int) -> np.ndarray:
+    """`token_limit` of each sequence, in C loops over the rows (max_tokens through float64: None reads as NaN)."""
+    n = len(seqs)
+    max_new = np.array(list(map(_max_tokens, map(_params, seqs))), np.float64).reshape(n)
+    prompt = np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
+    return np.minimum(np.nan_to_num(prompt + max_new, nan=max_model_len), max_model_len).astype(np.int64)
 
 
 def uncomputed(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
@@ -331,8 +344,7 @@ class Scheduler:
         if self._order is None:
             order = sorted(self.running, key=_queue_key)
             limit = self.max_model_len if self.finishing is not None else None
-            limits = np.fromiter((token_limit(s, limit) for s in order), np.int64, len(order)) \
-                if limit is not None else None
+            limits = token_limits(order, limit) if limit is not None else None
             self._order = (order, limits)
         order, limits = self._order
         advanced, self._advanced = self._advanced, None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import jax
 import numpy as np
@@ -26,6 +27,11 @@ from flax import struct
 
 from inference.engine.scheduler import ScheduledBatch
 from models.attention import AttentionMetadata
+
+_block_tables = operator.attrgetter("block_tables")
+_token_ids = operator.attrgetter("token_ids")
+_computed = operator.attrgetter("num_computed_tokens")
+_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None, fine: bool = False) -> int:
@@ -139,7 +145,10 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
             longest = max(longest, num_spec + 1)
         padded_tokens = max(padded_tokens, bucket(longest))
         max_q = bucket(longest, maximum=padded_tokens) if limits.query_buckets else padded_tokens
-    max_pages = max(len(seq.pages) for seq in batch.seqs)
+    seqs = batch.seqs
+    tables = [list(map(operator.itemgetter(g), map(_block_tables, seqs))) for g in range(num_groups)]
+    table_lens = [np.fromiter(map(len, t), np.int64, num_seqs) for t in tables]
+    max_pages = int(table_lens[0].max())
     padded_pages = bucket(max_pages, limits.min_pages_per_seq if limits.page_buckets else limits.max_pages_per_seq,
                           limits.max_pages_per_seq, fine=limits.fine_pages)
 
@@ -153,11 +162,10 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     logits_indices = np.zeros(padded_seqs, np.int32)
     token_slots = None if lora_slots is None else np.zeros(padded_tokens, np.int32)
 
-    # Vectorized over the batch: one Python pass gathers each sequence's scalars and token slice, numpy does the
-    # rest, so a 256-sequence decode step costs no per-sequence numpy calls.
-    seqs = batch.seqs
+    # Vectorized over the batch: each sequence's scalars, token slice and page table are read in C loops (`map`
+    # over the rows), numpy does the rest, so a 256-sequence step costs no per-sequence Python or numpy calls.
     counts = np.asarray(batch.num_new_tokens, np.int64)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+    starts = np.fromiter(map(_computed, seqs), np.int64, num_seqs)
     ends = np.cumsum(counts)
     cu_q_lens[1:num_seqs + 1] = ends
     cu_q_lens[num_seqs + 1:] = num_tokens
@@ -166,20 +174,23 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     row = np.repeat(np.arange(num_seqs), counts)  # each real token's sequence
     pos = np.arange(num_tokens) - np.repeat(ends - counts - starts, counts)
     positions[:num_tokens] = pos
-    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(
-        (s.token_ids + s.spec_tokens if s.spec_tokens else s.token_ids)[c:c + n]
-        for s, c, n in zip(seqs, starts.tolist(), batch.num_new_tokens)), np.int32, num_tokens)
+    if batch.speculative:
+        pieces = ((s.token_ids + s.spec_tokens if s.spec_tokens else s.token_ids)[c:c + n]
+                  for s, c, n in zip(seqs, starts.tolist(), batch.num_new_tokens))
+    else:
+        pieces = map(operator.getitem, map(_token_ids, seqs), map(slice, starts.tolist(), kv_lens[:num_seqs].tolist()))
+    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(pieces), np.int32, num_tokens)
     for g in range(num_groups):
-        tables = [s.block_tables[g] for s in seqs]
-        lens = np.fromiter(map(len, tables), np.int64, num_seqs)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+        lens = table_lens[g]
+        flat = np.fromiter(itertools.chain.from_iterable(tables[g]), np.int32, int(lens.sum()))
         page_indices[g, np.repeat(np.arange(num_seqs), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens,
                                                                                              lens)] = flat
         slot_mapping[g, :num_tokens] = page_indices[g, row, pos // page_size] * page_size + pos % page_size
-    for i, (seq, c, n) in enumerate(zip(seqs, starts.tolist(), batch.num_new_tokens)):
-        if c + 1 < seq.num_prompt_tokens:  # a prompt chunk: its tokens' next prompt tokens (prompt logprobs)
-            nxt = seq.token_ids[c + 1:min(c + n + 1, seq.num_prompt_tokens)]
-            target_ids[ends[i] - n:ends[i] - n + len(nxt)] = nxt
+    prompt_rows = starts + 1 < np.fromiter(map(_num_prompt_tokens, seqs), np.int64, num_seqs)
+    for i in np.flatnonzero(prompt_rows).tolist():  # a prompt chunk: its tokens' next prompt tokens (prompt logprobs)
+        seq, c, n = seqs[i], int(starts[i]), int(counts[i])
+        nxt = seq.token_ids[c + 1:min(c + n + 1, seq.num_prompt_tokens)]
+        target_ids[ends[i] - n:ends[i] - n + len(nxt)] = nxt
     if token_slots is not None:
         token_slots[:num_tokens] = np.repeat(np.asarray(lora_slots, np.int32), counts)
     if num_groups == 1:  # one group: the plain [T] and [S, P] layout every kernel and test knows

@@ -9,8 +9,10 @@ parameters after it has been scheduled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+import operator
 from typing import Any, Literal
 
 from inference.structured.params import StructuredOutputsParams
@@ -53,6 +55,14 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def some_set(params_list: list[SamplingParams], field: str) -> bool:
+    """Whether some request sets an optional parameter (`field` not None), in a C loop over the requests."""
+    return operator.countOf(map(operator.attrgetter(field), params_list), None) != len(params_list)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,12 +230,16 @@ class SamplingParams:
             raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True to use "
                              "stop, or stop_token_ids to stop on token ids")
 
-    @property
+    # The properties below are read for every row of a step the engine builds in general (a row joins or leaves
+    # the batch, a prompt chunk runs): cached on first read, so each is an attribute lookup after it. The fields
+    # they read never change (a frozen dataclass; `replace` makes a new object).
+
+    @functools.cached_property
     def greedy(self) -> bool:
         """True when the request takes the argmax (temperature 0, or below `SAMPLING_EPS` as in vLLM)."""
         return self.temperature < SAMPLING_EPS
 
-    @property
+    @functools.cached_property
     def uses_filters(self) -> bool:
         """True when sampling this request needs the top-k / top-p / min-p filter pass.
 
@@ -234,7 +248,7 @@ class SamplingParams:
         """
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
-    @property
+    @functools.cached_property
     def uses_penalties(self) -> bool:
         """True when this request needs the penalty pass (and so the rows' token counts on the device).
 
@@ -242,12 +256,22 @@ class SamplingParams:
         """
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
+    @functools.cached_property
     def uses_logit_rules(self) -> bool:
         """True when this request edits logits sparsely (logit_bias, bad_words, min_tokens); the engine builds
         `LogitBiasTensors` only for batches with such a row (and only when an edit applies). `allowed_token_ids`
         goes through the token bitmask instead."""
         return bool(self.logit_bias) or bool(self.bad_words) or self.min_tokens > 0
+
+    @functools.cached_property
+    def sampling_row(self) -> tuple[float, int, float, float, bool]:
+        """(temperature, top_k, top_p, min_p, processed logprobs): the request's row of `SamplingTensors`, filters
+        off for a greedy request (its temperature 0 marks it greedy), top_k held to int32 (any k past the vocabulary
+        is off)."""
+        processed = self.logprobs_mode == "processed"
+        if self.greedy:
+            return 0.0, 0, 1.0, 0.0, processed
+        return self.temperature, min(self.top_k, _INT32_MAX), self.top_p, self.min_p, processed
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied, validated again."""

@@ -53,6 +53,8 @@ best logit (probability ratio < ~2e-9) can never be drawn; this is far below any
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Callable, NamedTuple, Sequence
 
 import flax.struct
@@ -71,6 +73,10 @@ from inference.sampling.token_mask import apply_token_mask
 #: sampler and the draft model wrap key data with it too.
 PRNG_IMPL = "threefry2x32"
 _U32_MASK = 0xFFFFFFFF
+_U64_MASK = 0xFFFFFFFFFFFFFFFF
+_sampling_row = operator.attrgetter("sampling_row")
+_uses_filters = operator.attrgetter("uses_filters")
+_uses_penalties = operator.attrgetter("uses_penalties")
 
 #: How many of each row's largest logits the filter fast path looks at (`lax.top_k`, far cheaper than a full sort on
 #: CPU). Rows with top_k above this, or whose top-p set needs more tokens, fall back to an exact bisection (slower),
@@ -158,16 +164,13 @@ class SamplingTensors:
         seed_key = np.zeros((pad_to, 2), np.uint32)
         step = np.zeros(pad_to, np.int32)
         processed = np.zeros(pad_to, np.bool_)
-        for i, (p, seed) in enumerate(zip(params_list, seeds)):
-            if not p.greedy:
-                temperature[i] = p.temperature
-                top_k[i] = p.top_k
-                top_p[i] = p.top_p
-                min_p[i] = p.min_p
-            s = int(seed) & 0xFFFFFFFFFFFFFFFF
-            seed_key[i, 0] = s >> 32
-            seed_key[i, 1] = s & _U32_MASK
-            processed[i] = p.logprobs_mode == "processed"
+        if n:  # the rows' cached `SamplingParams.sampling_row`s through float64 (exact for every field), in C loops
+            rows = np.array(list(map(_sampling_row, params_list)), np.float64)
+            temperature[:n], top_k[:n], top_p[:n], min_p[:n] = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+            processed[:n] = rows[:, 4] != 0
+            seed = np.fromiter(map(operator.and_, map(int, seeds), itertools.repeat(_U64_MASK)), np.uint64, n)
+            seed_key[:n, 0] = seed >> np.uint64(32)
+            seed_key[:n, 1] = seed & np.uint64(_U32_MASK)
         step[:n] = steps
         penalties = None
         if needs_penalties(params_list):
@@ -223,12 +226,12 @@ class SamplerOutput(NamedTuple):
 
 def needs_filters(params_list: Sequence[SamplingParams]) -> bool:
     """The static `use_filters` flag for a batch: True iff some non-greedy row uses top-k, top-p or min-p."""
-    return any(p.uses_filters for p in params_list)
+    return any(map(_uses_filters, params_list))
 
 
 def needs_penalties(params_list: Sequence[SamplingParams]) -> bool:
     """True iff some row uses repetition, presence or frequency penalties (then `SamplingTensors.penalties` is set)."""
-    return any(p.uses_penalties for p in params_list)
+    return any(map(_uses_penalties, params_list))
 
 
 def row_keys(t: SamplingTensors) -> jax.Array:

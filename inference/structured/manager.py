@@ -82,6 +82,11 @@ class StructuredOutputManager:
         """Forget a finished or aborted sequence's matcher."""
         self._grammars.pop(seq_id, None)
 
+    @property
+    def active(self) -> bool:
+        """Whether any sequence has a grammar (else no step needs a mask from here)."""
+        return bool(self._grammars)
+
     def is_constrained(self, seq_id: int) -> bool:
         return seq_id in self._grammars
 

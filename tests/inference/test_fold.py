@@ -158,7 +158,7 @@ def test_look_back_only_where_a_stop_can_end(llm, monkeypatch):
     """A row off the plain path looks back for its stop strings at its first checked token (past min_tokens: the
     text before it may hold a whole match), then only when its new text holds a stop string's last character."""
     engine = Engine(llm.runner, llm.tokenizer, llm.engine.scheduler.config)
-    monkeypatch.setattr(engine.plain_rows, "table", lambda *args: engine.plain_rows._none)  # no row is plain
+    monkeypatch.setattr(engine.plain_rows, "table", lambda *args: engine.plain_rows._no_row.table)  # no row is plain
     looked, match = [0], fold.match_stop_string
 
     def counted(*args):

@@ -495,3 +495,20 @@ def test_no_logprobs_asked_skips_the_log_softmax() -> None:
     jaxpr = jax.make_jaxpr(lambda l, t: S.sample_with_logprobs(l, t, use_filters=False, num_top=0))(logits, greedy)
     outer = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
     assert {"exp", "log"}.isdisjoint(outer), outer
+
+
+def test_rows_hold_each_requests_sampling_parameters() -> None:
+    """`from_params` reads each request's cached `sampling_row`: a greedy request's filters off, a top_k past int32
+    held there (off, as any k past the vocabulary), processed logprobs by row, padding rows greedy."""
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs_mode="processed"),
+              SamplingParams(temperature=0.0, top_k=7, top_p=0.5, min_p=0.2),
+              SamplingParams(temperature=1.3, top_k=2**40),
+              SamplingParams(temperature=2, top_k=-1, logprobs_mode="processed")]
+    t = S.SamplingTensors.from_params(params, [1, 2, 3, 4], [0, 1, 2, 3], pad_to=6)
+    np.testing.assert_array_equal(t.temperature, np.float32([0.7, 0.0, 1.3, 2.0, 0.0, 0.0]))
+    np.testing.assert_array_equal(t.top_k, [5, 0, 2**31 - 1, 0, 0, 0])
+    np.testing.assert_array_equal(t.top_p, np.float32([0.9, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    np.testing.assert_array_equal(t.min_p, np.float32([0.05, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    np.testing.assert_array_equal(t.processed_logprobs, [True, False, False, True, False, False])
+    np.testing.assert_array_equal(t.step, [0, 1, 2, 3, 0, 0])
+    assert t.temperature.dtype == np.float32 and t.top_k.dtype == np.int32
