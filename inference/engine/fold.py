@@ -137,7 +137,7 @@ def fold_tokens(engine: Engine, seqs: list[Sequence], rows: list[int], out: Step
                 after_token(engine, seq, requests[seq.request_id], out, out_row, now)
                 if seq.fast_row is None and not seq.is_finished:
                     seq.fast_row = fast_row(engine, seq)
-                    kept.forget()
+                    kept.refresh(seq)
             else:
                 if row.token_times is not None:
                     row.token_times.append(now)

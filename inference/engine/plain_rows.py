@@ -3,8 +3,9 @@
 Why: at a few hundred decoding sequences the host's step was bounded by per-row Python in the fold: for every row,
 its length against the limits, its token against the stop ids and its text against the stop strings' last
 characters, then one detokenizer update and one text append. Most rows of a steady decode step need nothing else
-(`fold.FastRow`). Here each row's constants are kept as arrays while the fold's rows stay the same sequences in the
-same order, and whether a sampled token keeps its row plain is one lookup in a table over the vocabulary, one table
+(`fold.FastRow`). Here each row's constants are kept as arrays, carried from one fold to the next by row when rows
+join or leave (only a new row, or one whose constants changed, is read: continuous batching changes rows most
+steps), and whether a sampled token keeps its row plain is one lookup in a table over the vocabulary, one table
 for each kind of row (its stop ids, whether it detokenizes, its stop strings). A plain row's text
 is deferred: the sequence appends it when its text is read, or before its next token that is not plain
 (`Sequence.settle_text`), as the per-token updates would have. What is left per plain row is in C loops (its length
@@ -54,6 +55,9 @@ class _Rows:
     timed: np.ndarray  # bool: times[i] is not None
     plain_state: np.ndarray  # bool: the row's detokenizer holds nothing back (IncrementalDetokenizer.plain)
     deferring: np.ndarray  # bool: the row's text is deferred (Sequence.deferred_from is set)
+    # The tables stacked in `tables`, as the rows' `FastRow.table` objects: a row carried into the next fold's rows
+    # finds its kind by identity (held here, so no id is reused while these rows live).
+    kinds: list[np.ndarray]
 
 
 def stop_end_test(stop: str) -> Callable[[str], bool]:
@@ -82,6 +86,7 @@ class PlainRows:
         self._holding: dict[tuple[bool, str], list[int]] = {}
         self._no_row = _NoRow(np.zeros(vocab_size + 1, bool))  # what a row without fast-path constants reads as
         self._rows: _Rows | None = None
+        self._stale: set[Sequence] = set()  # rows whose constants changed since the last fold (`refresh`)
 
     def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
               stops: frozenset[str]) -> np.ndarray:
@@ -122,17 +127,20 @@ class PlainRows:
             ids = self._holding[key] = [i for i, s in plain.items() if i < size and char in s]
         return ids
 
-    def forget(self) -> None:
-        """Drop the kept rows (a row's constants changed: it got its fast-path constants)."""
-        self._rows = None
+    def refresh(self, seq: Sequence) -> None:
+        """`seq`'s constants changed (it got its fast-path constants): the next fold reads its row again."""
+        self._stale.add(seq)
 
     def split(self, seqs: list[Sequence], tokens: np.ndarray, now: float) -> np.ndarray:
         """Which of `seqs` (each with its new token, `tokens[i]`, last in `token_ids`) are plain, as a bool array;
         their fold is done here: the token's time for a timed row, and the text deferred for a row that
         detokenizes."""
         rows = self._rows
-        if rows is None or rows.seqs != seqs:  # identities compared in C
+        if rows is None:
             rows = self._rows = self._build(seqs)
+        elif self._stale or rows.seqs != seqs:  # identities compared in C
+            rows = self._rows = self._carry(rows, seqs)
+        self._stale.clear()
         n = len(seqs)
         lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
         tokens = np.minimum(tokens, self.vocab_size)
@@ -167,15 +175,54 @@ class PlainRows:
         ids = np.fromiter(map(id, tables), np.int64, n)
         kinds, table_of = np.unique(ids, return_inverse=True)  # each distinct table once, by identity
         by_id = dict(zip(ids.tolist(), tables))
+        kind_tables = [by_id[k] for k in kinds.tolist()] or [self._no_row.table]
         times = list(map(_token_times, rows))
         return _Rows(list(seqs), np.fromiter(map(_length_limit, rows), np.int64, n),
                      np.fromiter(map(_plain_from, rows), np.int64, n), np.fromiter(map(_text, rows), bool, n),
-                     table_of.reshape(-1).astype(np.int64),
-                     np.stack([by_id[k] for k in kinds.tolist()] or [self._no_row.table]), times,
+                     table_of.reshape(-1).astype(np.int64), np.stack(kind_tables), times,
                      np.fromiter(map(operator.is_not, times, itertools.repeat(None)), bool, n),
                      np.fromiter(map(getattr, map(_detokenizer, seqs), itertools.repeat("plain"),
                                      itertools.repeat(False)), bool, n),
-                     np.fromiter(map(operator.is_not, map(_deferred_from, seqs), itertools.repeat(None)), bool, n))
+                     np.fromiter(map(operator.is_not, map(_deferred_from, seqs), itertools.repeat(None)), bool, n),
+                     kind_tables)
+
+    def _carry(self, old: _Rows, seqs: list[Sequence]) -> _Rows:
+        """The rows of `seqs` from the last fold's (`old`): a row that was there keeps its constants and state,
+        gathered by row (no sequence read); only the rows new to the fold are read, one by one. Why the state is still
+        right: between two folds a row is in, only its token's fold changes it, through `split` and `update`, and a
+        row that gets its fast-path constants is read again (`refresh`)."""
+        n = len(seqs)
+        where = dict(zip(old.seqs, range(len(old.seqs))))  # identity hashes: no sequence is read
+        for seq in self._stale:
+            where.pop(seq, None)
+        src = np.fromiter(map(where.get, seqs, itertools.repeat(-1)), np.int64, n)
+        new = np.flatnonzero(src < 0).tolist()
+        if 2 * len(new) > n:
+            return self._build(seqs)
+        take = np.maximum(src, 0)  # a new row's entries are overwritten below
+        rows = _Rows(list(seqs), old.limit[take], old.plain_from[take], old.text[take], old.table_of[take],
+                     old.tables, list(map(old.times.__getitem__, take.tolist())), old.timed[take],
+                     old.plain_state[take], old.deferring[take], list(old.kinds))
+        kind_of = None
+        for i in new:  # few: a Python loop costs less than the C loops' set-up
+            seq = seqs[i]
+            row = seq.fast_row or self._no_row
+            if kind_of is None:
+                kind_of = {id(t): k for k, t in enumerate(rows.kinds)}
+            k = kind_of.setdefault(id(row.table), len(rows.kinds))
+            if k == len(rows.kinds):
+                rows.kinds.append(row.table)
+            rows.table_of[i], rows.limit[i], rows.plain_from[i], rows.text[i] = \
+                k, row.length_limit, row.plain_from, row.text
+            rows.times[i] = row.token_times
+            rows.timed[i] = row.token_times is not None
+            rows.plain_state[i] = getattr(seq.detokenizer, "plain", False)
+            rows.deferring[i] = seq.deferred_from is not None
+        if len(rows.kinds) > len(old.kinds):
+            if len(rows.kinds) > _MAX_TABLES:  # kinds of rows long gone pile up: read every row again
+                return self._build(seqs)
+            rows.tables = np.concatenate([old.tables, np.stack(rows.kinds[len(old.kinds):])])
+        return rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ cut), and rows recomputed after a preemption."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 
@@ -14,6 +15,7 @@ import pytest
 from inference import SamplingParams
 from inference.engine import fold
 from inference.engine.llm_engine import Engine
+from inference.engine.plain_rows import PlainRows
 from inference.loading.tokenizer import IncrementalDetokenizer
 from tests.inference.test_persistent_batch import drive
 
@@ -238,7 +240,8 @@ def test_fast_path_after_a_preemption(llm, reference, monkeypatch):
 def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monkeypatch, async_scheduling):
     """64 requests arriving at random steps, with stop strings, aborts and every step's outputs read (the text of
     the plain rows settled mid-run, with a token in flight): every step's text and each final output equal the
-    general path's (no row plain, no text deferred)."""
+    general path's (no row plain, no text deferred). Each time the fold's rows change, the rows carried from the
+    last fold (`PlainRows._carry`) equal the rows read afresh."""
     rng = np.random.default_rng(5)
     vocab = llm.runner.config.vocab_size
     requests = []
@@ -250,6 +253,18 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
         requests.append((f"r{i}", prompt, params))
     arrivals = rng.poisson(4, 100).tolist()
     aborts = {rid: int(rng.integers(2, 8)) for rid, _, _ in requests if rng.random() < 0.15}
+    carry, carried = PlainRows._carry, collections.Counter()
+
+    def checked_carry(self, old, seqs):
+        rows, fresh = carry(self, old, seqs), self._build(seqs)
+        for name in ("limit", "plain_from", "text", "timed", "plain_state", "deferring"):
+            np.testing.assert_array_equal(getattr(rows, name), getattr(fresh, name), err_msg=name)
+        np.testing.assert_array_equal(rows.tables[rows.table_of], fresh.tables[fresh.table_of])
+        assert all(a is b for a, b in zip(rows.times, fresh.times)) and rows.seqs == fresh.seqs
+        carried["joined"] += bool(set(seqs) - set(old.seqs))
+        carried["left"] += bool(set(old.seqs) - set(seqs))
+        return rows
+
     runs = []
     for general_only in (False, True):
         config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
@@ -257,6 +272,8 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
         engine = Engine(llm.runner, llm.tokenizer, config)
         if general_only:
             monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
+        else:
+            monkeypatch.setattr(PlainRows, "_carry", checked_carry)
         seen = []
         finals = drive(engine, requests, arrivals, dict(aborts), seen)
         seen += [(rid, out.outputs[0].text, out.outputs[0].finish_reason) for rid, out in sorted(finals.items())]
@@ -264,6 +281,7 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
         runs.append(seen)
     assert runs[0] == runs[1]
     assert {"stop", "length", "abort"} <= {entry[-1] for entry in runs[0] if len(entry) == 3}
+    assert carried["joined"] >= 3 and carried["left"] >= 3, carried  # the carry ran, with rows joining and leaving
 
 
 def test_token_tables_and_settled_text(llm):
