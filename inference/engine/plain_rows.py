@@ -87,6 +87,10 @@ class PlainRows:
         self._no_row = _NoRow(np.zeros(vocab_size + 1, bool))  # what a row without fast-path constants reads as
         self._rows: _Rows | None = None
         self._stale: set[Sequence] = set()  # rows whose constants changed since the last fold (`refresh`)
+        # The offline policy alternates a prefill step's few new rows with the decode rows: the last large fold's
+        # rows are kept to carry from (`_base`), less the sequences folded since (`_since`), whose state moved on.
+        self._base: _Rows | None = None
+        self._since: set[Sequence] = set()
 
     def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
               stops: frozenset[str]) -> np.ndarray:
@@ -141,6 +145,8 @@ class PlainRows:
         elif self._stale or rows.seqs != seqs:  # identities compared in C
             rows = self._rows = self._carry(rows, seqs)
         self._stale.clear()
+        if self._base is not None:
+            self._since.update(seqs)
         n = len(seqs)
         lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
         tokens = np.minimum(tokens, self.vocab_size)
@@ -192,12 +198,21 @@ class PlainRows:
         right: between two folds a row is in, only its token's fold changes it, through `split` and `update`, and a
         row that gets its fast-path constants is read again (`refresh`)."""
         n = len(seqs)
-        where = dict(zip(old.seqs, range(len(old.seqs))))  # identity hashes: no sequence is read
-        for seq in self._stale:
-            where.pop(seq, None)
-        src = np.fromiter(map(where.get, seqs, itertools.repeat(-1)), np.int64, n)
+        src = _sources(old, seqs, self._stale)
+        base = self._base
+        if base is not None and 2 * int((src < 0).sum()) > n:  # back from folds of other rows: the fold before them
+            from_base = _sources(base, seqs, self._stale | self._since)
+            if (from_base < 0).sum() < (src < 0).sum():
+                old, src = base, from_base
+                self._base, self._since = None, set()
         new = np.flatnonzero(src < 0).tolist()
         if 2 * len(new) > n:
+            # Mostly rows the last fold did not have: read them all. When the last fold was the larger (the offline
+            # policy's decode rows, before a prefill step's few new rows), keep it to carry from when they return.
+            if len(old.seqs) > n and (base is None or len(old.seqs) >= len(base.seqs)) and old is not base:
+                self._base, self._since = old, set()
+            elif base is not None and len(self._since) > 4 * len(base.seqs):  # its rows are long gone
+                self._base, self._since = None, set()
             return self._build(seqs)
         take = np.maximum(src, 0)  # a new row's entries are overwritten below
         rows = _Rows(list(seqs), old.limit[take], old.plain_from[take], old.text[take], old.table_of[take],
@@ -223,6 +238,14 @@ class PlainRows:
                 return self._build(seqs)
             rows.tables = np.concatenate([old.tables, np.stack(rows.kinds[len(old.kinds):])])
         return rows
+
+
+def _sources(old: _Rows, seqs: list[Sequence], excluded: set[Sequence]) -> np.ndarray:
+    """Each of `seqs`' row in `old` (-1: not there, or in `excluded`), by identity: no sequence is read."""
+    where = dict(zip(old.seqs, range(len(old.seqs))))
+    for seq in excluded:
+        where.pop(seq, None)
+    return np.fromiter(map(where.get, seqs, itertools.repeat(-1)), np.int64, len(seqs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -253,27 +253,10 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
         requests.append((f"r{i}", prompt, params))
     arrivals = rng.poisson(4, 100).tolist()
     aborts = {rid: int(rng.integers(2, 8)) for rid, _, _ in requests if rng.random() < 0.15}
-    carry, carried = PlainRows._carry, collections.Counter()
-
-    def checked_carry(self, old, seqs):
-        rows, fresh = carry(self, old, seqs), self._build(seqs)
-        for name in ("limit", "plain_from", "text", "timed", "plain_state", "deferring"):
-            np.testing.assert_array_equal(getattr(rows, name), getattr(fresh, name), err_msg=name)
-        np.testing.assert_array_equal(rows.tables[rows.table_of], fresh.tables[fresh.table_of])
-        assert all(a is b for a, b in zip(rows.times, fresh.times)) and rows.seqs == fresh.seqs
-        carried["joined"] += bool(set(seqs) - set(old.seqs))
-        carried["left"] += bool(set(old.seqs) - set(seqs))
-        return rows
-
+    carried = collections.Counter()
     runs = []
     for general_only in (False, True):
-        config = dataclasses.replace(llm.engine.scheduler.config, async_scheduling=async_scheduling)
-        llm.engine.reset_prefix_cache()
-        engine = Engine(llm.runner, llm.tokenizer, config)
-        if general_only:
-            monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
-        else:
-            monkeypatch.setattr(PlainRows, "_carry", checked_carry)
+        engine = _engine(llm, monkeypatch, general_only, carried, async_scheduling=async_scheduling)
         seen = []
         finals = drive(engine, requests, arrivals, dict(aborts), seen)
         seen += [(rid, out.outputs[0].text, out.outputs[0].finish_reason) for rid, out in sorted(finals.items())]
@@ -282,6 +265,60 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
     assert runs[0] == runs[1]
     assert {"stop", "length", "abort"} <= {entry[-1] for entry in runs[0] if len(entry) == 3}
     assert carried["joined"] >= 3 and carried["left"] >= 3, carried  # the carry ran, with rows joining and leaving
+
+
+def _engine(llm, monkeypatch, general_only: bool, counts: collections.Counter, **config) -> Engine:
+    """A fresh engine on the test's model: with `general_only` no row takes the fast path; else every carry of the
+    plain rows is checked (`_checked_carry`)."""
+    llm.engine.reset_prefix_cache()
+    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, **config))
+    if general_only:
+        monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
+    else:
+        monkeypatch.setattr(PlainRows, "_carry", _checked_carry(counts))
+    return engine
+
+
+def _checked_carry(counts: collections.Counter):
+    """`PlainRows._carry` that checks its rows against the rows read afresh, counting what it saw."""
+    carry = PlainRows._carry
+
+    def checked(self, old, seqs):
+        base = self._base
+        rows, fresh = carry(self, old, seqs), self._build(seqs)
+        counts["from_base"] += base is not None and self._base is None  # carried from the kept rows
+        for name in ("limit", "plain_from", "text", "timed", "plain_state", "deferring"):
+            np.testing.assert_array_equal(getattr(rows, name), getattr(fresh, name), err_msg=name)
+        np.testing.assert_array_equal(rows.tables[rows.table_of], fresh.tables[fresh.table_of])
+        assert all(a is b for a, b in zip(rows.times, fresh.times)) and rows.seqs == fresh.seqs
+        counts["joined"] += bool(set(seqs) - set(old.seqs))
+        counts["left"] += bool(set(old.seqs) - set(seqs))
+        return rows
+
+    return checked
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_plain_rows_carried_under_the_offline_policy(llm, monkeypatch, async_scheduling):
+    """`LLM.generate`'s steps (finished outputs only; the auto policy runs prompts in steps of their own) alternate
+    the fold's rows between a prefill step's new rows and the decode rows: the decode rows come back to the rows
+    kept from before (`PlainRows._base`), every carry equals the rows read afresh, and the outputs are the general
+    path's."""
+    rng = np.random.default_rng(8)
+    vocab = llm.runner.config.vocab_size
+    requests = [(f"r{i}", rng.integers(1, vocab, int(rng.integers(3, 30))).tolist(),
+                 SamplingParams(temperature=0.8, seed=i, max_tokens=int(rng.integers(6, 30)),
+                                stop=[["e"], ["the", " a"], []][i % 3], ignore_eos=True)) for i in range(48)]
+    arrivals = rng.poisson(2, 200).tolist()
+    counts, runs = collections.Counter(), []
+    for general_only in (False, True):
+        engine = _engine(llm, monkeypatch, general_only, counts, async_scheduling=async_scheduling, policy="auto")
+        finals = drive(engine, requests, arrivals, {}, finished_only=True)
+        monkeypatch.undo()
+        runs.append({rid: (out.outputs[0].text, out.outputs[0].token_ids, out.outputs[0].finish_reason)
+                     for rid, out in finals.items()})
+    assert runs[0] == runs[1] and len(runs[0]) == len(requests)
+    assert counts["from_base"] >= 3, counts  # rows came back to the kept rows
 
 
 def test_token_tables_and_settled_text(llm):

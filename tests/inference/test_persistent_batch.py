@@ -46,17 +46,18 @@ def _workload(rng: np.random.Generator, vocab: int, count: int):
     return requests
 
 
-def drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int], seen: list | None = None) -> dict:
+def drive(engine: Engine, requests, arrivals: list[int], aborts: dict[str, int], seen: list | None = None,
+          finished_only: bool = False) -> dict:
     """Step to the end: `arrivals[k]` requests join before step k (the rest after the last), a request in `aborts`
     is aborted once it has reported that many tokens; `seen` gets every step's outputs' (request, text, tokens,
-    reasons)."""
+    reasons); `finished_only`: the steps `LLM.generate` takes (only finished outputs come back)."""
     pending, finals, step = list(requests), {}, 0
     while pending or engine.has_unfinished_requests():
         for _ in range(arrivals[step] if step < len(arrivals) else len(pending)):
             if pending:
                 engine.add_request(*pending.pop(0))
         step += 1
-        for out in engine.step():
+        for out in engine.step(finished_only=finished_only):
             rid = out.request_id
             if seen is not None:
                 c = out.outputs[0]
