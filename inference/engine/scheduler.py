@@ -130,7 +130,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._prefill_streak = 0
         # The decode pass's state between steps (`_schedule_decode`): the running sequences in queue order with
-        # their length limits, None after any change to `running` (rebuilt then); the rows the last pass checked
+        # their length limits, kept through a finish and an admission (`_order_drop`, `_order_add`), None after any
+        # other change to `running` (rebuilt then); the rows the last pass checked
         # (their next page is known to be private, so a row needs a page test only when it crosses a boundary).
         self._order: tuple[list[Sequence], np.ndarray | None] | None = None
         self._checked: set[Sequence] = set()
@@ -155,10 +156,12 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished or aborted) and free its pages. Siblings still waiting to
         fork from it are queued to compute the prompt themselves."""
-        for queue in (self.running, self.waiting, self.awaiting_fork):
+        if seq in self.running:
+            self.running.remove(seq)
+            self._order_drop(seq)
+        for queue in (self.waiting, self.awaiting_fork):
             if seq in queue:
                 queue.remove(seq)
-        self._order = None
         self.num_removed += 1
         self._checked.discard(seq)
         self.block_manager.release(seq)
@@ -167,6 +170,23 @@ class Scheduler:
         for sibling in [s for s in self.awaiting_fork if s.request_id == seq.request_id]:
             self.awaiting_fork.remove(sibling)
             bisect.insort(self.waiting, sibling, key=_queue_key)
+
+    def _order_drop(self, seq: Sequence) -> None:
+        """`seq` left `running`: the kept queue order (`_schedule_decode_steady`) without it. A new tuple, so the
+        advance hint made from the old one (`advanced`) no longer applies."""
+        if self._order is not None:
+            order, limits = self._order
+            i = order.index(seq)  # identities compared in C
+            self._order = (order[:i] + order[i + 1:], None if limits is None else np.delete(limits, i))
+
+    def _order_add(self, seq: Sequence) -> None:
+        """`seq` joined `running` (appended): the kept queue order with it, where `sorted(running)` puts it (after
+        the rows with its key: the sort is stable and it came last)."""
+        if self._order is not None:
+            order, limits = self._order
+            i = bisect.bisect_right(order, _queue_key(seq), key=_queue_key)
+            self._order = (order[:i] + [seq] + order[i:],
+                           None if limits is None else np.insert(limits, i, token_limit(seq, self.max_model_len)))
 
     def advanced(self, seqs: list[Sequence], computed: np.ndarray) -> None:
         """Told by the engine after it advanced a steady decode batch (`seqs`, the last pass's rows in its order)
@@ -274,7 +294,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                self._order = None
+                self._order_add(seq)
                 admitted.append(seq)
             seqs.append(seq)
             counts.append(chunk)

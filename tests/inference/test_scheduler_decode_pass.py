@@ -1,7 +1,8 @@
 """The scheduler's steady decode pass (`Scheduler._schedule_decode_steady`: per-row work only for rows that open a
 page, joined the decode rows, or reach their length limit) schedules exactly what the general pass (every row
 checked) schedules, step for step, under arrivals, finishes, aborts, page crossings, prefix hits, forks and
-preemption. Host-only: no model runs; a step's bookkeeping is simulated as the engine does it."""
+preemption; the queue order it keeps through finishes and admissions is the one a rebuild gives. Host-only: no
+model runs; a step's bookkeeping is simulated as the engine does it."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
                           finishing=(lambda s: s in in_flight and s.num_tokens >= token_limit(s, MAX_LEN))
                           if finishing else None)
     scheduler._steady_pages = steady
-    log, next_id, step, hints = [], 0, 0, 0
+    log, next_id, step, hints, kept = [], 0, 0, 0, 0
 
     def finish(seq):
         seq.status = SequenceStatus.FINISHED
@@ -61,6 +62,11 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
                     next_id += 1
         step += 1
         batch = scheduler.schedule()
+        if scheduler._order is not None:  # kept through finishes and admissions: the order a rebuild would give
+            order, limits = scheduler._order
+            assert order == sorted(scheduler.running, key=lambda s: (s.priority, s.arrival_order))
+            assert limits is None or limits.tolist() == [token_limit(s, MAX_LEN) for s in order]
+            kept += 1
         if batch is None:
             continue
         log.append([(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
@@ -83,6 +89,7 @@ def _run(policy: str, steady: bool, num_pages: int, finishing: bool, seed: int) 
         if step % 17 == 0 and scheduler.running:  # an abort of a running sequence
             finish(scheduler.running[len(scheduler.running) // 2])
     assert hints > 0 if steady else hints == 0
+    assert kept > 0 if steady else kept == 0
     return [log, scheduler.num_preemptions]
 
 
