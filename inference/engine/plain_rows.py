@@ -144,6 +144,8 @@ class PlainRows:
             rows = self._rows = self._build(seqs)
         elif self._stale or rows.seqs != seqs:  # identities compared in C
             rows = self._rows = self._carry(rows, seqs)
+        elif self._base is not None:  # the same rows again: no alternation to bridge
+            self._base, self._since = None, set()
         self._stale.clear()
         if self._base is not None:
             self._since.update(seqs)
@@ -206,6 +208,8 @@ class PlainRows:
                 old, src = base, from_base
                 self._base, self._since = None, set()
         new = np.flatnonzero(src < 0).tolist()
+        if old is self._rows and self._base is not None and 2 * len(new) <= n:  # carried from the last fold
+            self._base, self._since = None, set()
         if 2 * len(new) > n:
             # Mostly rows the last fold did not have: read them all. When the last fold was the larger (the offline
             # policy's decode rows, before a prefill step's few new rows), keep it to carry from when they return.
