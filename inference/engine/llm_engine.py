@@ -182,7 +182,8 @@ class Engine:
         self.finished_ids: set[str] = set()
         self.finished_only = False  # set for the length of one `step`: which outputs it builds
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
-        self.plain_rows = PlainRows(runner.config.vocab_size)  # the fold's plain rows, found over the batch
+        # The fold's plain rows, found over the batch (no rows set aside under speculative decoding: `PlainRows`).
+        self.plain_rows = PlainRows(runner.config.vocab_size, keep_base=proposer is None)
         # Every step returns its tokens this wide (`TokenFeed`). Engines built over one runner (an LLM rebuilt with
         # other limits, the server's) share it: the width only grows, so no engine's steps outgrow another's feed.
         runner.feed_width = max(runner.feed_width or 0, self.limits.max_seqs)

@@ -76,8 +76,12 @@ def can_end_stop(text: str, stop: str) -> bool:
 class PlainRows:
     """One engine's token tables and the kept constants of its last fold's rows."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, keep_base: bool = True):
+        """`keep_base`: keep the last large fold's rows to carry from (`_base`); False for an engine with speculative
+        decoding, whose verifying rows fold their tokens outside the plain rows (`fold.accept_speculation`) while
+        such rows are set aside."""
         self.vocab_size = vocab_size  # the logits' width: no sampled token is past it
+        self.keep_base = keep_base
         self._tables: dict[tuple, np.ndarray] = {}
         # The plain tokens' ids (under the vocabulary) by skip_special_tokens, and by (skip_special_tokens, a
         # character) those whose text holds it: a new kind of row looks only at the tokens its stop strings' last
@@ -213,8 +217,9 @@ class PlainRows:
         if 2 * len(new) > n:
             # Mostly rows the last fold did not have: read them all. When the last fold was the larger (the offline
             # policy's decode rows, before a prefill step's few new rows), keep it to carry from when they return.
-            if len(old.seqs) > n and (base is None or len(old.seqs) >= len(base.seqs)) and old is not base:
-                self._base, self._since = old, set()
+            if self.keep_base and len(old.seqs) > n and (base is None or len(old.seqs) >= len(base.seqs)) \
+                    and old is not base:
+                self._base, self._since = old, set(self._stale)  # a row refreshed in its fold is stale there
             elif base is not None and len(self._since) > 4 * len(base.seqs):  # its rows are long gone
                 self._base, self._since = None, set()
             return self._build(seqs)

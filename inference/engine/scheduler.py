@@ -91,7 +91,10 @@ def token_limit(seq: Sequence, max_model_len: int) -> int:
 def token_limits(seqs: list[Sequence], max_model_len: int) -> np.ndarray:
     """`token_limit` of each sequence, in C loops over the rows (max_tokens through float64: None reads as NaN)."""
     n = len(seqs)
-    max_new = np.array(list(map(_max_tokens, map(_params, seqs))), np.float64).reshape(n)
+    try:
+        max_new = np.array(list(map(_max_tokens, map(_params, seqs))), np.float64).reshape(n)
+    except OverflowError:  # a max_tokens past float64's range: row by row
+        return np.fromiter((token_limit(s, max_model_len) for s in seqs), np.int64, n)
     prompt = np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
     return np.minimum(np.nan_to_num(prompt + max_new, nan=max_model_len), max_model_len).astype(np.int64)
 

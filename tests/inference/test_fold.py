@@ -17,6 +17,7 @@ from inference.engine import fold
 from inference.engine.llm_engine import Engine
 from inference.engine.plain_rows import PlainRows
 from inference.loading.tokenizer import IncrementalDetokenizer
+from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from tests.inference.test_persistent_batch import drive
 
 STEPS = 14  # tokens of the reference generation each case is cut from
@@ -267,11 +268,12 @@ def test_deferred_text_under_random_arrivals_aborts_and_streamed_reads(llm, monk
     assert carried["joined"] >= 3 and carried["left"] >= 3, carried  # the carry ran, with rows joining and leaving
 
 
-def _engine(llm, monkeypatch, general_only: bool, counts: collections.Counter, **config) -> Engine:
+def _engine(llm, monkeypatch, general_only: bool, counts: collections.Counter, proposer=None, **config) -> Engine:
     """A fresh engine on the test's model: with `general_only` no row takes the fast path; else every carry of the
-    plain rows is checked (`_checked_carry`)."""
+    plain rows is checked (`_checked_carry`). `proposer`: speculative decoding's."""
     llm.engine.reset_prefix_cache()
-    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, **config))
+    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(llm.engine.scheduler.config, **config),
+                    proposer=proposer)
     if general_only:
         monkeypatch.setattr(fold, "fast_row", lambda engine, seq: None)
     else:
@@ -298,27 +300,34 @@ def _checked_carry(counts: collections.Counter):
     return checked
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_plain_rows_carried_under_the_offline_policy(llm, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,speculative", [(True, False), (False, False), (True, True)])
+def test_plain_rows_carried_under_the_offline_policy(llm, monkeypatch, async_scheduling, speculative):
     """`LLM.generate`'s steps (finished outputs only; the auto policy runs prompts in steps of their own) alternate
     the fold's rows between a prefill step's new rows and the decode rows: the decode rows come back to the rows
     kept from before (`PlainRows._base`), every carry equals the rows read afresh, and the outputs are the general
-    path's."""
+    path's. With prompt lookup (repetitive prompts, greedy), whose verifying rows fold their tokens outside the
+    plain rows, no rows are kept aside."""
     rng = np.random.default_rng(8)
     vocab = llm.runner.config.vocab_size
-    requests = [(f"r{i}", rng.integers(1, vocab, int(rng.integers(3, 30))).tolist(),
-                 SamplingParams(temperature=0.8, seed=i, max_tokens=int(rng.integers(6, 30)),
+    pattern = rng.integers(1, vocab, 4).tolist()
+    requests = [(f"r{i}", (pattern * 6)[:int(rng.integers(8, 24))] if speculative else
+                 rng.integers(1, vocab, int(rng.integers(3, 30))).tolist(),
+                 SamplingParams(temperature=0.0 if speculative else 0.8, seed=i, max_tokens=int(rng.integers(6, 30)),
                                 stop=[["e"], ["the", " a"], []][i % 3], ignore_eos=True)) for i in range(48)]
     arrivals = rng.poisson(2, 200).tolist()
     counts, runs = collections.Counter(), []
     for general_only in (False, True):
-        engine = _engine(llm, monkeypatch, general_only, counts, async_scheduling=async_scheduling, policy="auto")
+        engine = _engine(llm, monkeypatch, general_only, counts, async_scheduling=async_scheduling, policy="auto",
+                         proposer=PromptLookupProposer(NgramProposer(k=2)) if speculative else None)
         finals = drive(engine, requests, arrivals, {}, finished_only=True)
         monkeypatch.undo()
         runs.append({rid: (out.outputs[0].text, out.outputs[0].token_ids, out.outputs[0].finish_reason)
                      for rid, out in finals.items()})
     assert runs[0] == runs[1] and len(runs[0]) == len(requests)
-    assert counts["from_base"] >= 3, counts  # rows came back to the kept rows
+    if speculative:
+        assert engine.stats.spec_passes > 0 and counts["from_base"] == 0, counts
+    else:
+        assert counts["from_base"] >= 3, counts  # rows came back to the kept rows
 
 
 def test_token_tables_and_settled_text(llm):
