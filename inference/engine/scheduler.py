@@ -76,9 +76,6 @@ _queue_key = operator.attrgetter("priority", "arrival_order")
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _spec_tokens = operator.attrgetter("spec_tokens")
-_params = operator.attrgetter("params")
-_max_tokens = operator.attrgetter("max_tokens")
-_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 RUNNING = SequenceStatus.RUNNING
 
 
@@ -86,17 +83,6 @@ def token_limit(seq: Sequence, max_model_len: int) -> int:
     """The token count at which `seq` surely finishes by length: its max_tokens, or the context."""
     limit = seq.params.max_tokens
     return max_model_len if limit is None else min(max_model_len, seq.num_prompt_tokens + limit)
-
-
-def token_limits(seqs: list[Sequence], max_model_len: int) -> np.ndarray:
-    """`token_limit` of each sequence, in C loops over the rows (max_tokens through float64: None reads as NaN)."""
-    n = len(seqs)
-    try:
-        max_new = np.array(list(map(_max_tokens, map(_params, seqs))), np.float64).reshape(n)
-    except OverflowError:  # a max_tokens past float64's range: row by row
-        return np.fromiter((token_limit(s, max_model_len) for s in seqs), np.int64, n)
-    prompt = np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
-    return np.minimum(np.nan_to_num(prompt + max_new, nan=max_model_len), max_model_len).astype(np.int64)
 
 
 def uncomputed(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
@@ -367,7 +353,10 @@ class Scheduler:
         if self._order is None:
             order = sorted(self.running, key=_queue_key)
             limit = self.max_model_len if self.finishing is not None else None
-            limits = token_limits(order, limit) if limit is not None else None
+            # Rebuilt only after a preemption or a fork: a finish or an admission keeps the order (`_order_drop`,
+            # `_order_add`).
+            limits = np.fromiter((token_limit(s, limit) for s in order), np.int64, len(order)) \
+                if limit is not None else None
             self._order = (order, limits)
         order, limits = self._order
         advanced, self._advanced = self._advanced, None

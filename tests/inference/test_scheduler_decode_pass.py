@@ -105,18 +105,3 @@ def test_steady_decode_pass_equals_the_general_pass(policy, num_pages, finishing
         if num_pages == 60:
             assert steady[1] > 0  # the pool is short: the comparison covers preemption
 
-
-def test_token_limits_equal_each_rows_token_limit():
-    """The steady pass reads every row's length limit over the batch (`token_limits`): max_tokens or the context,
-    None meaning the context, a huge max_tokens held at it (even one past float64's range)."""
-    from types import SimpleNamespace
-
-    from inference.engine.scheduler import token_limit, token_limits
-    from inference.sampling.params import SamplingParams
-
-    rows = [SimpleNamespace(num_prompt_tokens=p, params=SamplingParams(max_tokens=m))
-            for p, m in [(5, None), (5, 10), (100, 1000), (3, 2**60), (511, 1), (7, 505)]]
-    assert token_limits(rows, 512).tolist() == [token_limit(r, 512) for r in rows] == [512, 15, 512, 512, 512, 512]
-    past_float = rows + [SimpleNamespace(num_prompt_tokens=4, params=SamplingParams(max_tokens=10**400))]
-    assert token_limits(past_float, 512).tolist() == [512, 15, 512, 512, 512, 512, 512]
-    assert token_limits([], 512).shape == (0,)
