@@ -37,6 +37,7 @@ from inference.engine.async_scheduling import (PLACEHOLDER, AsyncStats, InFlight
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
 from inference.engine.scheduler import ScheduledBatch, Scheduler
+from inference.engine.input_rows import InputRows
 from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.plain_rows import PlainRows
 from inference.engine.sequence import Sequence
@@ -182,6 +183,8 @@ class Engine:
         self.finished_ids: set[str] = set()
         self.finished_only = False  # set for the length of one `step`: which outputs it builds
         self.persistent = PersistentDecodeBatch(self.page_size)  # the steady decode batch's arrays, kept
+        # Each running sequence's page tables and sampling row, kept across steps for the general build.
+        self.input_rows = InputRows(self.limits.max_seqs, self.limits.max_pages_per_seq, self.block_manager.num_groups)
         # The fold's plain rows, found over the batch (no rows set aside under speculative decoding: `PlainRows`).
         self.plain_rows = PlainRows(runner.config.vocab_size, keep_base=proposer is None)
         # Every step returns its tokens this wide (`TokenFeed`). Engines built over one runner (an LLM rebuilt with
@@ -367,6 +370,7 @@ class Engine:
         draft_probs = self._run_draft(batch) if batch.speculative else None
         lora_slots = self._lora_slots(batch)
         changes = self.block_manager.take_touched()
+        self.input_rows.apply(changes)
         in_order = batch.computed is not None and fed_in_order(batch, in_flight)
         reused = None if self.num_spec and batch.speculative else \
             self.persistent.next_step(batch, changes, PLACEHOLDER if in_order else None)
@@ -385,16 +389,18 @@ class Engine:
     def _build_step(self, batch: ScheduledBatch, lora_slots: list[int] | None, draft_probs
                     ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
         """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
+        seqs, n = batch.seqs, len(batch.seqs)
+        rows = self.input_rows.rows(seqs)
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
                                              lora_slots=lora_slots, state_slots=self.state is not None,
-                                             spec_slot=self.state.spec_slot if self.state is not None else None)
+                                             spec_slot=self.state.spec_slot if self.state is not None else None,
+                                             kept_tables=self.input_rows.kept_tables(rows))
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
         # Per-row reads in C loops (`map` over the rows); the per-request flags are `SamplingParams`' cached
         # properties, and a part only some rows need (penalties, a mask, edits, prompt logprobs) looks at the rows
-        # only when one of them needs it.
-        seqs, n = batch.seqs, len(batch.seqs)
+        # only when one of them needs it. The tables and sampling rows come from the kept rows (`InputRows`).
         params = list(map(_params, seqs))
         pen = needs_penalties(params)  # only then the rows' token ids go to the device
         pad_to = inp.logits_indices.shape[0]
@@ -405,7 +411,8 @@ class Engine:
             params, list(map(_seed, seqs)), generated, pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,
             output_token_ids=[s.output_token_ids for s in seqs] if pen else None,
-            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, params, pad_to))
+            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, params, pad_to),
+            rows=(self.input_rows.sampling[rows], self.input_rows.seed_key[rows]))
         wants_prompt = some_set(params, "prompt_logprobs") and any(
             p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(seqs, params))
         flags = StepFlags.of_batch(needs_filters(params), some_set(params, "logprobs"),

@@ -28,6 +28,7 @@ import bisect
 import itertools
 import operator
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -65,9 +66,11 @@ class ScheduledBatch:
             return self.is_decode
         return all(n == 1 + len(s.spec_tokens) for s, n in zip(self.seqs, self.num_new_tokens))
 
-    @property
+    @functools.cached_property
     def speculative(self) -> bool:
-        # `computed` comes only from the steady pass, which runs only without a proposer: no drafts.
+        """Some row verifies drafts. Read once (the fold clears the drafts): the batch's rows and their drafts are
+        fixed when the scheduler makes it. `computed` comes only from the steady pass, which runs only without a
+        proposer: no drafts."""
         return self.computed is None and any(map(_spec_tokens, self.seqs))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -105,6 +106,16 @@ class ModelInput:
                    logits_indices=np.zeros(num_seqs, np.int32), target_ids=np.full(num_tokens, -1, np.int32))
 
 
+class KeptTables(NamedTuple):
+    """The batch's page tables as rows of arrays kept across steps (the engine's `InputRows`), instead of read from
+    the sequences: `tables[g, rows[i]]` is row i's table of group g, zero past its length; `lens[i]` is its group-0
+    length."""
+
+    tables: np.ndarray  # i32[G, R, P]
+    rows: np.ndarray  # i64[S]
+    lens: np.ndarray  # i64[S]
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLimits:
     max_tokens: int
@@ -124,31 +135,37 @@ class BucketLimits:
 
 def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimits,
                       num_spec: int = 0, lora_slots: list[int] | None = None,
-                      state_slots: bool = False, spec_slot=None) -> tuple[ModelInput, int]:
+                      state_slots: bool = False, spec_slot=None, kept_tables: KeptTables | None = None
+                      ) -> tuple[ModelInput, int]:
     """Numpy `ModelInput` for the batch, and the number of real (unpadded) tokens. A speculative batch carries
     `num_spec` (the static draft length) draft slots per sequence. With several KV cache groups
     (`Sequence.block_tables`) the slots and page tables are stacked per group: [G, T] and [G, S, P].
     `lora_slots`: each sequence's LoRA slot, spread over its tokens (padding tokens get slot 0). `state_slots`: the
     model has state layers; `attn.state_slots` carries each sequence's `Sequence.state_slot` (padding rows: 0), and
     in a speculative batch `attn.state_spec_slots[i, j]` = `spec_slot(i, j)` for each draft position j of row i
-    (StateSlotManager.spec_slot; -1 elsewhere: the last position's state is the sequence's own slot)."""
+    (StateSlotManager.spec_slot; -1 elsewhere: the last position's state is the sequence's own slot).
+    `kept_tables`: the rows' page tables, gathered from arrays kept across steps instead of read from the sequences."""
     num_groups = len(batch.seqs[0].block_tables)
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
     padded_seqs = bucket(num_seqs, limits.min_seqs, maximum=limits.max_seqs)
-    if batch.is_decode:
+    decode, speculative = batch.is_decode, batch.speculative
+    if decode:
         padded_tokens, max_q = padded_seqs, 1
     else:
         padded_tokens = bucket(num_tokens, limits.min_tokens, limits.max_tokens)
         longest = max(batch.num_new_tokens)
-        if batch.speculative:  # one shape for every verification step, however many drafts each sequence got
+        if speculative:  # one shape for every verification step, however many drafts each sequence got
             longest = max(longest, num_spec + 1)
         padded_tokens = max(padded_tokens, bucket(longest))
         max_q = bucket(longest, maximum=padded_tokens) if limits.query_buckets else padded_tokens
     seqs = batch.seqs
-    tables = [list(map(operator.itemgetter(g), map(_block_tables, seqs))) for g in range(num_groups)]
-    table_lens = [np.fromiter(map(len, t), np.int64, num_seqs) for t in tables]
-    max_pages = int(table_lens[0].max())
+    if kept_tables is None:
+        tables = [list(map(operator.itemgetter(g), map(_block_tables, seqs))) for g in range(num_groups)]
+        table_lens = [np.fromiter(map(len, t), np.int64, num_seqs) for t in tables]
+        max_pages = int(table_lens[0].max())
+    else:
+        max_pages = int(kept_tables.lens.max())
     padded_pages = bucket(max_pages, limits.min_pages_per_seq if limits.page_buckets else limits.max_pages_per_seq,
                           limits.max_pages_per_seq, fine=limits.fine_pages)
 
@@ -174,17 +191,25 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     row = np.repeat(np.arange(num_seqs), counts)  # each real token's sequence
     pos = np.arange(num_tokens) - np.repeat(ends - counts - starts, counts)
     positions[:num_tokens] = pos
-    if batch.speculative:
-        pieces = ((s.token_ids + s.spec_tokens if s.spec_tokens else s.token_ids)[c:c + n]
-                  for s, c, n in zip(seqs, starts.tolist(), batch.num_new_tokens))
-    else:
-        pieces = map(operator.getitem, map(_token_ids, seqs), map(slice, starts.tolist(), kv_lens[:num_seqs].tolist()))
-    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(pieces), np.int32, num_tokens)
+    # Each row's first token in one C loop; the rest of a longer chunk (prompt chunks, drafts) row by row.
+    firsts = ends - counts
+    token_lists = list(map(_token_ids, seqs))
+    tokens[firsts] = np.fromiter(map(operator.getitem, token_lists, starts.tolist()), np.int32, num_seqs)
+    if not decode:
+        for i in np.flatnonzero(counts > 1).tolist():
+            c, n, first = int(starts[i]), int(counts[i]), int(firsts[i])
+            ids = token_lists[i]
+            if c + n > len(ids):  # verified drafts follow the sequence's tokens
+                ids = ids + seqs[i].spec_tokens
+            tokens[first:first + n] = ids[c:c + n]
     for g in range(num_groups):
-        lens = table_lens[g]
-        flat = np.fromiter(itertools.chain.from_iterable(tables[g]), np.int32, int(lens.sum()))
-        page_indices[g, np.repeat(np.arange(num_seqs), lens), np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens,
-                                                                                             lens)] = flat
+        if kept_tables is None:
+            lens = table_lens[g]
+            flat = np.fromiter(itertools.chain.from_iterable(tables[g]), np.int32, int(lens.sum()))
+            page_indices[g, np.repeat(np.arange(num_seqs), lens),
+                         np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        else:
+            page_indices[g, :num_seqs] = kept_tables.tables[g, kept_tables.rows, :padded_pages]
         slot_mapping[g, :num_tokens] = page_indices[g, row, pos // page_size] * page_size + pos % page_size
     prompt_rows = starts + 1 < np.fromiter(map(_num_prompt_tokens, seqs), np.int64, num_seqs)
     for i in np.flatnonzero(prompt_rows).tolist():  # a prompt chunk: its tokens' next prompt tokens (prompt logprobs)
@@ -202,12 +227,12 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         slots = np.zeros(padded_seqs, np.int32)
         slots[:num_seqs] = [s.state_slot for s in seqs]
         attn = attn.replace(state_slots=slots)
-        if batch.speculative:
+        if speculative:
             spec = np.full((padded_seqs, num_spec + 1), -1, np.int32)
             for i, seq in enumerate(seqs):
                 spec[i, :len(seq.spec_tokens)] = [spec_slot(i, j) for j in range(len(seq.spec_tokens))]
             attn = attn.replace(state_spec_slots=spec)
-    spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if batch.speculative else None
+    spec = _spec_input(batch, cu_q_lens, padded_seqs, num_spec) if speculative else None
     return ModelInput(tokens=tokens, positions=positions, attn=attn, logits_indices=logits_indices,
                       target_ids=target_ids, spec=spec, lora_slots=token_slots), num_tokens
 

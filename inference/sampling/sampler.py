@@ -83,6 +83,18 @@ _uses_penalties = operator.attrgetter("uses_penalties")
 #: run only when such a row exists.
 FILTER_CANDIDATES = 256
 
+def sampling_rows(params_list: Sequence[SamplingParams], seeds: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's sampling values (f64[n, 5]: temperature, top_k, top_p, min_p, processed logprobs, from the cached
+    `SamplingParams.sampling_row`s, exact through float64) and its seed's key data (u32[n, 2]), in C loops."""
+    n = len(params_list)
+    values = np.array(list(map(_sampling_row, params_list)), np.float64).reshape(n, 5)
+    seed = np.fromiter(map(operator.and_, map(int, seeds), itertools.repeat(_U64_MASK)), np.uint64, n)
+    seed_key = np.empty((n, 2), np.uint32)
+    seed_key[:, 0] = seed >> np.uint64(32)
+    seed_key[:, 1] = seed & np.uint64(_U32_MASK)
+    return values, seed_key
+
+
 @flax.struct.dataclass
 class SamplingTensors:
     """Per-row sampling parameters for a batch of S rows (a pytree of plain arrays, so it can cross `jit`).
@@ -130,6 +142,7 @@ class SamplingTensors:
         token_mask: np.ndarray | None = None,
         logit_bias: LogitBiasTensors | None = None,
         mask_in_raw: np.ndarray | None = None,
+        rows: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -146,6 +159,8 @@ class SamplingTensors:
           logit_bias: the rows' sparse edits (`LogitBiasTensors.from_rows`, padded to `pad_to`), or None.
           mask_in_raw: with `token_mask`, the rows whose raw logprobs see it (`token_mask.restrict_rows`); None:
             all of them.
+          rows: `sampling_rows(params_list, seeds)` when the caller keeps them (the engine's `InputRows`); None: made
+            here.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -164,13 +179,10 @@ class SamplingTensors:
         seed_key = np.zeros((pad_to, 2), np.uint32)
         step = np.zeros(pad_to, np.int32)
         processed = np.zeros(pad_to, np.bool_)
-        if n:  # the rows' cached `SamplingParams.sampling_row`s through float64 (exact for every field), in C loops
-            rows = np.array(list(map(_sampling_row, params_list)), np.float64)
-            temperature[:n], top_k[:n], top_p[:n], min_p[:n] = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
-            processed[:n] = rows[:, 4] != 0
-            seed = np.fromiter(map(operator.and_, map(int, seeds), itertools.repeat(_U64_MASK)), np.uint64, n)
-            seed_key[:n, 0] = seed >> np.uint64(32)
-            seed_key[:n, 1] = seed & np.uint64(_U32_MASK)
+        if n:
+            values, seed_key[:n] = rows if rows is not None else sampling_rows(params_list, seeds)
+            temperature[:n], top_k[:n], top_p[:n], min_p[:n] = values[:, 0], values[:, 1], values[:, 2], values[:, 3]
+            processed[:n] = values[:, 4] != 0
         step[:n] = steps
         penalties = None
         if needs_penalties(params_list):
