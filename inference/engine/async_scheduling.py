@@ -61,7 +61,6 @@ Engine = Any
 
 log = logging.getLogger(__name__)
 
-_spec_tokens = operator.attrgetter("spec_tokens")
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _request_id = operator.attrgetter("request_id")
@@ -93,10 +92,16 @@ class AsyncStats:
 
 @dataclasses.dataclass
 class ParamsChecked:
-    """The sequences of the last step whose parameters need no synchronous step (`sync_reasons`): a step of the
-    same sequences, in the same order (the steady decode state), skips the per-row parameter checks."""
+    """Sequences whose parameters were found to need no synchronous step, now or later (`sync_reasons`): a step
+    checks only its other rows, so under continuous batching the checks follow the joins, not the batch."""
 
-    seqs: list[Sequence] | None = None
+    seqs: set[Sequence] = dataclasses.field(default_factory=set)
+
+    def unchecked(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The rows not found clean yet (a C loop over the rows); forgets sequences that left, now and then."""
+        if len(self.seqs) > 2 * len(seqs) + 64:
+            self.seqs.intersection_update(seqs)
+        return list(itertools.filterfalse(self.seqs.__contains__, seqs))
 
 
 def _params_reasons(seqs: list[Sequence]) -> tuple[set[str], bool]:
@@ -121,18 +126,16 @@ def _params_reasons(seqs: list[Sequence]) -> tuple[set[str], bool]:
 def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
                  checked: ParamsChecked | None = None) -> set[str]:
     """Why `batch` must run synchronously (the in-flight step folded first); empty: it may overlap. `checked`: kept
-    across steps, so the parameter checks run only when the batch's sequences change; the rest are array
-    operations over the batch."""
+    across steps, so the parameter checks run only for rows not checked before; the rest are array operations over
+    the batch."""
     seqs = batch.seqs
-    if checked is not None and checked.seqs is not None and checked.seqs == seqs:  # identities compared in C
-        reasons = set()
-    else:
-        reasons, lasting = _params_reasons(seqs)
-        if checked is not None:
-            checked.seqs = list(seqs) if lasting and not reasons else None
+    fresh = seqs if checked is None else checked.unchecked(seqs)
+    reasons, lasting = _params_reasons(fresh) if fresh else (set(), True)
+    if checked is not None and lasting and not reasons:
+        checked.seqs.update(fresh)
     if batch.computed is not None:  # the steady decode pass's rows: plain decode rows, no drafts
         return reasons
-    if any(map(_spec_tokens, seqs)):
+    if batch.speculative:
         reasons.add("speculative")
     pending = in_flight.rows if in_flight is not None else None
     if pending:

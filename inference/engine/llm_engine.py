@@ -174,7 +174,7 @@ class Engine:
         self.async_scheduling = scheduler_config.async_scheduling and not self.num_spec
         self.in_flight: InFlightStep | None = None  # the dispatched step whose tokens are not folded yet
         self.async_stats = AsyncStats()
-        self.params_checked = ParamsChecked()  # sync_reasons' parameter checks, skipped while the rows are the same
+        self.params_checked = ParamsChecked()  # sync_reasons: the rows whose parameters were checked
         # The rows of the last async decode advance and their requests, reused while the rows stay the same.
         self.advanced_requests: tuple[list[Sequence], list[str]] | None = None
         self._undelivered: list[RequestOutput] = []  # outputs of a step folded outside `step` (drain)

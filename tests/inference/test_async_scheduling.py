@@ -334,3 +334,27 @@ def test_finished_only_steps_return_the_finished_outputs_of_full_steps(tiny_llam
     reported = [rid for step in per_step[1] for rid, _, _ in step]
     assert len(reported) == len(set(reported)) and set(reported) | {"q1"} == {rid for rid, _, _ in requests}
     assert built.count(True) < built.count(False)  # unfinished outputs were not built
+
+
+def test_parameter_checks_follow_the_joins():
+    """`sync_reasons` checks a row's parameters until it is found clean, then never again: a penalty row makes every
+    step it is in synchronous, and the steps after it left overlap; the clean rows are checked once."""
+    from inference.engine.async_scheduling import ParamsChecked, sync_reasons
+    from inference.engine.scheduler import ScheduledBatch
+    from inference.engine.sequence import Sequence
+
+    def seq(i: int, **params) -> Sequence:
+        s = Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=[1, 2, 3], num_prompt_tokens=3,
+                     params=SamplingParams(**params), seed=i, arrival_order=i)
+        s.num_computed_tokens = 2
+        return s
+
+    clean = [seq(i) for i in range(4)]
+    penalty = seq(9, repetition_penalty=1.2)
+    checked = ParamsChecked()
+    assert sync_reasons(ScheduledBatch(clean, [1] * 4), None, checked) == set()
+    assert checked.seqs == set(clean) and checked.unchecked(clean) == []
+    for _ in range(2):  # the penalty row is checked, and found, at every step it is in
+        assert sync_reasons(ScheduledBatch(clean[:2] + [penalty], [1] * 3), None, checked) == {"penalties"}
+        assert checked.unchecked(clean[:2] + [penalty]) == [penalty]
+    assert sync_reasons(ScheduledBatch(clean[1:], [1] * 3), None, checked) == set()
