@@ -29,6 +29,7 @@ from inference.sampling.sampler import sampling_rows
 
 _params = operator.attrgetter("params")
 _seed = operator.attrgetter("seed")
+_needs = operator.attrgetter("needs")
 
 
 class InputRows:
@@ -40,6 +41,7 @@ class InputRows:
         self.table_lens = np.zeros(self.capacity, np.int64)  # group 0's table length (the widest table)
         self.sampling = np.zeros((self.capacity, 5), np.float64)  # `sampler.sampling_rows`' values
         self.seed_key = np.zeros((self.capacity, 2), np.uint32)
+        self.needs = np.zeros(self.capacity, np.int64)  # `SamplingParams.needs`: the step parts the row needs
         self._row: dict[Sequence, int] = {}
         self._free = list(range(self.capacity - 1, -1, -1))
         self.rows_read = 0  # sequences read into a row (tests and benchmarks)
@@ -77,10 +79,15 @@ class InputRows:
             for row, seq in zip(added, new_seqs):
                 self._row[seq] = row
                 self._write_tables(row, seq)
-            self.sampling[added], self.seed_key[added] = sampling_rows(list(map(_params, new_seqs)),
-                                                                       list(map(_seed, new_seqs)))
+            params = list(map(_params, new_seqs))
+            self.sampling[added], self.seed_key[added] = sampling_rows(params, list(map(_seed, new_seqs)))
+            self.needs[added] = list(map(_needs, params))
             self.rows_read += len(new_seqs)
         return rows
+
+    def needs_of(self, rows: np.ndarray) -> int:
+        """The `SamplingParams.needs` bits of a step of these rows (their OR)."""
+        return int(np.bitwise_or.reduce(self.needs[rows])) if rows.size else 0
 
     def kept_tables(self, rows: np.ndarray) -> KeptTables:
         return KeptTables(self.tables, rows, self.table_lens[rows])

@@ -28,9 +28,10 @@ from inference.engine import fold
 from inference.engine.outputs import RequestMetrics, RequestOutput
 from inference.runtime.runner import ModelRunner, PendingStep, StepOutput
 from inference.sampling.logit_bias import LogitBiasTensors, row_edits
-from inference.sampling.sampler import SamplingTensors, needs_filters, needs_penalties
+from inference.sampling.sampler import SamplingTensors
 from inference.sampling.token_mask import allowed_row, restrict_rows
-from inference.sampling.params import SamplingParams, some_set
+from inference.sampling.params import (NEEDS_ALLOWED, NEEDS_FILTERS, NEEDS_LOGIT_RULES, NEEDS_LOGPROBS,
+                                       NEEDS_PENALTIES, NEEDS_PROMPT_LOGPROBS, SamplingParams)
 from inference.engine.async_scheduling import (PLACEHOLDER, AsyncStats, InFlightStep, ParamsChecked, async_step,
                                               fed_in_order, feed_pending_tokens, finishes_in_flight,
                                               fold_in_flight, merge_outputs)
@@ -53,7 +54,6 @@ _params = operator.attrgetter("params")
 _token_ids = operator.attrgetter("token_ids")
 _num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 _seed = operator.attrgetter("seed")
-_uses_logit_rules = operator.attrgetter("uses_logit_rules")
 
 
 def freeze_heap() -> int:
@@ -398,24 +398,26 @@ class Engine:
         if draft_probs is not None:
             inp = inp.replace(spec=inp.spec.replace(draft_probs=draft_probs))
         self.stats.record_step(batch.is_decode_phase, real_tokens, inp.tokens.shape[0])
-        # Per-row reads in C loops (`map` over the rows); the per-request flags are `SamplingParams`' cached
-        # properties, and a part only some rows need (penalties, a mask, edits, prompt logprobs) looks at the rows
-        # only when one of them needs it. The tables and sampling rows come from the kept rows (`InputRows`).
+        # Per-row reads in C loops (`map` over the rows). The tables, sampling rows and the parts of the step the
+        # rows need (`SamplingParams.needs`: penalties, a mask, edits, logprobs) come from the kept rows
+        # (`InputRows`); a part only some rows need looks at the rows only when one of them needs it.
+        needs = self.input_rows.needs_of(rows)
         params = list(map(_params, seqs))
-        pen = needs_penalties(params)  # only then the rows' token ids go to the device
+        pen = bool(needs & NEEDS_PENALTIES)  # only then the rows' token ids go to the device
         pad_to = inp.logits_indices.shape[0]
-        token_mask, mask_in_raw = self._token_mask(batch, params, pad_to)
+        token_mask, mask_in_raw = self._token_mask(batch, bool(needs & NEEDS_ALLOWED), pad_to)
         generated = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - \
             np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
         sampling = SamplingTensors.from_params(
             params, list(map(_seed, seqs)), generated, pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,
             output_token_ids=[s.output_token_ids for s in seqs] if pen else None,
-            token_mask=token_mask, mask_in_raw=mask_in_raw, logit_bias=self._logit_bias(batch, params, pad_to),
+            token_mask=token_mask, mask_in_raw=mask_in_raw,
+            logit_bias=self._logit_bias(batch, pad_to) if needs & NEEDS_LOGIT_RULES else None,
             rows=(self.input_rows.sampling[rows], self.input_rows.seed_key[rows]))
-        wants_prompt = some_set(params, "prompt_logprobs") and any(
+        wants_prompt = bool(needs & NEEDS_PROMPT_LOGPROBS) and any(
             p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(seqs, params))
-        flags = StepFlags.of_batch(needs_filters(params), some_set(params, "logprobs"),
+        flags = StepFlags.of_batch(bool(needs & NEEDS_FILTERS), bool(needs & NEEDS_LOGPROBS),
                                    sampling.token_mask is not None, pen, wants_prompt,
                                    prefill=not (batch.is_decode or batch.speculative),
                                    logit_edits=sampling.logit_bias is not None)
@@ -423,23 +425,21 @@ class Engine:
                                sharding=self.runner.token_sharding)
         return inp, sampling, flags
 
-    def _token_mask(self, batch: ScheduledBatch, params: list[SamplingParams], pad_to: int
+    def _token_mask(self, batch: ScheduledBatch, allowed_lists: bool, pad_to: int
                     ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The step's token bitmask (the grammars of the constrained rows that sample now, and the allowed lists;
-        None when the batch has neither) and the rows whose raw logprobs see it (`token_mask.restrict_rows`)."""
+        None when the batch has neither) and the rows whose raw logprobs see it (`token_mask.restrict_rows`).
+        `allowed_lists`: some row has one."""
         mask = self.structured.fill([(i, s) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                                      if s.num_computed_tokens + n >= s.num_tokens], pad_to=pad_to) \
             if self.structured.active else None
         allowed = [(i, self.requests[s.request_id].allowed_mask, s.params.structured_outputs is not None)
                    for i, s in enumerate(batch.seqs) if s.params.allowed_token_ids is not None] \
-            if some_set(params, "allowed_token_ids") else []
+            if allowed_lists else []
         return restrict_rows(mask, allowed, pad_to, self.runner.config.vocab_size)
 
-    def _logit_bias(self, batch: ScheduledBatch, params: list[SamplingParams], pad_to: int
-                    ) -> LogitBiasTensors | None:
-        """The batch's sparse logit edits (logit_bias, bad words, min_tokens), or None."""
-        if not any(map(_uses_logit_rules, params)):
-            return None
+    def _logit_bias(self, batch: ScheduledBatch, pad_to: int) -> LogitBiasTensors | None:
+        """The sparse logit edits (logit_bias, bad words, min_tokens) of a batch where some row has them, or None."""
         # A row's stop ids for min_tokens: vLLM's all_stop_token_ids (stop_token_ids and EOS).
         edits = [row_edits(s.params, s.output_token_ids, self.requests[s.request_id].bad_words_ids,
                            set(s.params.stop_token_ids) | self.eos_token_ids) for s in batch.seqs]

@@ -59,6 +59,10 @@ def _is_real(value: Any) -> bool:
 
 _INT32_MAX = 2**31 - 1
 
+#: Bits of `SamplingParams.needs`: the optional parts of a step a request needs (a batch needs its rows' OR).
+NEEDS_FILTERS, NEEDS_PENALTIES, NEEDS_LOGIT_RULES, NEEDS_LOGPROBS, NEEDS_PROMPT_LOGPROBS, NEEDS_ALLOWED = (
+    1 << i for i in range(6))
+
 
 def some_set(params_list: list[SamplingParams], field: str) -> bool:
     """Whether some request sets an optional parameter (`field` not None), in a C loop over the requests."""
@@ -262,6 +266,15 @@ class SamplingParams:
         `LogitBiasTensors` only for batches with such a row (and only when an edit applies). `allowed_token_ids`
         goes through the token bitmask instead."""
         return bool(self.logit_bias) or bool(self.bad_words) or self.min_tokens > 0
+
+    @functools.cached_property
+    def needs(self) -> int:
+        """The `NEEDS_*` bits of this request: filters, penalties, sparse logit edits, logprobs, prompt logprobs, an
+        allowed list. The engine keeps them per row (`InputRows`) and ORs its rows' for a step."""
+        return (NEEDS_FILTERS * self.uses_filters | NEEDS_PENALTIES * self.uses_penalties
+                | NEEDS_LOGIT_RULES * self.uses_logit_rules | NEEDS_LOGPROBS * (self.logprobs is not None)
+                | NEEDS_PROMPT_LOGPROBS * (self.prompt_logprobs is not None)
+                | NEEDS_ALLOWED * (self.allowed_token_ids is not None))
 
     @functools.cached_property
     def sampling_row(self) -> tuple[float, int, float, float, bool]:

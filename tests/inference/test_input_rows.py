@@ -178,3 +178,27 @@ def test_rows_follow_table_changes_and_drop_absent_sequences():
     rows.rows([e, f])  # two new, one row free: a, c and d, absent from this step, are dropped
     assert len(rows) == 2 and rows.rows_read == 6
     rows.check([e, f])
+
+
+def test_needs_bits_are_the_parts_a_request_needs():
+    """`SamplingParams.needs` is each optional part's own test as a bit, and a step's are its rows' OR."""
+    from inference.engine.input_rows import InputRows
+    from inference.engine.sequence import Sequence
+    from inference.sampling import params as P
+
+    cases = [(SamplingParams(), 0), (SamplingParams(temperature=0.0, top_k=5), 0),
+             (SamplingParams(top_p=0.9), P.NEEDS_FILTERS), (SamplingParams(presence_penalty=0.5), P.NEEDS_PENALTIES),
+             (SamplingParams(min_tokens=2), P.NEEDS_LOGIT_RULES),
+             (SamplingParams(logit_bias={3: 1.0}), P.NEEDS_LOGIT_RULES),
+             (SamplingParams(logprobs=0), P.NEEDS_LOGPROBS), (SamplingParams(prompt_logprobs=1), P.NEEDS_PROMPT_LOGPROBS),
+             (SamplingParams(allowed_token_ids=[1, 2]), P.NEEDS_ALLOWED),
+             (SamplingParams(top_k=3, repetition_penalty=1.1, logprobs=2), P.NEEDS_FILTERS | P.NEEDS_PENALTIES
+              | P.NEEDS_LOGPROBS)]
+    for params, bits in cases:
+        assert params.needs == bits, params
+    rows = InputRows(max_seqs=len(cases), max_pages=4, num_groups=1)
+    seqs = [Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=[1], num_prompt_tokens=1, params=p, seed=i,
+                     arrival_order=i) for i, (p, _) in enumerate(cases)]
+    got = rows.rows(seqs)
+    assert rows.needs_of(got[:2]) == 0 and rows.needs_of(got[2:4]) == P.NEEDS_FILTERS | P.NEEDS_PENALTIES
+    assert rows.needs_of(got) == (1 << 6) - 1
