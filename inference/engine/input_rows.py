@@ -52,7 +52,12 @@ class InputRows:
     def apply(self, changes: TableChanges) -> None:
         """Bring the rows up to date with the tables' changes since the last step (`KVCacheManager.take_touched`)."""
         row_of = self._row
-        for seq in changes.touched:
+        appended = [(row_of[s], i, page) for s, i, page in changes.appended if s in row_of]
+        if appended:  # pages opened at decode rows' page boundaries (one group only): one entry each
+            rows, index, page = (np.fromiter(x, np.int64, len(appended)) for x in zip(*appended))
+            self.tables[0, rows, index] = page
+            self.table_lens[rows] = index + 1
+        for seq in changes.touched:  # after the appends: a table changed again since is read whole
             row = row_of.get(seq)
             if row is None:
                 continue
@@ -60,11 +65,6 @@ class InputRows:
                 self._release(seq)
             else:
                 self._write_tables(row, seq)
-        appended = [(row_of[s], i, page) for s, i, page in changes.appended if s in row_of]
-        if appended:  # pages opened at decode rows' page boundaries (one group only): one entry each
-            rows, index, page = (np.fromiter(x, np.int64, len(appended)) for x in zip(*appended))
-            self.tables[0, rows, index] = page
-            self.table_lens[rows] = index + 1
 
     def rows(self, seqs: list[Sequence]) -> np.ndarray:
         """Each sequence's row (i64[n]), reading the sequences new to the rows."""

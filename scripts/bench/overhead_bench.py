@@ -228,8 +228,12 @@ def instrument(llm, profiler: PhaseProfiler) -> None:
         if not name.startswith("_") and callable(getattr(type(manager), name, None)):
             profiler.patch(manager, name, "pages")
     profiler.patch(llm_engine, "build_model_input", "batch_build")
-    profiler.patch(llm_engine, "needs_penalties", "batch_build")
-    profiler.patch(llm_engine, "needs_filters", "batch_build")
+    for name in ("needs_penalties", "needs_filters"):  # a baseline tree's engine reads these over the rows
+        if hasattr(llm_engine, name):
+            profiler.patch(llm_engine, name, "batch_build")
+    if hasattr(engine, "input_rows"):  # the kept input rows: their lookup and upkeep
+        profiler.patch(engine.input_rows, "rows", "batch_build")
+        profiler.patch(engine.input_rows, "apply", "batch_build")
     profiler.patch(SamplingTensors, "from_params", "batch_build")
     if hasattr(engine, "persistent"):  # the kept decode batch (inference/engine/persistent_batch.py)
         profiler.patch(engine.persistent, "next_step", "batch_build")

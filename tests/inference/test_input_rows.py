@@ -170,6 +170,9 @@ def test_rows_follow_table_changes_and_drop_absent_sequences():
     assert kept.lens.tolist() == [3, 1] and kept.tables[0, ra, :3].tolist() == [[1, 2, 99], [7, 0, 0]]
     np.testing.assert_array_equal(rows.sampling[ra[0]], [0.5, 7, 1.0, 0.0, 0.0])
     np.testing.assert_array_equal(rows.seed_key[ra[1]], [0, 1])
+    a.block_tables[0][:] = [5, 6, 8]  # a page appended, then the table changed again (released, grown) before the step
+    rows.apply(TableChanges({a}, [(a, 3, 9)]))
+    rows.check([a])
     b.status = SequenceStatus.FINISHED
     b.block_tables[0].clear()
     rows.apply(TableChanges({b}, []))

