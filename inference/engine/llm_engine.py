@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 _params = operator.attrgetter("params")
 _token_ids = operator.attrgetter("token_ids")
 _num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
-_seed = operator.attrgetter("seed")
 
 
 def freeze_heap() -> int:
@@ -409,7 +408,7 @@ class Engine:
         generated = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - \
             np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
         sampling = SamplingTensors.from_params(
-            params, list(map(_seed, seqs)), generated, pad_to=pad_to,
+            params, None, generated, pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,
             output_token_ids=[s.output_token_ids for s in seqs] if pen else None,
             token_mask=token_mask, mask_in_raw=mask_in_raw,

@@ -134,7 +134,7 @@ class SamplingTensors:
     def from_params(
         cls,
         params_list: Sequence[SamplingParams],
-        seeds: Sequence[int],
+        seeds: Sequence[int] | None,
         steps: Sequence[int],
         pad_to: int,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -159,17 +159,16 @@ class SamplingTensors:
           logit_bias: the rows' sparse edits (`LogitBiasTensors.from_rows`, padded to `pad_to`), or None.
           mask_in_raw: with `token_mask`, the rows whose raw logprobs see it (`token_mask.restrict_rows`); None:
             all of them.
-          rows: `sampling_rows(params_list, seeds)` when the caller keeps them (the engine's `InputRows`); None: made
-            here.
+          rows: `sampling_rows(params_list, seeds)` when the caller keeps them (the engine's `InputRows`; `seeds` is
+            then not read and may be None); None: made here.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
         """
         n = len(params_list)
-        if len(seeds) != n or len(steps) != n:
-            raise ValueError(
-                f"params_list, seeds and steps must have equal lengths, got {n}, {len(seeds)}, {len(steps)}"
-            )
+        if rows is None and (seeds is None or len(seeds) != n) or len(steps) != n:
+            raise ValueError(f"params_list, seeds and steps must have equal lengths, got {n}, "
+                             f"{None if seeds is None else len(seeds)}, {len(steps)}")
         if pad_to < n:
             raise ValueError(f"pad_to must be >= the number of rows ({n}), got {pad_to}")
         temperature = np.zeros(pad_to, np.float32)
