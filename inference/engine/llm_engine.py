@@ -413,7 +413,7 @@ class Engine:
             output_token_ids=[s.output_token_ids for s in seqs] if pen else None,
             token_mask=token_mask, mask_in_raw=mask_in_raw,
             logit_bias=self._logit_bias(batch, pad_to) if needs & NEEDS_LOGIT_RULES else None,
-            rows=(self.input_rows.sampling[rows], self.input_rows.seed_key[rows]))
+            rows=(self.input_rows.sampling[rows], self.input_rows.seed_key[rows]), uses_penalties=pen)
         wants_prompt = bool(needs & NEEDS_PROMPT_LOGPROBS) and any(
             p.prompt_logprobs is not None and s.predicts_prompt for s, p in zip(seqs, params))
         flags = StepFlags.of_batch(bool(needs & NEEDS_FILTERS), bool(needs & NEEDS_LOGPROBS),

@@ -34,6 +34,7 @@ from inference.sampling.sampler import SamplingTensors
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _last = operator.itemgetter(-1)
+_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 @dataclasses.dataclass
@@ -120,10 +121,10 @@ class PersistentDecodeBatch:
         if (not batch.is_decode or batch.speculative or lora or num_groups != 1 or flags.extras
                 or inp.spec is not None):
             return
-        seqs = batch.seqs
-        if any(len(s.token_ids) != s.num_computed_tokens + 1 or s.num_computed_tokens < s.num_prompt_tokens
-               for s in seqs):
+        seqs, n = batch.seqs, len(batch.seqs)
+        starts = np.fromiter(map(_computed, seqs), np.int64, n)  # C loops over the rows
+        if not (np.array_equal(np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n), starts + 1)
+                and (starts >= np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)).all()):
             return
-        starts = np.fromiter(map(_computed, seqs), np.int64, len(seqs))
         steps = np.asarray(sampling.step[:len(seqs)]).copy()
-        self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps, {s: i for i, s in enumerate(seqs)})
+        self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps, dict(zip(seqs, range(n))))

@@ -48,6 +48,9 @@ class ScheduledBatch:
     # for its batches: every row computes its one uncomputed token, with no drafts. The passes after it (async
     # scheduling's checks, the kept decode batch) take that from here instead of walking the rows again.
     computed: np.ndarray | None = None
+    # False where the scheduler that made the batch has no proposer: no row holds drafts, and `speculative` need
+    # not look at the rows.
+    may_draft: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +74,7 @@ class ScheduledBatch:
         """Some row verifies drafts. Read once (the fold clears the drafts): the batch's rows and their drafts are
         fixed when the scheduler makes it. `computed` comes only from the steady pass, which runs only without a
         proposer: no drafts."""
-        return self.computed is None and any(map(_spec_tokens, self.seqs))
+        return self.computed is None and self.may_draft and any(map(_spec_tokens, self.seqs))
 
 
 #: The waiting order (priority, arrival), as a C-level key: the decode pass's order of the running sequences.
@@ -127,7 +130,8 @@ class Scheduler:
         # (their next page is known to be private, so a row needs a page test only when it crosses a boundary).
         self._order: tuple[list[Sequence], np.ndarray | None] | None = None
         self._checked: set[Sequence] = set()
-        self._no_partial = False  # the last steady decode pass found no running row prefilling
+        # The last steady decode pass found no running row prefilling (None: a mixed step's pass did not run it).
+        self._no_partial: bool | None = False
         self._advanced: tuple[tuple, list[Sequence], np.ndarray] | None = None  # see `advanced`
         self.num_removed = 0  # sequences taken out by `remove` so far (finished or aborted)
         # That pass applies without drafts and with one KV cache group without a window (the page test's premise).
@@ -242,20 +246,26 @@ class Scheduler:
         return self._schedule_decode()  # None when no sequence decodes
 
     def _schedule_mixed(self) -> ScheduledBatch | None:
+        self._no_partial = None
         decode = self._schedule_decode()
-        if decode is not None and decode.computed is not None and self._no_partial and not self.waiting:
+        no_partial = self._no_partial is True  # the steady pass ran now and found no running row prefilling
+        if decode is not None and decode.computed is not None and no_partial and not self.waiting:
             return decode  # the steady decode state, known from the decode pass: nothing to prefill
         budget = self.config.max_num_batched_tokens - (decode.num_tokens if decode else 0)
         seqs, counts = (decode.seqs, decode.num_new_tokens) if decode else ([], [])
-        return self._schedule_prefill(budget, seqs, counts)
+        return self._schedule_prefill(budget, seqs, counts, no_partial)
 
-    def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None
-                          ) -> ScheduledBatch | None:
+    def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None,
+                          no_partial: bool = False) -> ScheduledBatch | None:
+        """Prompt chunks after the decode rows `seqs` (`counts`), within `budget` tokens: the running rows still
+        prefilling first, then the waiting queue. `no_partial`: this step's steady decode pass found no running row
+        prefilling (then `running` is not read again)."""
         counts = [] if counts is None else counts
         running = self.running
-        partial = [running[i] for i in np.flatnonzero(uncomputed(running)[1] > 1).tolist() if running[i] not in seqs]
+        partial = [] if no_partial else \
+            [running[i] for i in np.flatnonzero(uncomputed(running)[1] > 1).tolist() if running[i] not in seqs]
         if not partial and not self.waiting:  # the steady decode state: nothing to prefill
-            return ScheduledBatch(seqs, counts) if seqs else None
+            return ScheduledBatch(seqs, counts, may_draft=self.proposer is not None) if seqs else None
         admitted = []
         for seq in partial + list(self.waiting):
             if budget <= 0 or len(seqs) == self.config.max_num_seqs:
@@ -292,7 +302,7 @@ class Scheduler:
             counts.append(chunk)
             budget -= chunk
         if seqs:
-            return ScheduledBatch(seqs, counts, admitted)
+            return ScheduledBatch(seqs, counts, admitted, may_draft=self.proposer is not None)
         if self.waiting and not self.running:
             head = self.waiting[0]
             raise RuntimeError(f"request {head.request_id} cannot be scheduled with an empty engine; it should have "
@@ -407,7 +417,7 @@ class Scheduler:
                 if len(scheduled) == self.config.max_num_seqs:
                     break
         counts = [1 + len(s.spec_tokens) for s in scheduled] if self.proposer is not None else [1] * len(scheduled)
-        return ScheduledBatch(scheduled, counts) if scheduled else None
+        return ScheduledBatch(scheduled, counts, may_draft=self.proposer is not None) if scheduled else None
 
     def _grow_decode_row(self, seq: Sequence) -> bool:
         """Give a decoding row its drafts and the pages of its next write, preempting the newest sequences while

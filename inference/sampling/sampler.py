@@ -143,6 +143,7 @@ class SamplingTensors:
         logit_bias: LogitBiasTensors | None = None,
         mask_in_raw: np.ndarray | None = None,
         rows: tuple[np.ndarray, np.ndarray] | None = None,
+        uses_penalties: bool | None = None,
     ) -> SamplingTensors:
         """Build numpy per-row arrays for `params_list`, padded with greedy rows to `pad_to` rows.
 
@@ -161,6 +162,8 @@ class SamplingTensors:
             all of them.
           rows: `sampling_rows(params_list, seeds)` when the caller keeps them (the engine's `InputRows`; `seeds` is
             then not read and may be None); None: made here.
+          uses_penalties: whether some row uses a penalty, when the caller keeps it (the engine's
+            `SamplingParams.needs` bits); None: `needs_penalties(params_list)`, a loop over the rows.
 
         Greedy rows get top_k=0, top_p=1, min_p=0 so they never pay for or are affected by filtering.
         Host cost is a handful of small numpy writes per row (the arrays are transferred by the jit call).
@@ -184,7 +187,7 @@ class SamplingTensors:
             processed[:n] = values[:, 4] != 0
         step[:n] = steps
         penalties = None
-        if needs_penalties(params_list):
+        if needs_penalties(params_list) if uses_penalties is None else uses_penalties:
             if prompt_token_ids is None or output_token_ids is None:
                 raise ValueError("a row uses repetition/presence/frequency penalties: pass prompt_token_ids and "
                                  "output_token_ids")
