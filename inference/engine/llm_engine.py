@@ -143,7 +143,7 @@ class Engine:
                                    admit=self._lora_fits if lora is not None else None,
                                    finishing=lambda seq: finishes_in_flight(self, seq), state=self.state,
                                    max_model_len=scheduler_config.max_model_len
-                                   or runner.config.max_position_embeddings)
+                                   or runner.config.max_position_embeddings, on_fail=self._fail_unschedulable)
         self.max_model_len = self.scheduler.max_model_len
         # The bucket axes that buy nothing with the attention kernel the steps run (it depends on the cache dtype).
         free = padding_is_free(runner.config, runner.page_size, runner.attn_impl, runner.kv_dtype)
@@ -306,6 +306,11 @@ class Engine:
                 raise ValueError(f"LoRA adapter {lora_id} is still used by a running request; remove it after")
             self.lora.remove(lora_id)
 
+    def _fail_unschedulable(self, seq: Sequence, exc: Exception) -> None:
+        """The scheduler's `on_fail`: the request fails with `exc` (it is delivered with this step's outputs)."""
+        self._fail(seq, exc)
+        self._undelivered = merge_outputs(self._undelivered, [self._output(self.requests[seq.request_id])])
+
     def _lora_fits(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Admit a sequence only while the running ones need at most max_loras adapters (one slot each)."""
         return self.lora.fits(seq.lora_id, {s.lora_id for s in running if s.lora_id}, self.lora.max_loras)
@@ -344,8 +349,8 @@ class Engine:
             return [out for out in outputs if out.finished] if finished_only else outputs
 
     def _step(self) -> list[RequestOutput]:
-        undelivered, self._undelivered = self._undelivered, []
         batch = self.scheduler.schedule(throughput_first=self.finished_only and self.throughput_first_offline)
+        undelivered, self._undelivered = self._undelivered, []  # after the scheduler, which may fail a request
         if batch is None:
             return merge_outputs(undelivered, fold_in_flight(self))
         now = time.perf_counter()

@@ -104,18 +104,21 @@ class Scheduler:
                  on_preempt: Callable[[Sequence], None] | None = None,
                  admit: Callable[[Sequence, list[Sequence]], bool] | None = None,
                  finishing: Callable[[Sequence], bool] | None = None, state: StateSlotManager | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, on_fail: Callable[[Sequence, Exception], None] | None = None):
         """`proposer` (speculative decoding) gives a decoding sequence draft tokens to verify in its step;
         `on_preempt` is told when a sequence loses its pages (a draft model's own KV of it is gone too); `admit`
         says whether a waiting sequence may join the running ones (LoRA: no more adapters than device slots);
         `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them;
         `state`: the state slots of a hybrid model's state layers (None: the model has none). `max_model_len`: the
-        engine's context; with `finishing`, only a sequence at its `token_limit` is asked (None: every one is)."""
+        engine's context; with `finishing`, only a sequence at its `token_limit` is asked (None: every one is).
+        `on_fail` fails one sequence that cannot go on (alone, it needs more pages than the cache holds), no other;
+        None: the step raises."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt
         self.admit = admit
         self.finishing = finishing
+        self.on_fail = on_fail
         self.block_manager = block_manager
         self.state = state
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
@@ -134,6 +137,7 @@ class Scheduler:
         self._no_partial: bool | None = False
         self._advanced: tuple[tuple, list[Sequence], np.ndarray] | None = None  # see `advanced`
         self.num_removed = 0  # sequences taken out by `remove` so far (finished or aborted)
+        self._stalled = False  # this step's prompt pass met a running prompt whose next chunk finds no page
         # That pass applies without drafts and with one KV cache group without a window (the page test's premise).
         self._steady_pages = proposer is None and all(g.window is None for g in block_manager.groups) \
             and block_manager.num_groups == 1
@@ -234,6 +238,18 @@ class Scheduler:
     def schedule(self, throughput_first: bool = False) -> ScheduledBatch | None:
         """The next step's batch under the configured policy; `throughput_first` runs a mixed policy's step as
         prefill_first (the engine asks for it where nobody reads tokens between steps: see `Engine._step`)."""
+        while True:
+            self._stalled = False
+            batch = self._schedule(throughput_first)
+            if batch is not None or not self._stalled or len(self.running) < 2 \
+                    or (uncomputed(self.running)[1] <= 1).any():
+                return batch
+            # Every running sequence is a prompt part-way through, and the first in line finds no page for its
+            # next chunk: nothing would ever free one. The newest gives its pages back (vLLM's victim), so the
+            # older ones go on; it is recomputed later (its full pages stay in the prefix cache).
+            self.preempt(max(self.running, key=_queue_key))
+
+    def _schedule(self, throughput_first: bool) -> ScheduledBatch | None:
         if self.config.policy == "mixed" and not throughput_first:
             return self._schedule_mixed()
         prefill_due = self._prefill_streak < self.config.max_prefill_streak or not any(
@@ -290,6 +306,8 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                     if self.state is not None:
                         self.state.release(seq)
+                else:
+                    self._stalled = True
                 break
             self.block_manager.grow(seq, seq.num_computed_tokens + chunk)
             if is_new:
@@ -431,7 +449,8 @@ class Scheduler:
         while not self.block_manager.can_grow(seq, seq.num_tokens):
             victim = max(self.running, key=_queue_key)
             if victim is seq and len(self.running) == 1:
-                raise RuntimeError(f"sequence {seq.request_id} alone needs more pages than the cache holds")
+                self._fail_alone(seq)
+                return False
             self.preempt(victim)
             if victim is seq:
                 break
@@ -439,6 +458,16 @@ class Scheduler:
             return False
         self.block_manager.grow(seq, seq.num_tokens + len(seq.spec_tokens))
         return True
+
+    def _fail_alone(self, seq: Sequence) -> None:
+        """`seq`, the only running sequence, needs a page more than the whole cache holds: it fails, no other."""
+        need = seq.num_tokens + len(seq.spec_tokens)
+        short = self.block_manager.shortfall(need, 1) or "needs more KV pages than the cache has free"
+        error = RuntimeError(f"request {seq.request_id} at {need} tokens {short}; raise kv_cache_memory_bytes or "
+                             "lower max_tokens")
+        if self.on_fail is None:
+            raise error
+        self.on_fail(seq, error)
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
         """Free a sequence's pages and queue it for recomputation; `count=False` for a recompute the caller

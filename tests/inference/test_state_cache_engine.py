@@ -103,6 +103,30 @@ def test_preemption_recomputes_right(solo):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_prompts_part_way_in_a_full_pool_go_on(solo):
+    """Eight prompts of up to 55 tokens over 8 KV pages of 8, 32-token steps (the pool holds one such sequence):
+    chunks cut at page boundaries leave two prompts part-way holding every page; the newer is preempted so the
+    older goes on (this hung before). Every request equals its run alone."""
+    cold_llm = solo[0]
+    config = MODEL_PRESETS[MODEL]
+    budget = 5 * config.state_bytes_per_sequence("float32") + 8 * 8 * int(config.kv_bytes_per_token(4))
+    llm = HYBRID.build(kv_cache_memory_bytes=budget, max_num_batched_tokens=32)
+    assert llm.runner.num_pages == 8
+    data = prompts(8, seed=0, high=56)
+    want = [tokens_and_logprobs(cold_llm.generate(prompt_token_ids=[p], sampling_params=GREEDY))[0] for p in data]
+    engine, done = llm.engine, {}
+    for i, prompt in enumerate(data):
+        engine.add_request(f"p{i}", prompt, GREEDY)
+    for _ in range(500):  # stepped by hand: a hang fails here instead of running on
+        for out in engine.step(finished_only=True):
+            done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert len(done) == len(data), f"{len(data) - len(done)} requests unfinished after 500 steps"
+    assert_same(tokens_and_logprobs([done[f"p{i}"] for i in range(len(data))]), want)
+    assert engine.scheduler.num_preemptions > 0
+
+
 SPEC = HYBRID.replace(max_num_seqs=16, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
 
 
