@@ -307,7 +307,11 @@ class Engine:
             self.lora.remove(lora_id)
 
     def _fail_unschedulable(self, seq: Sequence, exc: Exception) -> None:
-        """The scheduler's `on_fail`: the request fails with `exc` (it is delivered with this step's outputs)."""
+        """The scheduler's `on_fail`: the request fails with `exc` (it is delivered with this step's outputs). A
+        sequence whose sampled token is still on the device (async scheduling) fails at the next step instead, once
+        that token is folded, as the synchronous engine folds it before scheduling (it may also end the request)."""
+        if self.in_flight is not None and seq in self.in_flight.rows:
+            return
         self._fail(seq, exc)
         self._undelivered = merge_outputs(self._undelivered, [self._output(self.requests[seq.request_id])])
 

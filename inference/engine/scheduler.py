@@ -111,8 +111,8 @@ class Scheduler:
         `finishing` names decoding sequences not to schedule: async scheduling's, whose in-flight token ends them;
         `state`: the state slots of a hybrid model's state layers (None: the model has none). `max_model_len`: the
         engine's context; with `finishing`, only a sequence at its `token_limit` is asked (None: every one is).
-        `on_fail` fails one sequence that cannot go on (alone, it needs more pages than the cache holds), no other;
-        None: the step raises."""
+        `on_fail` fails one sequence that cannot go on (alone, it needs more pages than the cache holds), no other,
+        or puts that off (the sequence is then not scheduled this step); None: the step raises."""
         self.config = config
         self.proposer = proposer
         self.on_preempt = on_preempt

@@ -139,20 +139,27 @@ def test_a_sequence_outgrowing_the_pool_fails_alone(llm):
     """A request that alone needs more pages than the pool holds fails by itself, with the fix named; the others
     finish as they would in a big pool. (`LLM` caps the context at the pool, so only an engine whose context passes
     it, as one built by hand may, reaches this: the context is raised here after the build.)"""
-    small = tiny_llm(kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4, max_num_seqs=4)  # 16 pages of 4 tokens
-    assert small.runner.num_pages == 16
-    engine = small.engine
-    engine.max_model_len = engine.scheduler.max_model_len = 4 * 16 + 64
     batch = prompts(9, 3, 10, 20)
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = small.generate(prompt_token_ids=batch, sampling_params=[long, short, short])
-    assert outs[0].outputs[0].finish_reason == "error"
-    assert "needs 17 KV pages but the cache has 16" in outs[0].error and "kv_cache_memory_bytes" in outs[0].error
-    assert len(batch[0]) + len(outs[0].outputs[0].token_ids) == 4 * 16  # it ran until the pool was full
     free = llm.generate(prompt_token_ids=batch[1:], sampling_params=short)
-    assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in free]
-    assert engine.block_manager.num_free_pages == 16
+    runs = []
+    for async_scheduling in (True, False):
+        small = tiny_llm(kv_cache_memory_bytes=16 * 4 * 2 * 2 * 2 * 16 * 4, max_num_seqs=4,  # 16 pages of 4 tokens
+                         async_scheduling=async_scheduling)
+        assert small.runner.num_pages == 16
+        engine = small.engine
+        engine.max_model_len = engine.scheduler.max_model_len = 4 * 16 + 64
+        outs = small.generate(prompt_token_ids=batch, sampling_params=[long, short, short])
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert "needs 17 KV pages but the cache has 16" in outs[0].error and "kv_cache_memory_bytes" in outs[0].error
+        # It computed every token the pool holds, and its token sampled from the last one is kept (the async
+        # engine folds it before failing the request, as the synchronous one does).
+        assert len(batch[0]) + len(outs[0].outputs[0].token_ids) == 4 * 16 + 1
+        assert [o.outputs[0].token_ids for o in outs[1:]] == [o.outputs[0].token_ids for o in free]
+        assert engine.block_manager.num_free_pages == 16
+        runs.append(outs[0].outputs[0].token_ids)
+    assert runs[0] == runs[1]
 
 
 def test_bucket_ladders():
