@@ -48,8 +48,8 @@ class ScheduledBatch:
     # for its batches: every row computes its one uncomputed token, with no drafts. The passes after it (async
     # scheduling's checks, the kept decode batch) take that from here instead of walking the rows again.
     computed: np.ndarray | None = None
-    # False where the scheduler that made the batch has no proposer: no row holds drafts, and `speculative` need
-    # not look at the rows.
+    # False where the scheduler that made the batch has no proposer (the steady pass runs only then): no row holds
+    # drafts, and `speculative` need not look at the rows.
     may_draft: bool = True
 
     @property
@@ -72,9 +72,8 @@ class ScheduledBatch:
     @functools.cached_property
     def speculative(self) -> bool:
         """Some row verifies drafts. Read once (the fold clears the drafts): the batch's rows and their drafts are
-        fixed when the scheduler makes it. `computed` comes only from the steady pass, which runs only without a
-        proposer: no drafts."""
-        return self.computed is None and self.may_draft and any(map(_spec_tokens, self.seqs))
+        fixed when the scheduler makes it."""
+        return self.may_draft and any(map(_spec_tokens, self.seqs))
 
 
 #: The waiting order (priority, arrival), as a C-level key: the decode pass's order of the running sequences.
@@ -419,7 +418,7 @@ class Scheduler:
         self._checked = set(scheduled) if rows or len(checked) != len(scheduled) else checked
         if not scheduled:
             return None
-        return ScheduledBatch(list(scheduled), [1] * len(scheduled),
+        return ScheduledBatch(list(scheduled), [1] * len(scheduled), may_draft=False,
                               computed=computed if len(scheduled) == len(order) else computed[decoding])
 
     def _schedule_decode_general(self) -> ScheduledBatch | None:
