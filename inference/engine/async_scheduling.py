@@ -79,6 +79,17 @@ class InFlightStep:
     pending: PendingStep
     rows: dict[Sequence, int]  # sequences this step samples a token for -> their row; PLACEHOLDER ends token_ids
     request_ids: list[str]  # requests the step advanced: their outputs are built when it is folded
+    _rows_of: tuple[list[Sequence], np.ndarray] | None = None  # the last `rows_of` answer, for that list
+
+    def rows_of(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each of `seqs`' row in this step, -1 where it samples none (i32, a C loop). The next step's checks and
+        its token feed both ask it for that step's rows: the answer is kept for the same list (`rows` changes
+        only at a fold or an abort, which drop it)."""
+        kept = self._rows_of
+        if kept is None or kept[0] is not seqs:
+            kept = self._rows_of = (seqs, np.fromiter(map(self.rows.get, seqs, itertools.repeat(-1)), np.int32,
+                                                      len(seqs)))
+        return kept[1]
 
 
 @dataclasses.dataclass
@@ -137,14 +148,12 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
         return reasons
     if batch.speculative:
         reasons.add("speculative")
-    pending = in_flight.rows if in_flight is not None else None
-    if pending:
+    if in_flight is not None and in_flight.rows:
         # A sequence whose placeholder is not its only uncomputed token, computed by this step as a plain decode row.
-        n = len(seqs)
-        fed = np.fromiter(map(pending.__contains__, seqs), bool, n)
+        fed = in_flight.rows_of(seqs) >= 0
         if fed.any():
-            _, left = uncomputed(seqs)
-            plain = (np.fromiter(batch.num_new_tokens, np.int64, n) == 1) & (left == 1)
+            left = batch.lengths - batch.starts if batch.starts is not None else uncomputed(seqs)[1]
+            plain = (np.fromiter(batch.num_new_tokens, np.int64, len(seqs)) == 1) & (left == 1)
             if (fed & ~plain).any():
                 reasons.add("recompute")
     return reasons
@@ -164,9 +173,8 @@ def feed_pending_tokens(inp: ModelInput, batch: ScheduledBatch, in_flight: InFli
     `fed_in_order` holds (then no sequence is looked up)."""
     if in_flight is None or not in_flight.rows or in_flight.pending.feed is None:
         return inp
-    rows, n = in_flight.rows, len(batch.seqs)
-    prev_row = np.fromiter(rows.values(), np.int32, n) if in_order else \
-        np.fromiter(map(rows.get, batch.seqs, itertools.repeat(-1)), np.int32, n)  # C loops
+    prev_row = np.fromiter(in_flight.rows.values(), np.int32, len(batch.seqs)) if in_order else \
+        in_flight.rows_of(batch.seqs)
     fed = prev_row >= 0
     count = int(fed.sum())
     if not count:
@@ -187,7 +195,7 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep, none_fi
     seqs = batch.seqs
     if engine.state is None and not engine.scheduler.awaiting_fork and not batch.speculative \
             and (none_finished or not operator.countOf(map(_status, seqs), FINISHED)):
-        return _advance_rows(engine, seqs, batch.num_new_tokens, pending, batch.computed)
+        return _advance_rows(engine, batch, pending)
     rows: dict[Sequence, int] = {}
     request_ids: dict[str, None] = {}
     for i, (seq, count) in enumerate(zip(seqs, batch.num_new_tokens)):
@@ -204,19 +212,22 @@ def advance(engine: Engine, batch: ScheduledBatch, pending: PendingStep, none_fi
     return InFlightStep(pending, rows, list(request_ids))
 
 
-def _advance_rows(engine: Engine, seqs: list[Sequence], counts: list[int], pending: PendingStep,
-                  computed: np.ndarray | None) -> InFlightStep:
+def _advance_rows(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -> InFlightStep:
     """`advance` of a step without drafts, none of its rows finished, with no state layers and no samples waiting
     to fork: `Engine._advance`'s bookkeeping as array operations and C loops over the rows, with per-row Python
-    only where a row completes a page (its chain hash is registered). `counts`: each row's computed tokens (1 for a
-    decode row, a prompt chunk's length). `computed`: the rows' computed tokens as the steady decode pass read them
-    (`ScheduledBatch.computed`), whose rows each computed their one uncomputed token: every row samples."""
-    n = len(seqs)
-    before = np.fromiter(map(_computed, seqs), np.int64, n) if computed is None else computed
-    after = before + np.asarray(counts, np.int64)
+    only where a row completes a page (its chain hash is registered). The rows' counts come from the scheduler
+    (`ScheduledBatch.starts`, `lengths`) where it read them; a steady decode pass's rows (`ScheduledBatch.computed`)
+    each computed their one uncomputed token: every row samples."""
+    seqs, computed, n = batch.seqs, batch.computed, len(batch.seqs)
+    before = batch.starts if batch.starts is not None else np.fromiter(map(_computed, seqs), np.int64, n)
+    after = before + np.asarray(batch.num_new_tokens, np.int64)
     collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
-    sampled = after >= np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) if computed is None else \
-        np.ones(n, bool)
+    if computed is not None:
+        sampled = np.ones(n, bool)
+    else:
+        lengths = batch.lengths if batch.lengths is not None else \
+            np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        sampled = after >= lengths
     # A row's first step starts its chain; a step that completes a page registers it (`fold.advance`).
     ps = engine.page_size
     for i in np.flatnonzero((before == 0) | (before // ps != after // ps)).tolist():
@@ -242,7 +253,7 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     """Fetch the in-flight step's tokens and fold them in: each replaces its placeholder, then logprobs, stop checks
     and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced. If the
     fetch fails (the device step raised), the sequences waiting on it fail with that error, and no other."""
-    rows, in_flight.rows = in_flight.rows, {}
+    rows, in_flight.rows, in_flight._rows_of = in_flight.rows, {}, None
     try:
         out = engine.runner.fetch(in_flight.pending)
     except Exception as exc:  # noqa: BLE001 - the step's requests fail; no placeholder is left to feed a step
@@ -280,6 +291,7 @@ def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOu
 def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
     """A sequence that finishes before its in-flight token is folded (an abort) keeps only its real tokens."""
     if in_flight is not None and in_flight.rows.pop(seq, None) is not None:
+        in_flight._rows_of = None
         seq.token_ids.pop()
 
 

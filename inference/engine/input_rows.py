@@ -1,4 +1,5 @@
-"""Each running sequence's page tables and sampling row, kept across steps (vLLM V1's `InputBatch` rows).
+"""Each running sequence's page tables, sampling row and prompt length, kept across steps (vLLM V1's `InputBatch`
+rows).
 
 Why: continuous batching changes a step's rows almost every step (a request finishes, another joins, a prompt chunk
 runs beside the decode rows), so the kept decode batch (`persistent_batch.py`), which needs the same rows as the last
@@ -30,6 +31,7 @@ from inference.sampling.sampler import sampling_rows
 _params = operator.attrgetter("params")
 _seed = operator.attrgetter("seed")
 _needs = operator.attrgetter("needs")
+_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 class InputRows:
@@ -42,6 +44,7 @@ class InputRows:
         self.sampling = np.zeros((self.capacity, 5), np.float64)  # `sampler.sampling_rows`' values
         self.seed_key = np.zeros((self.capacity, 2), np.uint32)
         self.needs = np.zeros(self.capacity, np.int64)  # `SamplingParams.needs`: the step parts the row needs
+        self.prompt_lens = np.zeros(self.capacity, np.int64)  # `Sequence.num_prompt_tokens` (fixed for its life)
         self._row: dict[Sequence, int] = {}
         self._free = list(range(self.capacity - 1, -1, -1))
         self.rows_read = 0  # sequences read into a row (tests and benchmarks)
@@ -82,6 +85,7 @@ class InputRows:
             params = list(map(_params, new_seqs))
             self.sampling[added], self.seed_key[added] = sampling_rows(params, list(map(_seed, new_seqs)))
             self.needs[added] = list(map(_needs, params))
+            self.prompt_lens[added] = list(map(_num_prompt_tokens, new_seqs))
             self.rows_read += len(new_seqs)
         return rows
 
@@ -90,7 +94,7 @@ class InputRows:
         return int(np.bitwise_or.reduce(self.needs[rows])) if rows.size else 0
 
     def kept_tables(self, rows: np.ndarray) -> KeptTables:
-        return KeptTables(self.tables, rows, self.table_lens[rows])
+        return KeptTables(self.tables, rows, self.table_lens[rows], self.prompt_lens[rows])
 
     def check(self, seqs: list[Sequence]) -> None:
         """Raise if a kept row differs from its sequence's tables (tests)."""

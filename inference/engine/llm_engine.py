@@ -386,19 +386,20 @@ class Engine:
             inp, sampling, flags = reused
             self.stats.record_step(True, len(batch.seqs), inp.tokens.shape[0])
         else:
-            inp, sampling, flags = self._build_step(batch, lora_slots, draft_probs)
+            rows = self.input_rows.rows(batch.seqs)
+            inp, sampling, flags = self._build_step(batch, rows, lora_slots, draft_probs)
             self.persistent.keep(batch, inp, sampling, flags, lora_slots is not None,
-                                 self.block_manager.num_groups)
+                                 self.block_manager.num_groups, self.input_rows.prompt_lens[rows])
         inp = feed_pending_tokens(inp, batch, in_flight, in_order)
         return self.runner.execute(inp, sampling, is_decode=batch.is_decode,
                                    use_filters=flags.use_filters, logprobs=flags.extras,
                                    prompt_logprobs=flags.prompt_logprobs, fetch=fetch)
 
-    def _build_step(self, batch: ScheduledBatch, lora_slots: list[int] | None, draft_probs
+    def _build_step(self, batch: ScheduledBatch, rows: np.ndarray, lora_slots: list[int] | None, draft_probs
                     ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
-        """The step's input, sampling rows and static flags, built from the sequences (the general path)."""
+        """The step's input, sampling rows and static flags, built from the sequences' kept rows (`rows`, their
+        `InputRows`) and counts (the general path)."""
         seqs, n = batch.seqs, len(batch.seqs)
-        rows = self.input_rows.rows(seqs)
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
                                              lora_slots=lora_slots, state_slots=self.state is not None,
                                              spec_slot=self.state.spec_slot if self.state is not None else None,
@@ -414,8 +415,9 @@ class Engine:
         pen = bool(needs & NEEDS_PENALTIES)  # only then the rows' token ids go to the device
         pad_to = inp.logits_indices.shape[0]
         token_mask, mask_in_raw = self._token_mask(batch, bool(needs & NEEDS_ALLOWED), pad_to)
-        generated = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n) - \
-            np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)
+        lengths = batch.lengths if batch.lengths is not None else np.fromiter(map(len, map(_token_ids, seqs)),
+                                                                               np.int64, n)
+        generated = lengths - self.input_rows.prompt_lens[rows]
         sampling = SamplingTensors.from_params(
             params, None, generated, pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,

@@ -34,7 +34,6 @@ from inference.sampling.sampler import SamplingTensors
 _computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _last = operator.itemgetter(-1)
-_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 @dataclasses.dataclass
@@ -113,18 +112,21 @@ class PersistentDecodeBatch:
         return new_inp, sampling, kept.flags
 
     def keep(self, batch: ScheduledBatch, inp: ModelInput, sampling: SamplingTensors, flags: StepFlags,
-             lora: bool, num_groups: int) -> None:
+             lora: bool, num_groups: int, prompt_lens: np.ndarray) -> None:
         """Keep a generally built step when the next one can be derived from it: a plain decode of sequences in
         steady decode (their only uncomputed token is a generated one), one KV cache group, no LoRA, no drafts, and
-        no sampling part that changes with the tokens (extras: a mask, penalties, sparse edits, logprobs)."""
+        no sampling part that changes with the tokens (extras: a mask, penalties, sparse edits, logprobs).
+        `prompt_lens`: each row's prompt length."""
         self._kept = None
         if (not batch.is_decode or batch.speculative or lora or num_groups != 1 or flags.extras
                 or inp.spec is not None):
             return
         seqs, n = batch.seqs, len(batch.seqs)
-        starts = np.fromiter(map(_computed, seqs), np.int64, n)  # C loops over the rows
-        if not (np.array_equal(np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n), starts + 1)
-                and (starts >= np.fromiter(map(_num_prompt_tokens, seqs), np.int64, n)).all()):
+        starts, lengths = batch.starts, batch.lengths
+        if starts is None:  # C loops over the rows
+            starts = np.fromiter(map(_computed, seqs), np.int64, n)
+            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        if not (np.array_equal(lengths, starts + 1) and (starts >= prompt_lens).all()):
             return
         steps = np.asarray(sampling.step[:len(seqs)]).copy()
         self._kept = _Kept(list(seqs), inp, sampling, flags, starts, steps, dict(zip(seqs, range(n))))

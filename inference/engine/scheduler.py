@@ -51,6 +51,12 @@ class ScheduledBatch:
     # False where the scheduler that made the batch has no proposer (the steady pass runs only then): no row holds
     # drafts, and `speculative` need not look at the rows.
     may_draft: bool = True
+    # Each row's computed tokens and token count (drafts not counted) as the scheduler read them, for every batch it
+    # makes (None from other makers): the build, async scheduling's checks and advance, and the kept decode batch
+    # take them from here instead of each walking the rows again. Nothing changes them before the step's advance:
+    # folding an in-flight token replaces its placeholder in place, and a row that finishes leaves the batch.
+    starts: np.ndarray | None = None
+    lengths: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -176,7 +182,8 @@ class Scheduler:
         if self._order is not None:
             order, limits = self._order
             i = order.index(seq)  # identities compared in C
-            self._order = (order[:i] + order[i + 1:], None if limits is None else np.delete(limits, i))
+            self._order = (order[:i] + order[i + 1:],
+                           None if limits is None else np.concatenate((limits[:i], limits[i + 1:])))
 
     def _order_add(self, seq: Sequence) -> None:
         """`seq` joined `running` (appended): the kept queue order with it, where `sorted(running)` puts it (after
@@ -184,8 +191,8 @@ class Scheduler:
         if self._order is not None:
             order, limits = self._order
             i = bisect.bisect_right(order, _queue_key(seq), key=_queue_key)
-            self._order = (order[:i] + [seq] + order[i:],
-                           None if limits is None else np.insert(limits, i, token_limit(seq, self.max_model_len)))
+            self._order = (order[:i] + [seq] + order[i:], None if limits is None else np.concatenate(
+                (limits[:i], np.array([token_limit(seq, self.max_model_len)], np.int64), limits[i:])))
 
     def advanced(self, seqs: list[Sequence], computed: np.ndarray) -> None:
         """Told by the engine after it advanced a steady decode batch (`seqs`, the last pass's rows in its order)
@@ -267,21 +274,29 @@ class Scheduler:
         if decode is not None and decode.computed is not None and no_partial and not self.waiting:
             return decode  # the steady decode state, known from the decode pass: nothing to prefill
         budget = self.config.max_num_batched_tokens - (decode.num_tokens if decode else 0)
-        seqs, counts = (decode.seqs, decode.num_new_tokens) if decode else ([], [])
-        return self._schedule_prefill(budget, seqs, counts, no_partial)
+        if decode is None:
+            return self._schedule_prefill(budget, [], [], no_partial)
+        return self._schedule_prefill(budget, decode.seqs, decode.num_new_tokens, no_partial, decode.starts,
+                                      decode.lengths)
 
     def _schedule_prefill(self, budget: int, seqs: list[Sequence], counts: list[int] | None = None,
-                          no_partial: bool = False) -> ScheduledBatch | None:
-        """Prompt chunks after the decode rows `seqs` (`counts`), within `budget` tokens: the running rows still
-        prefilling first, then the waiting queue. `no_partial`: this step's steady decode pass found no running row
-        prefilling (then `running` is not read again)."""
+                          no_partial: bool = False, starts: np.ndarray | None = None,
+                          lengths: np.ndarray | None = None) -> ScheduledBatch | None:
+        """Prompt chunks after the decode rows `seqs` (`counts`; their `ScheduledBatch.starts` and `lengths`),
+        within `budget` tokens: the running rows still prefilling first, then the waiting queue. `no_partial`: this
+        step's steady decode pass found no running row prefilling (then `running` is not read again)."""
+        if starts is None:
+            starts = lengths = np.zeros(0, np.int64) if not seqs else None
         counts = [] if counts is None else counts
         running = self.running
         partial = [] if no_partial else \
             [running[i] for i in np.flatnonzero(uncomputed(running)[1] > 1).tolist() if running[i] not in seqs]
         if not partial and not self.waiting:  # the steady decode state: nothing to prefill
-            return ScheduledBatch(seqs, counts, may_draft=self.proposer is not None) if seqs else None
+            return ScheduledBatch(seqs, counts, may_draft=self.proposer is not None, starts=starts,
+                                  lengths=lengths) if seqs else None
         admitted = []
+        chunk_starts: list[int] = []  # the prompt rows' computed tokens and token counts, beside `starts`, `lengths`
+        chunk_lengths: list[int] = []
         for seq in partial + list(self.waiting):
             if budget <= 0 or len(seqs) == self.config.max_num_seqs:
                 break
@@ -317,9 +332,15 @@ class Scheduler:
                 admitted.append(seq)
             seqs.append(seq)
             counts.append(chunk)
+            chunk_starts.append(seq.num_computed_tokens)
+            chunk_lengths.append(len(seq.token_ids))
             budget -= chunk
         if seqs:
-            return ScheduledBatch(seqs, counts, admitted, may_draft=self.proposer is not None)
+            if starts is not None:
+                starts = np.concatenate((starts, np.asarray(chunk_starts, np.int64)))
+                lengths = np.concatenate((lengths, np.asarray(chunk_lengths, np.int64)))
+            return ScheduledBatch(seqs, counts, admitted, may_draft=self.proposer is not None, starts=starts,
+                                  lengths=lengths)
         if self.waiting and not self.running:
             head = self.waiting[0]
             raise RuntimeError(f"request {head.request_id} cannot be scheduled with an empty engine; it should have "
@@ -418,8 +439,10 @@ class Scheduler:
         self._checked = set(scheduled) if rows or len(checked) != len(scheduled) else checked
         if not scheduled:
             return None
-        return ScheduledBatch(list(scheduled), [1] * len(scheduled), may_draft=False,
-                              computed=computed if len(scheduled) == len(order) else computed[decoding])
+        if len(scheduled) != len(order):
+            computed = computed[decoding]
+        return ScheduledBatch(list(scheduled), [1] * len(scheduled), may_draft=False, computed=computed,
+                              starts=computed, lengths=computed + 1)
 
     def _schedule_decode_general(self) -> ScheduledBatch | None:
         """Every decoding row in queue order, each checked for drafts, pages and preemption (`_grow_decode_row`)."""
@@ -433,8 +456,12 @@ class Scheduler:
                 scheduled.append(seq)
                 if len(scheduled) == self.config.max_num_seqs:
                     break
+        if not scheduled:
+            return None
         counts = [1 + len(s.spec_tokens) for s in scheduled] if self.proposer is not None else [1] * len(scheduled)
-        return ScheduledBatch(scheduled, counts, may_draft=self.proposer is not None) if scheduled else None
+        starts = np.fromiter(map(_computed, scheduled), np.int64, len(scheduled))  # each has one uncomputed token
+        return ScheduledBatch(scheduled, counts, may_draft=self.proposer is not None, starts=starts,
+                              lengths=starts + 1)
 
     def _grow_decode_row(self, seq: Sequence) -> bool:
         """Give a decoding row its drafts and the pages of its next write, preempting the newest sequences while

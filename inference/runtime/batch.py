@@ -107,13 +107,14 @@ class ModelInput:
 
 
 class KeptTables(NamedTuple):
-    """The batch's page tables as rows of arrays kept across steps (the engine's `InputRows`), instead of read from
-    the sequences: `tables[g, rows[i]]` is row i's table of group g, zero past its length; `lens[i]` is its group-0
-    length."""
+    """The batch's page tables and prompt lengths as rows of arrays kept across steps (the engine's `InputRows`),
+    instead of read from the sequences: `tables[g, rows[i]]` is row i's table of group g, zero past its length;
+    `lens[i]` is its group-0 length; `prompt_lens[i]` its sequence's prompt length."""
 
     tables: np.ndarray  # i32[G, R, P]
     rows: np.ndarray  # i64[S]
     lens: np.ndarray  # i64[S]
+    prompt_lens: np.ndarray  # i64[S]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,7 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     # Vectorized over the batch: each sequence's scalars, token slice and page table are read in C loops (`map`
     # over the rows), numpy does the rest, so a 256-sequence step costs no per-sequence Python or numpy calls.
     counts = np.asarray(batch.num_new_tokens, np.int64)
-    starts = np.fromiter(map(_computed, seqs), np.int64, num_seqs)
+    starts = batch.starts if batch.starts is not None else np.fromiter(map(_computed, seqs), np.int64, num_seqs)
     ends = np.cumsum(counts)
     cu_q_lens[1:num_seqs + 1] = ends
     cu_q_lens[num_seqs + 1:] = num_tokens
@@ -211,7 +212,8 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
         else:
             page_indices[g, :num_seqs] = kept_tables.tables[g, kept_tables.rows, :padded_pages]
         slot_mapping[g, :num_tokens] = page_indices[g, row, pos // page_size] * page_size + pos % page_size
-    prompt_rows = starts + 1 < np.fromiter(map(_num_prompt_tokens, seqs), np.int64, num_seqs)
+    prompt_rows = starts + 1 < (kept_tables.prompt_lens if kept_tables is not None else
+                                np.fromiter(map(_num_prompt_tokens, seqs), np.int64, num_seqs))
     for i in np.flatnonzero(prompt_rows).tolist():  # a prompt chunk: its tokens' next prompt tokens (prompt logprobs)
         seq, c, n = seqs[i], int(starts[i]), int(counts[i])
         nxt = seq.token_ids[c + 1:min(c + n + 1, seq.num_prompt_tokens)]

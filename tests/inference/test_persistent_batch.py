@@ -225,3 +225,58 @@ def test_recompute_mid_decode_under_async_scheduling(llm, policy):
         finals[async_scheduling] = tokens
         assert behind == 0
     assert finals[True] == finals[False]
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "mixed"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_schedulers_counts_are_the_rows_counts_where_they_are_read(llm, async_scheduling, policy, monkeypatch):
+    """`ScheduledBatch.starts` / `lengths` (read once by the scheduler, then taken by the build, async scheduling's
+    checks and its advance instead of walking the rows again) equal each row's computed tokens and token count
+    where the step is built and where it is advanced, with prompts sharing prefixes (prefix hits), `n=2` forks,
+    arrivals, aborts, stop strings and a recompute of every running sequence mid-way."""
+    from inference.engine import async_scheduling as async_module
+
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 500, 20).tolist()
+    requests = []
+    for i, (rid, prompt, params) in enumerate(_workload(rng, llm.runner.config.vocab_size, 96)):
+        requests.append((rid, shared + prompt if i % 2 else prompt,
+                         dataclasses.replace(params, n=2, seed=i) if i % 9 == 0 else params))
+    engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(
+        llm.engine.scheduler.config, async_scheduling=async_scheduling, policy=policy))
+    seen = {"execute": 0, "advance": 0}
+
+    def check(batch, where: str) -> None:
+        if batch.starts is None:
+            return
+        seen[where] += 1
+        np.testing.assert_array_equal(batch.starts, [s.num_computed_tokens for s in batch.seqs], err_msg=where)
+        np.testing.assert_array_equal(batch.lengths, [len(s.token_ids) for s in batch.seqs], err_msg=where)
+
+    execute, advance_rows = engine._execute, async_module._advance_rows
+
+    def checked_execute(batch, *args, **kwargs):
+        check(batch, "execute")
+        return execute(batch, *args, **kwargs)
+
+    def checked_advance(eng, batch, pending):
+        check(batch, "advance")
+        return advance_rows(eng, batch, pending)
+
+    engine._execute = checked_execute
+    monkeypatch.setattr(async_module, "_advance_rows", checked_advance)
+    arrivals = rng.poisson(4, 60).tolist()
+    aborts = {rid: int(rng.integers(1, 6)) for rid, _, _ in requests if rng.random() < 0.1}
+    recompute, recomputed = engine.step, []
+
+    def step(finished_only=False):
+        if seen["execute"] == 15:
+            recomputed.append(engine.recompute_running())
+        return recompute(finished_only)
+
+    engine.step = step
+    finals = drive(engine, requests, arrivals, aborts)
+    assert finals.keys() == {rid for rid, _, _ in requests}
+    assert recomputed and recomputed[0] > 0
+    assert seen["execute"] > 30 and (seen["advance"] > 10 if async_scheduling else not seen["advance"])
+    assert not engine.requests and engine.block_manager.num_free_pages == engine.block_manager.num_pages
