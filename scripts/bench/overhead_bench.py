@@ -35,10 +35,8 @@ times (scripts/bench/ab_runs.py).
 
 from __future__ import annotations
 
-import collections
 import cProfile
 import dataclasses
-import functools
 import gc
 import inspect
 import json
@@ -46,7 +44,6 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable
 
 from absl import app, flags
 
@@ -111,68 +108,8 @@ def define_flags() -> None:
                       "bench calls there, as `Engine.warmup` ends).")
 
 
-_MISSING = object()
 PHASES = ("schedule", "pages", "batch_build", "dispatch", "wait_readback", "process", "stop_checks",
           "detokenize", "outputs", "other")
-
-
-class GcTimer:
-    """Wall time spent inside Python's cyclic garbage collector, per generation (gc.callbacks)."""
-
-    def __init__(self) -> None:
-        self.ms = [0.0, 0.0, 0.0]
-        self.count = [0, 0, 0]
-        self.max_ms = 0.0  # the longest single pause
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            ms = (time.perf_counter() - self._t0) * 1e3
-            self.ms[info["generation"]] += ms
-            self.count[info["generation"]] += 1
-            self.max_ms = max(self.max_ms, ms)
-
-    def snapshot(self) -> tuple[list[float], list[int]]:
-        return list(self.ms), list(self.count)
-
-
-class PhaseProfiler:
-    """Exclusive wall time per phase: wrapped calls nest, and a phase's time excludes its wrapped callees'."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = collections.defaultdict(float)
-        self._children: list[float] = []
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, phase: str, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            self._children.append(0.0)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                self.totals[phase] += dt - self._children.pop()
-                if self._children:
-                    self._children[-1] += dt
-        return timed
-
-    def patch(self, owner: Any, name: str, phase: str) -> None:
-        """Replace `owner.name` (an instance's, a class's or a module's attribute) by its timed wrapper."""
-        saved = vars(owner).get(name, _MISSING)  # an instance's methods live on its class: restore by deleting
-        setattr(owner, name, self.wrap(phase, getattr(owner, name)))
-        self._undo.append((owner, name, saved))
-
-    def restore(self) -> None:
-        for owner, name, saved in reversed(self._undo):
-            if saved is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, saved)
-        self._undo.clear()
 
 
 def tiny_model_folder(folder: str, vocab: int | None = None) -> str:
@@ -212,8 +149,8 @@ def workload(tokenizer, num_seqs: int, rng: np.random.Generator, vocab: int | No
     return prompts
 
 
-def instrument(llm, profiler: PhaseProfiler) -> None:
-    """Wrap the engine's phases in `profiler` (see PHASES)."""
+def instrument(llm, profiler) -> None:
+    """Wrap the engine's phases in `profiler` (a `host_timers.PhaseProfiler`; see PHASES)."""
     import inference.engine.async_scheduling as async_scheduling
     import inference.engine.llm_engine as llm_engine
     import inference.engine.stop as stop
@@ -274,7 +211,7 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         "finished_only" in inspect.signature(engine.step).parameters
     step_kwargs = {"finished_only": True} if finished_only else {}
 
-    def run(profiler: PhaseProfiler | None) -> dict:
+    def run(profiler) -> dict:
         engine.reset_prefix_cache()
         engine.reset_stats()
         added = 0
@@ -327,11 +264,12 @@ def measure(llm, num_seqs: int, rng: np.random.Generator, decode_steps: int, rep
         llm_engine.freeze_heap()
     elif FLAGS.gc_freeze:
         gc.freeze()
-    gc_timer, gc_steps = GcTimer(), []
+    timers = load_sibling("host_timers")
+    gc_timer, gc_steps = timers.GcTimer(), []
     cprofile = cProfile.Profile() if FLAGS.profile else None
     gc.callbacks.append(gc_timer)
     compiled = sum(runner.num_compilations().values())
-    profiler = PhaseProfiler()
+    profiler = timers.PhaseProfiler()
     capture = {}
     original_execute = runner.execute
 
@@ -438,16 +376,21 @@ def replay_ms(runner, captured, repeats: int) -> tuple[float, float]:
     return float(np.median(times[2:]) * 1e3), float(np.median(launches[2:]) * 1e3)
 
 
-def install_null_device(runner) -> None:
-    """`scripts/bench/null_device.py`'s `install`, loaded from this script's folder: a side-by-side run's baseline
-    tree, first on the path, may predate it."""
+def load_sibling(name: str):
+    """The module `name` of this script's folder, loaded by path: a side-by-side run's baseline tree, first on the
+    path, may predate it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "null_device", os.path.join(os.path.dirname(os.path.abspath(__file__)), "null_device.py"))
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.install(runner)
+    return module
+
+
+def install_null_device(runner) -> None:
+    """`scripts/bench/null_device.py`'s `install` (`load_sibling`)."""
+    load_sibling("null_device").install(runner)
 
 
 def _forwarded() -> dict[str, str]:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from scripts.bench.ab_runs import size_growth
-from scripts.bench.overhead_bench import GcTimer, workload
+from scripts.bench.host_timers import GcTimer, PhaseProfiler
+from scripts.bench.overhead_bench import workload
 
 
 def test_gc_timer_counts_each_generation():
@@ -26,6 +27,25 @@ def test_gc_timer_counts_each_generation():
     ms, count = timer.snapshot()
     count[0] += 5  # a snapshot is a copy
     assert timer.count[0] == count[0] - 5
+
+
+def test_phase_profiler_times_each_phase_without_its_wrapped_callees(monkeypatch):
+    """A phase's time excludes the phases called inside it; `restore` puts the original functions back."""
+    import types
+
+    from scripts.bench import host_timers
+
+    clock = iter([0.0, 1.0, 3.0, 7.0])  # outer starts, inner starts, inner ends (2 s), outer ends (7 s in all)
+    monkeypatch.setattr(host_timers.time, "perf_counter", lambda: next(clock))
+    profiler = PhaseProfiler()
+    owner = types.SimpleNamespace(inner=lambda: "x")
+    original = owner.inner
+    profiler.patch(owner, "inner", "pages")
+    outer = profiler.wrap("schedule", lambda: owner.inner())
+    assert outer() == "x"
+    assert profiler.totals == {"schedule": 5.0, "pages": 2.0}
+    profiler.restore()
+    assert owner.inner is original
 
 
 def test_workload_maps_its_prompts_into_a_small_vocabulary():
