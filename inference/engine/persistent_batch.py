@@ -8,8 +8,8 @@ operations: every position and KV length moves on by one, the step index of ever
 appended at its page boundary is written as one entry of the page table (`KVCacheManager.take_touched`), its row
 found through an index kept with the batch. Any other change of a row's table (a copy on write, a release) takes
 the general path. Each sequence's
-computed-token count (to check that every row really moved on by one) and last token are read in C loops (`map`
-over the rows), with no per-row Python.
+computed-token count (to check that every row really moved on by one) comes with the batch (`ScheduledBatch.starts`,
+the scheduler's read) and its last token is read in a C loop (`map` over the rows), with no per-row Python.
 
 Anything else (a sequence joins, leaves or is reordered, a prompt chunk, drafts, LoRA, more than one KV cache
 group, or a row that needs a mask, penalties, sparse edits or logprobs, whose arrays depend on more than the
@@ -68,7 +68,7 @@ class PersistentDecodeBatch:
             self._kept = None
             return None
         seqs, n = batch.seqs, len(batch.seqs)
-        starts = batch.computed if batch.computed is not None else \
+        starts = batch.starts if batch.starts is not None else \
             np.fromiter(map(_computed, seqs), np.int64, n)  # a C loop over the rows
         if not np.array_equal(starts, kept.starts + 1):  # not every row moved on by exactly one token
             self._kept = None

@@ -45,8 +45,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]  # tokens of each sequence computed this step
     admitted: list[Sequence] = dataclasses.field(default_factory=list)  # taken from the waiting queue this step
     # Each row's computed tokens as the steady decode pass read them (`Scheduler._schedule_decode_steady`), set only
-    # for its batches: every row computes its one uncomputed token, with no drafts. The passes after it (async
-    # scheduling's checks, the kept decode batch) take that from here instead of walking the rows again.
+    # for its batches: every row computes its one uncomputed token, with no drafts. The passes after it take that as
+    # a sign (async scheduling's checks skip the rows, its advance samples every row and hints the next pass).
     computed: np.ndarray | None = None
     # False where the scheduler that made the batch has no proposer (the steady pass runs only then): no row holds
     # drafts, and `speculative` need not look at the rows.
@@ -55,6 +55,8 @@ class ScheduledBatch:
     # makes (None from other makers): the build, async scheduling's checks and advance, and the kept decode batch
     # take them from here instead of each walking the rows again. Nothing changes them before the step's advance:
     # folding an in-flight token replaces its placeholder in place, and a row that finishes leaves the batch.
+    # Read-only: a steady pass's `starts` is its `computed`, which may be the last advance's array (`advanced`) and
+    # is kept by the persistent batch; every reader makes new arrays from it, none changes it in place.
     starts: np.ndarray | None = None
     lengths: np.ndarray | None = None
 
