@@ -80,6 +80,9 @@ class InFlightStep:
     rows: dict[Sequence, int]  # sequences this step samples a token for -> their row; PLACEHOLDER ends token_ids
     request_ids: list[str]  # requests the step advanced: their outputs are built when it is folded
     _rows_of: tuple[list[Sequence], np.ndarray] | None = None  # the last `rows_of` answer, for that list
+    # Each sampled row's token count (its placeholder included), in `rows`' order, where the advance knew them
+    # (`ScheduledBatch.lengths`); None once `rows` changed. The fold's plain-row split takes them.
+    lengths: np.ndarray | None = None
 
     def rows_of(self, seqs: list[Sequence]) -> np.ndarray:
         """Each of `seqs`' row in this step, -1 where it samples none (i32, a C loop). The next step's checks and
@@ -222,11 +225,12 @@ def _advance_rows(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -
     before = batch.starts if batch.starts is not None else np.fromiter(map(_computed, seqs), np.int64, n)
     after = before + np.asarray(batch.num_new_tokens, np.int64)
     collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
+    lengths = batch.lengths
     if computed is not None:
         sampled = np.ones(n, bool)
     else:
-        lengths = batch.lengths if batch.lengths is not None else \
-            np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        if lengths is None:
+            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
         sampled = after >= lengths
     # A row's first step starts its chain; a step that completes a page registers it (`fold.advance`).
     ps = engine.page_size
@@ -240,20 +244,22 @@ def _advance_rows(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -
         rows = dict(zip(seqs, range(n)))
     else:
         rows = dict(zip(itertools.compress(seqs, sampled.tolist()), np.flatnonzero(sampled).tolist()))
+        lengths = None if lengths is None else lengths[sampled]
     collections.deque(map(list.append, map(_token_ids, rows), itertools.repeat(PLACEHOLDER)), 0)
     if computed is not None and len(rows) == n:
         engine.scheduler.advanced(seqs, after)
     last = engine.advanced_requests
     if last is None or last[0] != seqs:  # the same rows as the last advance (identities compared in C): its requests
         last = engine.advanced_requests = (seqs, list(dict.fromkeys(map(_request_id, seqs))))
-    return InFlightStep(pending, rows, last[1])
+    return InFlightStep(pending, rows, last[1], lengths=None if lengths is None else lengths + 1)
 
 
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     """Fetch the in-flight step's tokens and fold them in: each replaces its placeholder, then logprobs, stop checks
     and detokenizing run as in the synchronous engine. Returns the outputs of the requests the step advanced. If the
     fetch fails (the device step raised), the sequences waiting on it fail with that error, and no other."""
-    rows, in_flight.rows, in_flight._rows_of = in_flight.rows, {}, None
+    rows, lengths = in_flight.rows, in_flight.lengths
+    in_flight.rows, in_flight._rows_of, in_flight.lengths = {}, None, None
     try:
         out = engine.runner.fetch(in_flight.pending)
     except Exception as exc:  # noqa: BLE001 - the step's requests fail; no placeholder is left to feed a step
@@ -266,7 +272,7 @@ def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:
     # Each in place of its placeholder (an aborted sequence is no longer in `rows`), in C loops over the rows.
     collections.deque(map(operator.setitem, map(_token_ids, rows), itertools.repeat(-1),
                           map(tokens.__getitem__, rows.values())), 0)
-    engine._fold_tokens(list(rows), list(rows.values()), out, now)
+    engine._fold_tokens(list(rows), list(rows.values()), out, now, lengths)
     return engine._outputs(in_flight.request_ids)
 
 
@@ -291,7 +297,7 @@ def fold_in_flight(engine: Engine, only_if_idle: bool = False) -> list[RequestOu
 def drop_placeholder(in_flight: InFlightStep | None, seq: Sequence) -> None:
     """A sequence that finishes before its in-flight token is folded (an abort) keeps only its real tokens."""
     if in_flight is not None and in_flight.rows.pop(seq, None) is not None:
-        in_flight._rows_of = None
+        in_flight._rows_of = in_flight.lengths = None
         seq.token_ids.pop()
 
 

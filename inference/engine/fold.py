@@ -117,12 +117,14 @@ def process(engine: Engine, batch: ScheduledBatch, out: StepOutput) -> list[Requ
     return outputs(engine, touched)
 
 
-def fold_tokens(engine: Engine, seqs: list[Sequence], rows: list[int], out: StepOutput, now: float) -> None:
+def fold_tokens(engine: Engine, seqs: list[Sequence], rows: list[int], out: StepOutput, now: float,
+                lengths: np.ndarray | None = None) -> None:
     """Fold a step's sampled tokens, each already the last of its sequence's `token_ids` (`rows`: each one's row of
-    `out`): metrics, logprobs, stop checks, text. Plain rows are found and folded over the batch (`PlainRows.split`); of
-    the rest, rows with fast-path constants and neither a stop id nor a limit reached take the text-only path (the
-    module docstring), the others `after_token`. One request's failure fails only it."""
-    plain = engine.plain_rows.split(seqs, out.tokens[np.fromiter(rows, np.int64, len(rows))], now)
+    `out`; `lengths`: each one's token count, where the caller knows it): metrics, logprobs, stop checks, text. Plain
+    rows are found and folded over the batch (`PlainRows.split`); of the rest, rows with fast-path constants and
+    neither a stop id nor a limit reached take the text-only path (the module docstring), the others `after_token`.
+    One request's failure fails only it."""
+    plain = engine.plain_rows.split(seqs, out.tokens[np.fromiter(rows, np.int64, len(rows))], now, lengths)
     if plain.all():
         return
     requests, kept = engine.requests, engine.plain_rows

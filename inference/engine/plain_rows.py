@@ -139,10 +139,11 @@ class PlainRows:
         """`seq`'s constants changed (it got its fast-path constants): the next fold reads its row again."""
         self._stale.add(seq)
 
-    def split(self, seqs: list[Sequence], tokens: np.ndarray, now: float) -> np.ndarray:
+    def split(self, seqs: list[Sequence], tokens: np.ndarray, now: float, lengths: np.ndarray | None = None
+              ) -> np.ndarray:
         """Which of `seqs` (each with its new token, `tokens[i]`, last in `token_ids`) are plain, as a bool array;
         their fold is done here: the token's time for a timed row, and the text deferred for a row that
-        detokenizes."""
+        detokenizes. `lengths`: each row's token count where the caller knows it (else read from the rows)."""
         rows = self._rows
         if rows is None:
             rows = self._rows = self._build(seqs)
@@ -154,7 +155,8 @@ class PlainRows:
         if self._base is not None:
             self._since.update(seqs)
         n = len(seqs)
-        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        if lengths is None:
+            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
         tokens = np.minimum(tokens, self.vocab_size)
         plain = rows.tables[rows.table_of, tokens]
         plain &= lengths < rows.limit

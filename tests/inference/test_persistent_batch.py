@@ -232,7 +232,8 @@ def test_recompute_mid_decode_under_async_scheduling(llm, policy):
 def test_the_schedulers_counts_are_the_rows_counts_where_they_are_read(llm, async_scheduling, policy, monkeypatch):
     """`ScheduledBatch.starts` / `lengths` (read once by the scheduler, then taken by the build, async scheduling's
     checks and its advance instead of walking the rows again) equal each row's computed tokens and token count
-    where the step is built and where it is advanced, with prompts sharing prefixes (prefix hits), `n=2` forks,
+    where the step is built and where it is advanced, and the advance's counts equal the rows' where the fold of
+    that step reads them (`InFlightStep.lengths`), with prompts sharing prefixes (prefix hits), `n=2` forks,
     arrivals, aborts, stop strings and a recompute of every running sequence mid-way."""
     from inference.engine import async_scheduling as async_module
 
@@ -244,7 +245,7 @@ def test_the_schedulers_counts_are_the_rows_counts_where_they_are_read(llm, asyn
                          dataclasses.replace(params, n=2, seed=i) if i % 9 == 0 else params))
     engine = Engine(llm.runner, llm.tokenizer, dataclasses.replace(
         llm.engine.scheduler.config, async_scheduling=async_scheduling, policy=policy))
-    seen = {"execute": 0, "advance": 0}
+    seen = {"execute": 0, "advance": 0, "split": 0}
 
     def check(batch, where: str) -> None:
         if batch.starts is None:
@@ -263,7 +264,16 @@ def test_the_schedulers_counts_are_the_rows_counts_where_they_are_read(llm, asyn
         check(batch, "advance")
         return advance_rows(eng, batch, pending)
 
+    split = engine.plain_rows.split
+
+    def checked_split(seqs, tokens, now, lengths=None):
+        if lengths is not None:  # the advance's counts, carried to the fold of its step
+            seen["split"] += 1
+            np.testing.assert_array_equal(lengths, [len(s.token_ids) for s in seqs], err_msg="split")
+        return split(seqs, tokens, now, lengths)
+
     engine._execute = checked_execute
+    engine.plain_rows.split = checked_split
     monkeypatch.setattr(async_module, "_advance_rows", checked_advance)
     arrivals = rng.poisson(4, 60).tolist()
     aborts = {rid: int(rng.integers(1, 6)) for rid, _, _ in requests if rng.random() < 0.1}
@@ -278,5 +288,6 @@ def test_the_schedulers_counts_are_the_rows_counts_where_they_are_read(llm, asyn
     finals = drive(engine, requests, arrivals, aborts)
     assert finals.keys() == {rid for rid, _, _ in requests}
     assert recomputed and recomputed[0] > 0
-    assert seen["execute"] > 30 and (seen["advance"] > 10 if async_scheduling else not seen["advance"])
+    assert seen["execute"] > 30
+    assert (seen["advance"] > 10 and seen["split"] > 10) if async_scheduling else not (seen["advance"] or seen["split"])
     assert not engine.requests and engine.block_manager.num_free_pages == engine.block_manager.num_pages
