@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from inference.engine.outputs import RequestOutput
-from inference.engine.scheduler import ScheduledBatch, token_limit, uncomputed
+from inference.engine.scheduler import ScheduledBatch, token_limit
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.runtime.batch import ModelInput, TokenFeed
 from inference.runtime.runner import PendingStep
@@ -61,7 +61,6 @@ Engine = Any
 
 log = logging.getLogger(__name__)
 
-_computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _request_id = operator.attrgetter("request_id")
 _status = operator.attrgetter("status")
@@ -155,7 +154,8 @@ def sync_reasons(batch: ScheduledBatch, in_flight: InFlightStep | None,
         # A sequence whose placeholder is not its only uncomputed token, computed by this step as a plain decode row.
         fed = in_flight.rows_of(seqs) >= 0
         if fed.any():
-            left = batch.lengths - batch.starts if batch.starts is not None else uncomputed(seqs)[1]
+            starts, lengths = batch.counts()
+            left = lengths - starts
             plain = (np.fromiter(batch.num_new_tokens, np.int64, len(seqs)) == 1) & (left == 1)
             if (fed & ~plain).any():
                 reasons.add("recompute")
@@ -222,16 +222,10 @@ def _advance_rows(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -
     (`ScheduledBatch.starts`, `lengths`) where it read them; a steady decode pass's rows (`ScheduledBatch.computed`)
     each computed their one uncomputed token: every row samples."""
     seqs, computed, n = batch.seqs, batch.computed, len(batch.seqs)
-    before = batch.starts if batch.starts is not None else np.fromiter(map(_computed, seqs), np.int64, n)
+    before, lengths = batch.counts()
     after = before + np.asarray(batch.num_new_tokens, np.int64)
     collections.deque(map(setattr, seqs, itertools.repeat("num_computed_tokens"), after.tolist()), 0)
-    lengths = batch.lengths
-    if computed is not None:
-        sampled = np.ones(n, bool)
-    else:
-        if lengths is None:
-            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
-        sampled = after >= lengths
+    sampled = np.ones(n, bool) if computed is not None else after >= lengths
     # A row's first step starts its chain; a step that completes a page registers it (`fold.advance`).
     ps = engine.page_size
     for i in np.flatnonzero((before == 0) | (before // ps != after // ps)).tolist():
@@ -244,14 +238,14 @@ def _advance_rows(engine: Engine, batch: ScheduledBatch, pending: PendingStep) -
         rows = dict(zip(seqs, range(n)))
     else:
         rows = dict(zip(itertools.compress(seqs, sampled.tolist()), np.flatnonzero(sampled).tolist()))
-        lengths = None if lengths is None else lengths[sampled]
+        lengths = lengths[sampled]
     collections.deque(map(list.append, map(_token_ids, rows), itertools.repeat(PLACEHOLDER)), 0)
     if computed is not None and len(rows) == n:
         engine.scheduler.advanced(seqs, after)
     last = engine.advanced_requests
     if last is None or last[0] != seqs:  # the same rows as the last advance (identities compared in C): its requests
         last = engine.advanced_requests = (seqs, list(dict.fromkeys(map(_request_id, seqs))))
-    return InFlightStep(pending, rows, last[1], lengths=None if lengths is None else lengths + 1)
+    return InFlightStep(pending, rows, last[1], lengths=lengths + 1)
 
 
 def fold(engine: Engine, in_flight: InFlightStep) -> list[RequestOutput]:

@@ -51,8 +51,6 @@ from inference.lora.request import LoRARequest
 log = logging.getLogger(__name__)
 
 _params = operator.attrgetter("params")
-_token_ids = operator.attrgetter("token_ids")
-_num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
 def freeze_heap() -> int:
@@ -399,7 +397,7 @@ class Engine:
                     ) -> tuple[ModelInput, SamplingTensors, StepFlags]:
         """The step's input, sampling rows and static flags, built from the sequences' kept rows (`rows`, their
         `InputRows`) and counts (the general path)."""
-        seqs, n = batch.seqs, len(batch.seqs)
+        seqs = batch.seqs
         inp, real_tokens = build_model_input(batch, self.page_size, self.limits, self.num_spec,
                                              lora_slots=lora_slots, state_slots=self.state is not None,
                                              spec_slot=self.state.spec_slot if self.state is not None else None,
@@ -415,9 +413,7 @@ class Engine:
         pen = bool(needs & NEEDS_PENALTIES)  # only then the rows' token ids go to the device
         pad_to = inp.logits_indices.shape[0]
         token_mask, mask_in_raw = self._token_mask(batch, bool(needs & NEEDS_ALLOWED), pad_to)
-        lengths = batch.lengths if batch.lengths is not None else np.fromiter(map(len, map(_token_ids, seqs)),
-                                                                               np.int64, n)
-        generated = lengths - self.input_rows.prompt_lens[rows]
+        generated = batch.counts()[1] - self.input_rows.prompt_lens[rows]
         sampling = SamplingTensors.from_params(
             params, None, generated, pad_to=pad_to,
             prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs] if pen else None,

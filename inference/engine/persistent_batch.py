@@ -31,7 +31,6 @@ from inference.runtime.batch import ModelInput
 from inference.runtime.step_variants import StepFlags
 from inference.sampling.sampler import SamplingTensors
 
-_computed = operator.attrgetter("num_computed_tokens")
 _token_ids = operator.attrgetter("token_ids")
 _last = operator.itemgetter(-1)
 
@@ -68,8 +67,7 @@ class PersistentDecodeBatch:
             self._kept = None
             return None
         seqs, n = batch.seqs, len(batch.seqs)
-        starts = batch.starts if batch.starts is not None else \
-            np.fromiter(map(_computed, seqs), np.int64, n)  # a C loop over the rows
+        starts = batch.counts()[0]
         if not np.array_equal(starts, kept.starts + 1):  # not every row moved on by exactly one token
             self._kept = None
             return None
@@ -122,10 +120,7 @@ class PersistentDecodeBatch:
                 or inp.spec is not None):
             return
         seqs, n = batch.seqs, len(batch.seqs)
-        starts, lengths = batch.starts, batch.lengths
-        if starts is None:  # C loops over the rows
-            starts = np.fromiter(map(_computed, seqs), np.int64, n)
-            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)
+        starts, lengths = batch.counts()
         if not (np.array_equal(lengths, starts + 1) and (starts >= prompt_lens).all()):
             return
         steps = np.asarray(sampling.step[:len(seqs)]).copy()

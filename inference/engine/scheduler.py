@@ -60,6 +60,14 @@ class ScheduledBatch:
     starts: np.ndarray | None = None
     lengths: np.ndarray | None = None
 
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """`starts` and `lengths`; read from the rows (C loops) and kept where the batch's maker did not set them (a
+        batch made outside the scheduler: tests, the draft model's, async scheduling's rebuilt synchronous one)."""
+        if self.starts is None or self.lengths is None:
+            starts, left = uncomputed(self.seqs)
+            self.starts, self.lengths = starts, starts + left
+        return self.starts, self.lengths
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)

@@ -31,7 +31,6 @@ from models.attention import AttentionMetadata
 
 _block_tables = operator.attrgetter("block_tables")
 _token_ids = operator.attrgetter("token_ids")
-_computed = operator.attrgetter("num_computed_tokens")
 _num_prompt_tokens = operator.attrgetter("num_prompt_tokens")
 
 
@@ -183,7 +182,7 @@ def build_model_input(batch: ScheduledBatch, page_size: int, limits: BucketLimit
     # Vectorized over the batch: each sequence's scalars, token slice and page table are read in C loops (`map`
     # over the rows), numpy does the rest, so a 256-sequence step costs no per-sequence Python or numpy calls.
     counts = np.asarray(batch.num_new_tokens, np.int64)
-    starts = batch.starts if batch.starts is not None else np.fromiter(map(_computed, seqs), np.int64, num_seqs)
+    starts = batch.counts()[0]
     ends = np.cumsum(counts)
     cu_q_lens[1:num_seqs + 1] = ends
     cu_q_lens[num_seqs + 1:] = num_tokens
