@@ -11,6 +11,7 @@ import pytest
 from inference import SamplingParams
 from inference.entrypoints.openai.logprobs import logprob_value
 from inference.entrypoints.openai.server import ServerThread
+from tests.server_clients import openai_client
 
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "Water boils at", "def fibonacci(n):"]
@@ -25,7 +26,7 @@ def server(smollm2):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def test_completions_greedy_equal_generate(smollm2, client):

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from inference.entrypoints.openai.server import ServerThread
+from tests.server_clients import openai_client
 
 KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -91,13 +92,13 @@ def test_a_chunked_body_over_the_limit_is_a_413(server):
 
 
 def test_the_openai_client_sees_typed_errors(server):
-    good = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+    good = openai_client(server, KEY)
     with pytest.raises(openai.BadRequestError, match="top_p must be"):
         good.completions.create(model="tiny", prompt=[1, 2], top_p=0)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         good.completions.create(model="nope", prompt=[1, 2])
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+        openai_client(server, "wrong").models.list()
     assert good.completions.create(model="tiny", prompt=[1, 2], max_tokens=3,
                                    extra_body={"ignore_eos": True}).usage.completion_tokens == 3
     # /health and /metrics stay open without the key (probes and scrapers carry none)

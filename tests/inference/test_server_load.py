@@ -16,6 +16,7 @@ import pytest
 from inference import SamplingParams
 from inference.entrypoints.openai.server import ServerThread
 from tests.inference.test_serving import make_llm
+from tests.server_clients import async_openai_client
 
 MODEL = "tiny"
 
@@ -71,7 +72,7 @@ def test_32_concurrent_streaming_clients_equal_the_offline_run(llm, server):
     lengths = [8 + (i % 5) * 6 for i in range(32)]
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+        async with async_openai_client(server) as client:
             return await asyncio.gather(*(stream_tokens(client, p, n) for p, n in zip(ps, lengths)))
 
     results = asyncio.run(main())
@@ -102,7 +103,7 @@ def test_clients_that_disconnect_mid_stream_free_their_pages(llm, server):
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as http, \
-                openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+                async_openai_client(server) as client:
             stays = [stream_tokens(client, p, 24) for p in staying]
             return await asyncio.gather(*(leave(http, p) for p in leaving), *stays)
 

@@ -18,6 +18,7 @@ from inference.entrypoints.openai.errors import OpenAIError
 from inference.entrypoints.openai.models import ServedModels
 from inference.entrypoints.openai.server import ServerThread
 from tests import lora_adapters
+from tests.server_clients import async_openai_client, openai_client
 
 BASE = "smollm2-135m"
 PROMPTS = ["The capital of France is", "My favourite food is"]
@@ -63,7 +64,7 @@ def server(smollm2_lora, adapters, offline):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def _completion(client, model: str, stream: bool) -> list[str]:
@@ -101,7 +102,7 @@ def test_each_adapter_over_http_equals_generate_with_its_lora_request(client, of
 
 def test_base_and_adapters_in_concurrent_requests(server, offline):
     async def run():
-        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        aclient = async_openai_client(server)
         models = [BASE, "srv-a", "srv-b"] * 2
 
         async def one(i: int, model: str) -> str:
