@@ -25,11 +25,13 @@ STEPS = 14  # tokens of the reference generation each case is cut from
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    """The tiny random Llama with SmolLM2's tokenizer and vocabulary (so stop strings see real text)."""
+    """The tiny random Llama with SmolLM2's tokenizer and its first 4096 ids (so stop strings see real text, and
+    byte tokens that are not whole UTF-8 alone come up; the sampler's work over the full 49,152 ids took much of
+    these tests' time)."""
     from inference import LLM
     from scripts.bench.overhead_bench import tiny_model_folder
 
-    folder = tiny_model_folder(os.path.join(tmp_path_factory.mktemp("tiny"), "tiny"))
+    folder = tiny_model_folder(os.path.join(tmp_path_factory.mktemp("tiny"), "tiny"), vocab=4096)
     return LLM(folder, dtype="float32", max_num_seqs=16, max_num_batched_tokens=128, page_size=8,
                kv_cache_memory_bytes=1 << 21, max_model_len=128, seed=0, compilation_cache_dir=None)
 
