@@ -76,8 +76,9 @@ def fast_row(engine: Engine, seq: Sequence) -> FastRow | None:
     times = engine.requests[seq.request_id].metrics.token_times if seq.index == 0 else None
     stop = params.stop if text else ()
     plain = engine.tokenizer.plain_texts(params.skip_special_tokens) if text else {}
+    partial = engine.tokenizer.partial_bytes(params.skip_special_tokens) if text else None
     stop_ids = frozenset(stop_ids)
-    table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, frozenset(stop))
+    table = engine.plain_rows.table(stop_ids, text, params.skip_special_tokens, plain, frozenset(stop), partial)
     return FastRow(token_limit(seq, engine.max_model_len), stop_ids, text, stop,
                    longest_stop(stop) - 1 if stop else 0, tuple({s[-1] for s in stop}), params.min_tokens, times,
                    plain, table,

@@ -12,9 +12,11 @@ is deferred: the sequence appends it when its text is read, or before its next t
 and last token read, its token time appended).
 
 A token keeps its row plain when the row has fast-path constants, its length is below the row's limit, the token is
-not one of the row's stop ids, and, for a row that detokenizes, its detokenizer holds nothing back, the stop strings
-were checked at the row's last token, and the token's text is whole UTF-8 alone and no stop string can end in it,
-whatever text came before (`can_end_stop`). Every other row takes the fold's per-row path.
+not one of the row's stop ids, and, for a row that detokenizes, its detokenizer held nothing back when the plain run
+began, the stop strings were checked at the row's last token, and either the token's text is whole UTF-8 alone and
+no stop string can end in it, whatever text came before (`can_end_stop`), or the token is a part of a multi-byte
+character (`Tokenizer.partial_bytes`: text in CJK scripts, emoji), every stop string ends in an ASCII character, and
+none of those is among its bytes. Every other row takes the fold's per-row path.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ class _Rows:
     tables: np.ndarray  # bool[kinds, vocab + 1]: a token keeps a row of that kind plain
     times: list[list[float] | None]  # FastRow.token_times
     timed: np.ndarray  # bool: times[i] is not None
-    plain_state: np.ndarray  # bool: the row's detokenizer holds nothing back (IncrementalDetokenizer.plain)
+    # bool: a plain run may go on or begin: the row's detokenizer holds nothing back (IncrementalDetokenizer.plain),
+    # or its plain run goes on (after a reader settled it part-way, the detokenizer may hold a character's bytes)
+    plain_state: np.ndarray
     deferring: np.ndarray  # bool: the row's text is deferred (Sequence.deferred_from is set)
     # The tables stacked in `tables`, as the rows' `FastRow.table` objects: a row carried into the next fold's rows
     # finds its kind by identity (held here, so no id is reused while these rows live).
@@ -97,10 +101,11 @@ class PlainRows:
         self._since: set[Sequence] = set()
 
     def table(self, stop_ids: frozenset[int], text: bool, skip_special_tokens: bool, plain: dict[int, str],
-              stops: frozenset[str]) -> np.ndarray:
+              stops: frozenset[str], partial: dict[int, frozenset[int]] | None = None) -> np.ndarray:
         """The table of a kind of row: True at the tokens that keep it plain, False past the vocabulary (the last
         entry, where an out-of-range token is looked up). `plain`: the tokenizer's `plain_texts` for
-        `skip_special_tokens` (one tokenizer an engine); `stops`: the row's stop strings."""
+        `skip_special_tokens` (one tokenizer an engine); `stops`: the row's stop strings; `partial`: the tokenizer's
+        `partial_bytes` (None: no such token keeps a row plain)."""
         key = (stop_ids, text, skip_special_tokens, stops)
         table = self._tables.get(key)
         if table is None:
@@ -116,6 +121,13 @@ class PlainRows:
                     ends = stop_end_test(stop)
                     table[[i for i in self._holding_char(skip_special_tokens, plain, stop[-1])
                            if ends(plain[i])]] = False
+                last = {ord(stop[-1]) for stop in stops}
+                if partial and max(last, default=0) < 128:
+                    # Whenever the text of a part of a character comes out (at its own add or at a later token's),
+                    # it is U+FFFD, non-ASCII characters and its own ASCII bytes: with every stop string ending in an
+                    # ASCII character, a match can end there only at one of those bytes. The run's text from such a
+                    # token on is settled through the detokenizer (`Sequence.settle_text`).
+                    table[[i for i, ascii in partial.items() if i < size and not ascii & last]] = True
             else:
                 table[:size] = True
             table[[i for i in stop_ids if 0 <= i < size]] = False
@@ -175,8 +187,8 @@ class PlainRows:
         """After row `i`'s token took the per-row path: its text is settled, and its detokenizer's state read."""
         rows = self._rows
         if rows is not None and i < len(rows.seqs) and rows.seqs[i] is seq:
-            rows.deferring[i] = seq.deferred_from is not None
-            rows.plain_state[i] = getattr(seq.detokenizer, "plain", False)
+            rows.deferring[i] = deferring = seq.deferred_from is not None
+            rows.plain_state[i] = deferring or getattr(seq.detokenizer, "plain", False)
 
     def _build(self, seqs: list[Sequence]) -> _Rows:
         """The rows' constants, read in C loops (`map` over the rows): a row without fast-path constants reads as
@@ -191,14 +203,14 @@ class PlainRows:
         by_id = dict(zip(ids.tolist(), tables))
         kind_tables = [by_id[k] for k in kinds.tolist()] or [self._no_row.table]
         times = list(map(_token_times, rows))
+        deferring = np.fromiter(map(operator.is_not, map(_deferred_from, seqs), itertools.repeat(None)), bool, n)
         return _Rows(list(seqs), np.fromiter(map(_length_limit, rows), np.int64, n),
                      np.fromiter(map(_plain_from, rows), np.int64, n), np.fromiter(map(_text, rows), bool, n),
                      table_of.reshape(-1).astype(np.int64), np.stack(kind_tables), times,
                      np.fromiter(map(operator.is_not, times, itertools.repeat(None)), bool, n),
-                     np.fromiter(map(getattr, map(_detokenizer, seqs), itertools.repeat("plain"),
-                                     itertools.repeat(False)), bool, n),
-                     np.fromiter(map(operator.is_not, map(_deferred_from, seqs), itertools.repeat(None)), bool, n),
-                     kind_tables)
+                     deferring | np.fromiter(map(getattr, map(_detokenizer, seqs), itertools.repeat("plain"),
+                                                 itertools.repeat(False)), bool, n),
+                     deferring, kind_tables)
 
     def _carry(self, old: _Rows, seqs: list[Sequence]) -> _Rows:
         """The rows of `seqs` from the last fold's (`old`): a row that was there keeps its constants and state,
@@ -242,8 +254,8 @@ class PlainRows:
                 k, row.length_limit, row.plain_from, row.text
             rows.times[i] = row.token_times
             rows.timed[i] = row.token_times is not None
-            rows.plain_state[i] = getattr(seq.detokenizer, "plain", False)
-            rows.deferring[i] = seq.deferred_from is not None
+            rows.deferring[i] = deferring = seq.deferred_from is not None
+            rows.plain_state[i] = deferring or getattr(seq.detokenizer, "plain", False)
         if len(rows.kinds) > len(old.kinds):
             if len(rows.kinds) > _MAX_TABLES:  # kinds of rows long gone pile up: read every row again
                 return self._build(seqs)

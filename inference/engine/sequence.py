@@ -64,10 +64,12 @@ class Sequence:
         self.block_tables[0] = pages
 
     def settle_text(self, end: int | None = None) -> None:
-        """Append the deferred plain tokens' text (each token's `fast_row.plain` text: what the detokenizer, plain
-        through them, emits for them; it is told of them too). `end`: the tokens before that index, and the plain
-        run ends (the fold, before a token that is not plain); None: every folded token (an in-flight placeholder,
-        a negative id, is not one), and the run goes on (a reader of the text)."""
+        """Append the deferred plain tokens' text. A token with a `fast_row.plain` text, while the detokenizer holds
+        nothing back, adds just that text (it is told of the token too); from a token without one (a part of a
+        multi-byte character: `PlainRows.table`), the detokenizer adds each token as the fold's per-row path would.
+        `end`: the tokens before that index, and the plain run ends (the fold, before a token that is not plain);
+        None: every folded token (an in-flight placeholder, a negative id, is not one), and the run goes on (a
+        reader of the text)."""
         start = self.deferred_from
         if start is None:
             return
@@ -79,18 +81,27 @@ class Sequence:
             self.deferred_from = end
         else:
             self.deferred_from = None
+        plain, detokenizer = self.fast_row.plain, self.detokenizer
         if end - start == 1:  # a reader at every step (streaming): one token, no lists
-            text = self.fast_row.plain[ids[start]]
-            self.detokenizer.add_plains(ids[start], text)
+            token = ids[start]
+            text = plain.get(token)
+            if text is not None and detokenizer.plain:
+                detokenizer.add_plains(token, text)
+            else:
+                text = detokenizer.add(token)
         elif end > start:
             tokens = ids[start:end]
-            texts = list(map(self.fast_row.plain.__getitem__, tokens))
-            self.detokenizer.add_plains(tokens, texts)
-            text = "".join(texts)
+            texts = list(map(plain.get, tokens)) if detokenizer.plain else [None]
+            whole = len(tokens) if None not in texts else texts.index(None)  # the run's plain head
+            detokenizer.add_plains(tokens[:whole], texts[:whole])
+            text = "".join(texts[:whole])
+            if whole < len(tokens):
+                text += "".join(map(detokenizer.add, tokens[whole:]))
         else:
             return
-        self.text_parts.append(text)
-        self._text_len += len(text)
+        if text:
+            self.text_parts.append(text)
+            self._text_len += len(text)
 
     @property
     def text_len(self) -> int:

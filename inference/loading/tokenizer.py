@@ -92,6 +92,7 @@ class Tokenizer:
         self._compiled_template: Any = None
         self._token_bytes: dict[bool, list[bytes] | None] = {}  # `token_bytes`, made on first use
         self._plain_texts: dict[bool, dict[int, str]] = {}  # `plain_texts`, made on first use
+        self._partial_bytes: dict[bool, dict[int, frozenset[int]]] = {}  # `partial_bytes`, made on first use
 
     # ---------------------------------------------------------------- constructors
 
@@ -222,6 +223,18 @@ class Tokenizer:
             table = self.token_bytes(key) or ()
             self._plain_texts[key] = {i: text for i, text in enumerate(map(_whole_text, table)) if text is not None}
         return self._plain_texts[key]
+
+    def partial_bytes(self, skip_special_tokens: bool) -> dict[int, frozenset[int]]:
+        """The other ids with bytes (a lone byte of a multi-byte character, an emoji's first half), each with its
+        ASCII bytes: what its text can add of a character below 128 once the detokenizer emits it, maybe together
+        with a later id's (every other character it adds is non-ASCII: a completed one, or U+FFFD). Empty for a
+        decoder that is not byte-level. Made once; read-only."""
+        key = bool(skip_special_tokens)
+        if key not in self._partial_bytes:
+            table, plain = self.token_bytes(key) or (), self.plain_texts(key)
+            self._partial_bytes[key] = {i: frozenset(b for b in data if b < 128) for i, data in enumerate(table)
+                                        if data and i not in plain}
+        return self._partial_bytes[key]
 
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":

@@ -16,6 +16,7 @@ from inference import SamplingParams
 from inference.engine import fold
 from inference.engine.llm_engine import Engine
 from inference.engine.plain_rows import PlainRows
+from inference.engine.sequence import Sequence
 from inference.loading.tokenizer import IncrementalDetokenizer
 from inference.spec_decode.ngram import NgramProposer, PromptLookupProposer
 from tests.inference.test_persistent_batch import drive
@@ -337,8 +338,7 @@ def test_token_tables_and_settled_text(llm):
     (whatever came before), a token that is not whole UTF-8 alone, and a token past the vocabulary never keep a row
     plain; a row that does not detokenize is kept plain by every token but its stop ids. A sequence's deferred text is
     appended when read, without an in-flight placeholder, and the run goes on after the read."""
-    from inference.engine.plain_rows import PlainRows, can_end_stop
-    from inference.engine.sequence import Sequence
+    from inference.engine.plain_rows import can_end_stop
 
     tokenizer, vocab = llm.tokenizer, llm.runner.config.vocab_size
     plain = tokenizer.plain_texts(True)
@@ -383,3 +383,60 @@ def test_token_tables_and_settled_text(llm):
     seq.settle_text(len(seq.token_ids) - 1)  # the fold, before a token that is not plain
     assert seq.deferred_from is None and seq.output_text == reference.text + reference.add(no_x[3])
     assert seq.detokenizer.add(with_x) == reference.add(with_x)
+    # Parts of characters (`Tokenizer.partial_bytes`) keep a row plain where every stop string ends in an ASCII
+    # character that is not among their bytes; a run with them settles through the detokenizer, as each add would.
+    partial_bytes = tokenizer.partial_bytes(True)
+    parts = [i for i in partial_bytes if i < vocab]
+    spaced = [i for i in parts if ord(" ") in partial_bytes[i]]  # " \xe2\x80": a space, then a character's start
+    assert parts and spaced and set(parts).isdisjoint(plain)
+    assert not rows.table(frozenset({eos}), True, True, plain, frozenset("x"))[parts].any()  # none given
+    with_parts = rows.table(frozenset({eos}), True, True, plain, frozenset({"x", "a b"}), partial_bytes)
+    assert with_parts[parts].all() and with_parts[no_x].all() and not with_parts[with_x]
+    spaced_stop = PlainRows(vocab).table(frozenset({eos}), True, True, plain, frozenset({"x", "a "}), partial_bytes)
+    assert not spaced_stop[spaced].any() and spaced_stop[[i for i in parts if i not in spaced]].all()
+    wide_stop = PlainRows(vocab).table(frozenset({eos}), True, True, plain, frozenset({"x", "é"}), partial_bytes)
+    assert not wide_stop[parts].any() and wide_stop[no_x].all()  # a stop string ending in a non-ASCII character
+    for run in ([parts[0], parts[1], no_x[0], spaced[0], no_x[1]], [no_x[0], parts[2]], [parts[3]]):
+        seq = Sequence(seq_id=1, request_id="r", index=0, token_ids=[1, 2], num_prompt_tokens=2,
+                       params=SamplingParams(), seed=0, arrival_order=0)
+        seq.detokenizer, reference = tokenizer.detokenizer(prompt_ids=[1, 2]), tokenizer.detokenizer(prompt_ids=[1, 2])
+        seq.fast_row = fold.FastRow(100, frozenset({eos}), True, (), 0, (), 0, None, plain, with_parts)
+        seq.token_ids += run
+        seq.deferred_from = 2
+        assert seq.output_text == "".join(map(reference.add, run)) and seq.text_len == len(seq.output_text)
+        seq.token_ids.append(no_x[2])  # the run goes on, from a detokenizer that may hold bytes back now
+        assert seq.output_text == reference.text + reference.add(no_x[2])
+        assert seq.detokenizer.finish() == reference.finish()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_parts_of_characters_give_the_general_paths_outputs(llm, monkeypatch, async_scheduling):
+    """Rows that sample parts of multi-byte characters (random mixes of them, so also bytes that never make a
+    character: U+FFFD) among plain tokens, under stop strings that let them keep a row plain or not (one ends in
+    U+FFFD itself), read at every step: every step's text and every final output equal the general path's, and runs
+    with parts of characters were folded as plain rows."""
+    tokenizer, vocab = llm.tokenizer, llm.runner.config.vocab_size
+    parts = [i for i in tokenizer.partial_bytes(True) if i < vocab]
+    words = [t for w in ("a", " a", " the", "e", " ", "\n", "日本", "é") for t in tokenizer.encode(w) if t < vocab]
+    allowed = sorted(set(parts + words))
+    stops = [[], ["a"], [" "], ["the", "\n"], ["\ufffd"], ["日"]]
+    requests = [(f"p{i}", [5 + i, 900, 1200, 77], SamplingParams(
+        temperature=1.0, seed=i, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed, stop=stops[i % 6],
+        include_stop_str_in_output=i % 4 == 0)) for i in range(12)]
+    deferred_parts = [0]
+    settle = Sequence.settle_text
+
+    def counted(self, end=None):
+        if self.deferred_from is not None:
+            run = self.token_ids[self.deferred_from:end]
+            deferred_parts[0] += sum(1 for t in run if t >= 0 and t not in self.fast_row.plain)
+        return settle(self, end)
+
+    monkeypatch.setattr(Sequence, "settle_text", counted)  # until the first run's end (it undoes the patches)
+    fast, _ = _run(llm, requests, async_scheduling=async_scheduling, general_only=False, monkeypatch=monkeypatch)
+    slow, _ = _run(llm, requests, async_scheduling=async_scheduling, general_only=True, monkeypatch=monkeypatch)
+    assert fast == slow
+    assert deferred_parts[0] > 20
+    reasons = [fast[f"p{i}"][2] for i in range(12)]
+    assert "stop" in reasons and "length" in reasons
+    assert any("\ufffd" in fast[f"p{i}"][1] for i in range(12))  # bytes that never made a character
