@@ -231,6 +231,9 @@ def test_a_failing_detokenizer_fails_only_its_request(llm, monkeypatch):
         def plain_texts(self, skip_special_tokens):
             return {}  # no token skips the detokenizer: every one goes through Detok.add
 
+        def partial_bytes(self, skip_special_tokens):
+            return {}
+
     monkeypatch.setattr(llm.engine, "tokenizer", FakeTokenizer())
     good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     bad = good.replace(skip_special_tokens=False)
