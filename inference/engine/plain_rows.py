@@ -106,7 +106,7 @@ class PlainRows:
         entry, where an out-of-range token is looked up). `plain`: the tokenizer's `plain_texts` for
         `skip_special_tokens` (one tokenizer an engine); `stops`: the row's stop strings; `partial`: the tokenizer's
         `partial_bytes` (None: no such token keeps a row plain)."""
-        key = (stop_ids, text, skip_special_tokens, stops)
+        key = (stop_ids, text, skip_special_tokens, stops, partial is not None)
         table = self._tables.get(key)
         if table is None:
             size = self.vocab_size
