@@ -187,8 +187,7 @@ class PlainRows:
         """After row `i`'s token took the per-row path: its text is settled, and its detokenizer's state read."""
         rows = self._rows
         if rows is not None and i < len(rows.seqs) and rows.seqs[i] is seq:
-            rows.deferring[i] = deferring = seq.deferred_from is not None
-            rows.plain_state[i] = deferring or getattr(seq.detokenizer, "plain", False)
+            rows.deferring[i], rows.plain_state[i] = _run_state(seq)
 
     def _build(self, seqs: list[Sequence]) -> _Rows:
         """The rows' constants, read in C loops (`map` over the rows): a row without fast-path constants reads as
@@ -254,13 +253,18 @@ class PlainRows:
                 k, row.length_limit, row.plain_from, row.text
             rows.times[i] = row.token_times
             rows.timed[i] = row.token_times is not None
-            rows.deferring[i] = deferring = seq.deferred_from is not None
-            rows.plain_state[i] = deferring or getattr(seq.detokenizer, "plain", False)
+            rows.deferring[i], rows.plain_state[i] = _run_state(seq)
         if len(rows.kinds) > len(old.kinds):
             if len(rows.kinds) > _MAX_TABLES:  # kinds of rows long gone pile up: read every row again
                 return self._build(seqs)
             rows.tables = np.concatenate([old.tables, np.stack(rows.kinds[len(old.kinds):])])
         return rows
+
+
+def _run_state(seq: Sequence) -> tuple[bool, bool]:
+    """A row's `_Rows.deferring` and `_Rows.plain_state`, read from its sequence."""
+    deferring = seq.deferred_from is not None
+    return deferring, deferring or getattr(seq.detokenizer, "plain", False)
 
 
 def _sources(old: _Rows, seqs: list[Sequence], excluded: set[Sequence]) -> np.ndarray:
