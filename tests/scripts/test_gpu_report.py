@@ -1,6 +1,7 @@
 """scripts/bench/gpu_report.py --smoke: the GPU report's whole flow on CPU with tiny shapes (interpreted kernels with
-padded metadata, tiny-llama through the benchmark machinery, a profiler trace summarized per kernel and step, a
-family checkpoint against transformers' logits, JSON and markdown), in a subprocess (absl flags are global); and
+padded metadata, tiny-llama through the benchmark machinery, a profiler trace summarized per kernel and step, the
+scheduling policies side by side, the host-overhead bench in a child process, a family checkpoint against
+transformers' logits, JSON and markdown), in a subprocess (absl flags are global); and
 the trace summary on synthetic GPU-shaped events."""
 
 from __future__ import annotations
@@ -34,8 +35,20 @@ def test_gpu_report_smoke(tmp_path):
     assert trace["step"] == "PjitFunction(packed_step)" and trace["steps"] >= 2
     assert 0 < trace["busy_ms_median"] <= trace["spacing_ms_median"] and trace["top_kernels"]
     assert r["families"] and all(f["ok"] for f in r["families"].values())
+    serving = r["serving"]
+    assert serving["auto"] in ("mixed", "prefill_first") and serving["num_requests"] == 4
+    for policy in ("mixed", "prefill_first"):
+        row = serving[policy]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] and row["itl_p99_over_p50"] >= 1
+        assert row["output_tok_s"] > 0 and row["offline_output_tok_s"] > 0 and row["compiles_in_measured_run"] >= 0
+    host = r["host"]
+    small, large = host["seqs_4"], host["seqs_8"]
+    assert small["device_ms"] > 0 and large["step_ms"] > 0 and large["host_ms_per_seq"] > 0
+    assert abs(host["itl_p50_growth"] - large["itl_p50_ms"] / small["itl_p50_ms"]) < 1e-9
+    assert abs(host["step_over_device_ms"] - (large["step_ms"] - large["device_ms"])) < 1e-9
     table = md.read_text()
     assert "basic_padded pallas" in table and "model batch_1 decode" in table and "trace batch" in table
+    assert "serving prefill_first" in table and "host: tiny model's gap between tokens, 4 -> 8" in table
 
 
 def _event(name, start, end):
