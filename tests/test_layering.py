@@ -64,11 +64,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "inference.sampling.penalties"),
     ("inference.sampling",),
     ("inference.loading", "inference.structured", "inference.rl"),  # grammar matchers; RL's logprobs (no engine)
-    # The engine's host bookkeeping sits below the runtime (which reads the scheduler's `ScheduledBatch`), its
+    # The engine's host bookkeeping sits below the runtime (which reads `ScheduledBatch`), its
     # driver above it, so inference/engine/__init__.py stays free of imports: it runs before any of them.
     ("inference.engine.__init__", "inference.engine.sequence", "inference.engine.outputs"),
     ("inference.engine.stop", "inference.engine.metrics", "inference.engine.pages", "inference.engine.logprobs"),
-    ("inference.engine.scheduler",),
+    ("inference.engine.scheduled_batch", "inference.engine.scheduler"),
     ("inference.runtime", "inference.runtime.compile_progress", "inference.runtime.warmup",
      "inference.runtime.step_variants"),
     ("inference.spec_decode",),

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from inference.engine.outputs import RequestOutput
-from inference.engine.scheduler import ScheduledBatch, token_limit
+from inference.engine.scheduled_batch import ScheduledBatch, token_limit
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.runtime.batch import ModelInput, TokenFeed
 from inference.runtime.runner import PendingStep

@@ -29,7 +29,7 @@ import numpy as np
 from inference.engine.async_scheduling import drop_placeholder
 from inference.engine.logprobs import TokenTexts, logprobs_dict
 from inference.engine.outputs import CompletionOutput, DeferredRequestOutput, RequestOutput
-from inference.engine.scheduler import ScheduledBatch, token_limit
+from inference.engine.scheduled_batch import ScheduledBatch, token_limit
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.engine.stop import check_stop, flush_text, longest_stop, match_stop_string
 from inference.runtime.runner import StepOutput

@@ -37,7 +37,8 @@ from inference.engine.async_scheduling import (PLACEHOLDER, AsyncStats, InFlight
                                               fold_in_flight, merge_outputs)
 from inference.engine.request_checks import bad_words_ids_of, compile_grammar, validate
 from inference.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_speculative_budget
-from inference.engine.scheduler import ScheduledBatch, Scheduler
+from inference.engine.scheduled_batch import ScheduledBatch
+from inference.engine.scheduler import Scheduler
 from inference.engine.input_rows import InputRows
 from inference.engine.persistent_batch import PersistentDecodeBatch
 from inference.engine.plain_rows import PlainRows

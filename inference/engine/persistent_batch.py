@@ -25,7 +25,7 @@ import operator
 import numpy as np
 
 from inference.engine.pages.block_manager import TableChanges
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduled_batch import ScheduledBatch
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import ModelInput
 from inference.runtime.step_variants import StepFlags

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduled_batch import ScheduledBatch
 from models.attention import AttentionMetadata
 
 _block_tables = operator.attrgetter("block_tables")

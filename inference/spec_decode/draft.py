@@ -41,7 +41,7 @@ from inference.runtime.runner import ModelRunner
 from inference.runtime.step_variants import StepVariant, warm_variants
 from inference.runtime.warmup import decode_shapes, prefill_shapes, propose_limits, propose_shapes
 from inference.sampling.sampler import PRNG_IMPL, SamplingTensors, needs_filters, sample
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduled_batch import ScheduledBatch
 from inference.sampling.rejection import probs_from_logits
 from inference.engine.config import check_num_drafts
 from inference.spec_decode.proposer import DraftModelProposer, DraftProposal

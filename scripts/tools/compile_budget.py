@@ -69,7 +69,7 @@ def count_before_after(engine) -> dict:
 
 def _batch(n: int, context: int, count: int, page: int, params=None):
     """A batch of n sequences of `context` tokens whose last `count` tokens run now, on disjoint pages."""
-    from inference.engine.scheduler import ScheduledBatch
+    from inference.engine.scheduled_batch import ScheduledBatch
     from inference.engine.sequence import Sequence as Seq
     from inference.sampling.params import SamplingParams
 

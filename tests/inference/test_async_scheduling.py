@@ -340,7 +340,7 @@ def test_parameter_checks_follow_the_joins():
     """`sync_reasons` checks a row's parameters until it is found clean, then never again: a penalty row makes every
     step it is in synchronous, and the steps after it left overlap; the clean rows are checked once."""
     from inference.engine.async_scheduling import ParamsChecked, sync_reasons
-    from inference.engine.scheduler import ScheduledBatch
+    from inference.engine.scheduled_batch import ScheduledBatch
     from inference.engine.sequence import Sequence
 
     def seq(i: int, **params) -> Sequence:

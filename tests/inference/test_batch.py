@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduled_batch import ScheduledBatch
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import BucketLimits, build_model_input
 from inference.sampling.params import SamplingParams

@@ -11,7 +11,8 @@ import pytest
 
 from inference.engine.config import SchedulerConfig
 from inference.engine.pages.kv_cache_manager import KVCacheManager
-from inference.engine.scheduler import Scheduler, token_limit
+from inference.engine.scheduled_batch import token_limit
+from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.sampling.params import SamplingParams
 

@@ -12,7 +12,7 @@ from inference import LLM, SamplingParams
 from inference.engine.compile_budget import count_variants
 from inference.engine.config import SpeculativeConfig
 from inference.engine.llm_engine import Engine
-from inference.engine.scheduler import ScheduledBatch
+from inference.engine.scheduled_batch import ScheduledBatch
 from inference.engine.sequence import Sequence
 from inference.runtime.batch import BucketLimits, build_model_input
 from inference.runtime.step_variants import StepFlags, fold_extras
