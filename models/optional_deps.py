@@ -1,8 +1,8 @@
 """Libraries that only some features need, imported when the feature runs.
 
-The engine with a preset or a Hugging Face folder needs only jax, flax, numpy and tokenizers: a machine that has just
-the core stack (a bare accelerator image) can run it. GGUF files need `gguf`, structured outputs `llguidance`, AWQ
-calibration `grain`; each stays a dependency of the package, and a feature whose library is missing says which
+The engine with a preset needs only jax, flax, numpy and tokenizers: a machine that has just the core stack (a bare
+accelerator image) can run it. GGUF files need `gguf`, structured outputs `llguidance`, AWQ calibration `grain`, a
+Hugging Face folder's weights `safetensors`; each stays a dependency of the package, and a feature whose library is missing says which
 package to install instead of failing at `import inference`.
 """
 

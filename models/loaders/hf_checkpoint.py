@@ -14,11 +14,11 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from models.config import ModelConfig, RopeScaling
 from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors, fp8_layout, take_fp8_weights
 from models.loaders.hf_names import FP8_LINEARS, LINEARS, canonical_name, hf_name
+from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
 
@@ -299,6 +299,7 @@ def read_safetensors_raw(path: str, name: str) -> np.ndarray:
 
 def _read_file(path: str, names: list[str] | None = None) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
+    safe_open = require("safetensors", "reading a Hugging Face folder's weights").safe_open
     try:
         f_ctx = safe_open(path, framework="np")
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types

@@ -1,7 +1,8 @@
-"""The engine runs with only the core stack: gguf, llguidance and grain are imported where their feature runs.
+"""The engine runs with only the core stack: gguf, llguidance, grain and safetensors are imported where their feature
+runs.
 
 A bare accelerator image (jax, flax, numpy, tokenizers) must be able to `import inference`, build a model and
-generate; a feature whose library is missing must say which package to install. The child process makes the three
+generate; a feature whose library is missing must say which package to install. The child process makes the four
 libraries unimportable (`sys.modules[name] = None` makes `import name` raise ImportError) before importing anything of
 pagejax, so nothing can have imported them earlier.
 """
@@ -15,7 +16,8 @@ import sys
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPTIONAL = ("gguf", "llguidance", "llguidance.numpy", "grain")
+OPTIONAL = ("gguf", "llguidance", "llguidance.numpy", "grain", "safetensors", "safetensors.numpy")
+FAMILY = os.path.join(ROOT, "tests", "fixtures", "families", "qwen2")  # a Hugging Face folder: safetensors weights
 
 CHILD = textwrap.dedent(f"""
     import json, sys
@@ -36,6 +38,11 @@ CHILD = textwrap.dedent(f"""
     except ImportError as exc:
         errors["gguf"] = str(exc)
     try:
+        from models.loaders.hf_checkpoint import load_hf_folder
+        load_hf_folder({FAMILY!r})
+    except ImportError as exc:
+        errors["hf"] = str(exc)
+    try:
         from models.quantization.awq import calibration_dataset
         calibration_dataset(list(range(64)), 8, 2)
     except ImportError as exc:
@@ -53,6 +60,6 @@ def test_engine_runs_without_the_optional_libraries():
     assert [len(t) for t in result["tokens"]] == [4, 4]
     assert result["loaded"] == []
     # Each feature that needs a missing library names the package and how to install it.
-    for feature, package in (("structured", "llguidance"), ("gguf", "gguf"), ("awq", "grain")):
+    for feature, package in (("structured", "llguidance"), ("gguf", "gguf"), ("awq", "grain"), ("hf", "safetensors")):
         message = result["errors"].get(feature, "")
         assert f"`{package}`" in message and f"pip install {package}" in message, (feature, message)
