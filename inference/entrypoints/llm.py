@@ -243,7 +243,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render a chat; "
                              "use generate(prompt_token_ids=...)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
@@ -312,10 +312,18 @@ class LLM:
 
     @staticmethod
     def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, every one checked before any prompt is queued."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), not a "
+                            f"{type(sampling_params).__name__}; e.g. SamplingParams(temperature=0.0, max_tokens=16)")
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams; build it with "
+                                "SamplingParams(...)")
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
         return list(sampling_params)
@@ -404,11 +412,35 @@ def _per_prompt_lora(lora_request, count: int) -> list:
     """One LoRARequest (or None) per prompt: a single request (or None) for all, or a list aligned with them."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count
+    if isinstance(lora_request, (str, bytes, dict)) or not isinstance(lora_request, Sequence):
+        raise TypeError(f"lora_request must be a LoRARequest, None or a list of them (one per prompt), not a "
+                        f"{type(lora_request).__name__}")
     loras = list(lora_request)
+    for i, lora in enumerate(loras):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request[{i}] is a {type(lora).__name__}, not a LoRARequest or None")
     if len(loras) != count:
         raise ValueError(f"got {len(loras)} lora_requests for {count} prompts; give one per prompt (None: the base "
                          "model) or a single LoRARequest for all")
     return loras
+
+
+def _conversations(messages) -> list[list[dict[str, Any]]]:
+    """`chat`'s argument as a list of conversations: one conversation (a list of message dicts) or a list of them;
+    a TypeError naming the first message that is not a dict with a string `role`."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or not messages:
+        raise TypeError("chat() takes a conversation, a non-empty list of {'role': ..., 'content': ...} dicts, or a "
+                        f"list of conversations; got {type(messages).__name__} {str(messages)[:60]!r}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(conversations):
+        if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Sequence) or not conversation:
+            raise TypeError(f"chat(): conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} "
+                            f"dicts, got {type(conversation).__name__} {str(conversation)[:60]!r}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise TypeError(f"chat(): message {j} of conversation {i} must be a dict with a string 'role' (and "
+                                f"its 'content'), got {type(message).__name__} {str(message)[:60]!r}")
+    return conversations
 
 
 @dataclasses.dataclass

@@ -22,6 +22,9 @@ from models.config import ModelConfig
 from models.lora import TARGET_MODULES, target_shapes
 
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when the file leaves it out
+# The largest |scaling| (alpha / r, or alpha / sqrt(r)) accepted: trained adapters' are O(1) to O(100); one far past
+# it (a lora_alpha of 1e38) turns every activation it touches into inf or NaN, silently.
+MAX_SCALING = 1e6
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
@@ -64,16 +67,22 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int, name: str |
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {label!r} has rank {rank}, above max_lora_rank={max_rank}; raise "
                          "max_lora_rank when building the LLM")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} has lora_alpha={alpha!r}; it must be a number")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} has lora_alpha={alpha!r}; it must be a finite "
+                         "number")
     for key, default in _UNSUPPORTED.items():
         if cfg.get(key) and cfg.get(key) != default:
             raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} sets {key}={cfg[key]!r}, which pagejax does not "
                              f"support (only plain LoRA on {sorted(TARGET_MODULES)}); retrain without it")
     _check_target_modules(cfg.get("target_modules"), label)
     weights = _pairs(tensors, config, rank, label, cfg.get("base_model_name_or_path"))
-    return LoRAAdapter(name=label, rank=rank, scaling=adapter_scaling(alpha, rank, bool(cfg.get("use_rslora"))),
-                       weights=weights, base_model_name=cfg.get("base_model_name_or_path"), path=path)
+    scaling = adapter_scaling(alpha, rank, bool(cfg.get("use_rslora")))
+    if abs(scaling) > MAX_SCALING:
+        raise ValueError(f"LoRA adapter {label!r}: lora_alpha={alpha!r} with r={rank} scales its product by "
+                         f"{scaling:g}, past {MAX_SCALING:g}: its delta would overflow the activations; "
+                         f"{CONFIG_NAME} is corrupt")
+    return LoRAAdapter(name=label, rank=rank, scaling=scaling, weights=weights,
+                       base_model_name=cfg.get("base_model_name_or_path"), path=path)
 
 
 def _read_config(file: str, label: str) -> dict:
@@ -111,6 +120,9 @@ def _read_tensors(path: str, label: str) -> dict[str, np.ndarray]:
 def _check_target_modules(targets, label: str) -> None:
     if targets is None or isinstance(targets, str):  # a regex (or absent): the tensors present decide
         return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} has target_modules={targets!r}; it must be a list "
+                         "of module names or a regex string (as PEFT writes it)")
     unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
         raise ValueError(f"LoRA adapter {label!r} targets {unknown}, which pagejax cannot adapt; supported target "

@@ -175,6 +175,12 @@ def _bad(folder, kind: str):
         tensors["base_model.model.lm_head.lora_A.weight"] = np.zeros((4, 64), np.float32)
     elif kind == "target":
         cfg = {"target_modules": ["q_proj", "embed_tokens"]}
+    elif kind == "target_type":
+        cfg = {"target_modules": [["q_proj"]]}
+    elif kind == "alpha_nan":
+        cfg = {"lora_alpha": float("nan")}
+    elif kind == "alpha_huge":
+        cfg = {"lora_alpha": 1e38}
     elif kind == "nan":
         next(iter(tensors.values()))[0, 0] = np.nan
     elif kind == "half":
@@ -198,7 +204,10 @@ def _bad(folder, kind: str):
 
 BAD = {"rank": "above max_lora_rank=8", "wrong_base": r"needs \[4, 64\].*'some/other-model'.*wrong base model",
        "layer": "does not have.*wrong base model", "module": "lm_head.*unknown module",
-       "target": r"targets \['embed_tokens'\]", "nan": "NaN", "half": "not both lora_A and lora_B",
+       "target": r"targets \['embed_tokens'\]", "target_type": "it must be a list of module names",
+       "alpha_nan": "lora_alpha=nan; it must be a finite number",
+       "alpha_huge": r"scales its product by 2.5e\+37, past 1e\+06",
+       "nan": "NaN", "half": "not both lora_A and lora_B",
        "dora": "use_dora", "corrupt": "not a readable safetensors file", "no_weights": "pickle, which is never loaded",
        "no_config": "adapter_config.json is missing", "bad_json": "not valid JSON", "no_folder": "is not a folder"}
 

@@ -49,3 +49,38 @@ def test_generate_mixes_forms_and_a_bad_one_fails_alone(tiny_llama):
     assert len(dict_out.outputs[0].token_ids) == 3
     assert "has no tokenizer" in text_out.error and "prompt_token_ids" in text_out.error
     assert "outside the vocabulary" in bad_vocab.error and bad_vocab.outputs[0].finish_reason == "error"
+
+
+def test_sampling_params_and_lora_requests_of_the_wrong_type_raise_before_any_prompt_is_queued(tiny_llama):
+    """A dict or None where a SamplingParams belongs (or a string where a LoRARequest does) is a TypeError naming
+    its position, raised before the first prompt is queued: no request is left behind in the engine."""
+    good = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    calls = [
+        (dict(sampling_params=[good, {"temperature": 0}]), r"sampling_params\[1\] is a dict"),
+        (dict(sampling_params=[good, None]), r"sampling_params\[1\] is a NoneType"),
+        (dict(sampling_params={"temperature": 0}), "must be a SamplingParams or a list of them"),
+        (dict(sampling_params=good, lora_request=["adapter", None]), r"lora_request\[0\] is a str"),
+    ]
+    for kwargs, message in calls:
+        with pytest.raises(TypeError, match=message):
+            tiny_llama.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TokensPrompt(prompt_token_ids=[5, 6])],
+                                **kwargs)
+        assert not tiny_llama.engine.requests and not tiny_llama.engine.has_unfinished_requests()
+    [out] = tiny_llama.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], good)
+    assert out.error is None and len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("messages, message", [
+    (["hi"], "conversation 0 must be a non-empty list"),
+    ([[{"content": "hi"}]], "message 0 of conversation 0 must be a dict with a string 'role'"),
+    ("hi", "chat\\(\\) takes a conversation"),
+    ([], "chat\\(\\) takes a conversation"),
+])
+def test_chat_names_the_malformed_message(messages, message):
+    """`LLM.chat`'s conversations (`_conversations`, read before the chat template renders anything)."""
+    from inference.entrypoints.llm import _conversations
+
+    with pytest.raises(TypeError, match=message):
+        _conversations(messages)
+    one = [{"role": "user", "content": "hi"}]
+    assert _conversations(one) == [one] and _conversations([one, one]) == [one, one]

@@ -171,3 +171,29 @@ def test_serve_freezes_the_heap_before_it_binds(smollm2, monkeypatch):
         signal.signal(signal.SIGTERM, previous)
         gc.unfreeze()
     assert frozen and frozen[0] > 0
+
+
+def test_chat_and_tokenizer_requests_with_bad_values_name_them(smollm2, server):
+    """A text part without its text, top_logprobs past the maximum (named as the client named it), a completion
+    budget past the context, token ids past the vocabulary: each a 400 naming the parameter, and the server serves
+    on."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ({**chat, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+         "a text content part needs a string 'text'"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be"),
+        ({**chat, "max_completion_tokens": 10 ** 6}, "max_completion_tokens",
+         f"maximum context length is {smollm2.engine.max_model_len} tokens"),
+    ]
+    for body, param, message in cases:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, headers={"Connection": "close"}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and message in error["message"], error
+    vocab = smollm2.tokenizer.vocab_size
+    for tokens in ([-1], [1, vocab]):
+        r = httpx.post(f"{server}/detokenize", json={"tokens": tokens}, headers={"Connection": "close"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        assert f"must be in [0, {vocab})" in r.json()["error"]["message"]
+    ok = httpx.post(f"{server}/v1/chat/completions", json=chat, headers={"Connection": "close"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

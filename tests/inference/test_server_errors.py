@@ -64,6 +64,12 @@ CASES = [
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
      "needs logprobs=true"),
+    ("max_tokens past the context", "/v1/completions", {**GOOD, "max_tokens": 100_000}, 400, "max_tokens",
+     "lower max_tokens to at most"),
+    ("stream_options without stream", "/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "only allowed with stream=true"),
+    ("empty body", "/v1/completions", "", 400, None, "the request body is empty"),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "encoded as UTF-8"),
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model", "does not exist"),
     ("oversized body", "/v1/completions", {**GOOD, "prompt": [3] * 8000}, 413, None, "larger than"),
     ("missing auth", "/v1/completions", GOOD, 401, None, "API key"),
@@ -83,6 +89,13 @@ def test_bad_request_gets_its_status_and_message(server, what, path, body, statu
     assert error["param"] == param
     ok = post(server, "/v1/completions", GOOD)  # the server still serves
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_body_sent_as_plain_text_is_told_the_content_type(server):
+    r = post(server, "/v1/completions", GOOD, {**AUTH, "Content-Type": "text/plain"})
+    assert r.status_code == 400, r.text
+    assert "Content-Type: application/json (got 'text/plain')" in r.json()["error"]["message"]
+    assert post(server, "/v1/completions", GOOD).status_code == 200
 
 
 def test_a_chunked_body_over_the_limit_is_a_413(server):

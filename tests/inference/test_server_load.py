@@ -147,6 +147,18 @@ def test_beyond_max_waiting_is_a_503_with_retry_after_and_the_rest_carry_on(serv
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_request_that_can_never_fit_is_a_400_not_a_retry(server):
+    """33 sequences against 16 slots and 16 waiting places: no wait makes room for them, so no Retry-After."""
+    body = {"model": MODEL, "prompt": [1, 2, 3], "n": 33, "max_tokens": 2}
+    refused = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "retry-after" not in refused.headers, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "n" and error["code"] == "too_many_sequences"
+    assert "33 sequences" in error["message"] and "16 running slots and max_waiting=16" in error["message"]
+    ok = httpx.post(f"{server}/v1/completions", json={**body, "n": 32, "ignore_eos": True}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 32
+
+
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(server, llm):
     """The client times out long before a 300-token completion would finish; the server notices the closed
     connection while waiting and aborts the request (its pages free, its finish reason "abort"). The engine is held

@@ -178,7 +178,12 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         models.resolve(body.model)
-        return {"prompt": tokenizer().decode(body.tokens)}
+        tk = tokenizer()
+        bad = [t for t in body.tokens if not 0 <= t < tk.vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token ids must be in [0, {tk.vocab_size}) for this tokenizer; got {bad[:8]}",
+                              param="tokens", code="invalid_value")
+        return {"prompt": tk.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

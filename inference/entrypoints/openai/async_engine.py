@@ -116,6 +116,11 @@ class AsyncEngine:
             if a.draining:
                 raise OpenAIError(503, "the server is shutting down; retry against another replica",
                                   code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+            if a.max_waiting is not None and num_seqs > a.slots + a.max_waiting:  # never fits: not retryable
+                raise OpenAIError(400, f"this request needs {num_seqs} sequences (n times its prompts), more than "
+                                  f"the server ever holds at once ({a.slots} running slots and max_waiting="
+                                  f"{a.max_waiting}); lower n or send fewer prompts a request", param="n",
+                                  code="too_many_sequences")
             if a.max_waiting is not None and a.in_flight + num_seqs - a.slots > a.max_waiting:
                 raise OpenAIError(503, f"the server is at capacity ({a.in_flight} sequences in flight: {a.slots} "
                                   f"running slots and max_waiting={a.max_waiting}); retry later",

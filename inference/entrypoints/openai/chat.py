@@ -22,9 +22,12 @@ def _text(content) -> str:
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") != "text":
             raise OpenAIError(400, f"only text content parts are supported, got a part of type {part.get('type')!r}",
                               param="messages", code="unsupported_content")
+        if not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"a text content part needs a string 'text', got {part.get('text')!r}",
+                              param="messages", code="invalid_value")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -49,6 +52,7 @@ def _check(body: ChatCompletionRequest) -> None:
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
     lora = ctx.models.resolve(body.model)  # None: the base model
+    serving.check_stream_options(body)
     _check(body)
     try:
         params = body.to_sampling_params()
@@ -56,7 +60,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise sampling_error(exc, body.param_names()) from None
     ids, text = render(ctx, body)
     request_id = serving.new_id("chatcmpl")
-    streams = serving.submit_all(ctx, request_id, [(ids, text)], params, "messages", lora)
+    streams = serving.submit_all(ctx, request_id, [(ids, text)], params, "messages", lora,
+                                 max_tokens_param=body.param_names()["max_tokens"])
     model = ctx.models.response_name(lora)
     if body.stream:
         return event_stream(serving.sse_events(_stream(ctx, body, model, request_id, len(ids), streams), streams))

@@ -46,6 +46,7 @@ def _prompt_text(ctx: ServingContext, ids: list[int], text: str | None) -> str:
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
     lora = ctx.models.resolve(body.model)  # None: the base model
+    serving.check_stream_options(body)
     try:
         params = body.to_sampling_params()
     except ValueError as exc:

@@ -42,10 +42,12 @@ def sampling_error(exc: ValueError, param_names: dict[str, str] | None = None) -
     """A SamplingParams ValueError as a 400. Its messages begin with the field's name ("top_p must be ..."), which
     is mapped back to the request's parameter name where the two differ (`param_names`)."""
     message = str(exc)
-    field = message.split(" ", 1)[0]
+    field = message.split(" ", 1)[0].rstrip(":")
     param = None
     if field in _SAMPLING_FIELDS:
         param = (param_names or {}).get(field, field)
+        if param != field:  # the message speaks of the request's parameter, as the client named it
+            message = param + message[len(field):]
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
@@ -67,10 +69,15 @@ async def validation_handler(request: Request, exc: RequestValidationError) -> J
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message = f"unrecognized request argument supplied: {param}"
+    elif kind == "missing" and not param:
+        message = "the request body is empty; send a JSON object of the endpoint's parameters"
     elif kind == "missing":
         message = f"missing required parameter: {param}"
     elif kind == "model_attributes_type" and not param:
-        message = "the request body must be a JSON object"
+        content_type = request.headers.get("content-type", "")
+        message = "the request body must be a JSON object" + (
+            "" if content_type.startswith("application/json") else
+            f", sent with Content-Type: application/json (got {content_type or 'none'!r})")
     else:
         given = first.get("input")
         shown = json.dumps(given)[:80] if _jsonable(given) else repr(given)[:80]
@@ -90,6 +97,13 @@ async def openai_error_handler(request: Request, exc: OpenAIError) -> JSONRespon
     return exc.response()
 
 
+# FastAPI's detail when the body is no JSON it can read (invalid UTF-8, nesting past the parser's depth)
+_UNPARSED_BODY = "There was an error parsing the body"
+
+
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (an unknown path, a wrong method) in the same shape."""
+    if exc.status_code == 400 and exc.detail == _UNPARSED_BODY:
+        return OpenAIError(400, "the request body could not be read as JSON (it is not UTF-8, or it nests too "
+                           "deeply); send a JSON object encoded as UTF-8", code="invalid_json").response()
     return OpenAIError(exc.status_code, str(exc.detail), code=None, headers=exc.headers).response()

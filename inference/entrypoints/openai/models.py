@@ -147,6 +147,10 @@ class ServedModels:
             self.manager.register(request)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="lora_path", code="invalid_lora") from None
+        except Exception as exc:  # noqa: BLE001 - the files are the client's: whatever breaks reading them is theirs
+            raise OpenAIError(400, f"cannot read the LoRA adapter at {path!r} ({type(exc).__name__}: {exc}); check "
+                              "its adapter_config.json and adapter_model.safetensors", param="lora_path",
+                              code="invalid_lora") from None
         with self._lock:
             if name in self._adapters:  # a concurrent load of the same name won the race
                 raise OpenAIError(400, f"the LoRA adapter {name!r} has already been loaded", param="lora_name",

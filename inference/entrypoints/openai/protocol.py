@@ -104,7 +104,7 @@ class ChatCompletionRequest(_Sampling):
             try:
                 structured = from_response_format(self.response_format.model_dump(exclude_none=True))
             except ValueError as exc:  # named as the SamplingParams field, which param_names maps back
-                raise ValueError(f"structured_outputs (response_format): {exc}") from None
+                raise ValueError(f"structured_outputs: {exc}") from None
         return SamplingParams(**self._common(), max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=structured)
 

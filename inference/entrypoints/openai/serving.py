@@ -40,11 +40,38 @@ def now() -> int:
     return int(time.time())
 
 
+def check_stream_options(body) -> None:
+    """`stream_options` means something only for a streamed response: a 400 otherwise, as vLLM and OpenAI answer."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true; drop it or set stream=true",
+                          param="stream_options", code="invalid_value")
+
+
+def check_context(ctx: ServingContext, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+                  max_tokens_param: str) -> None:
+    """A 400 where a prompt that fits the context leaves less room than `max_tokens` asks (OpenAI's and vLLM's
+    servers refuse it rather than stop early with finish_reason "length"). A prompt alone past the context is the
+    engine's rejection, which names the prompt (`submit_all`)."""
+    if params.max_tokens is None:
+        return
+    for i, (ids, _) in enumerate(prompts):
+        room = ctx.max_model_len - len(ids)
+        if 0 < room < params.max_tokens:
+            where = f" (prompt {i})" if len(prompts) > 1 else ""
+            raise OpenAIError(400, f"this model's maximum context length is {ctx.max_model_len} tokens, but the "
+                              f"prompt{where} has {len(ids)} and {max_tokens_param}={params.max_tokens} asks for "
+                              f"{len(ids) + params.max_tokens}; lower {max_tokens_param} to at most {room} or shorten "
+                              "the prompt", param=max_tokens_param, code="context_length_exceeded")
+
+
 def submit_all(ctx: ServingContext, request_id: str, prompts: list[tuple[list[int], str | None]],
-               params: SamplingParams, prompt_param: str, lora: LoRARequest | None = None) -> list[AsyncStream]:
-    """Reserve room for every prompt's `n` sequences at once (all or none: 503), then submit them (with `lora`'s
-    adapter, held until each finishes); an engine rejection (a prompt too long for the context, a bad token id)
-    aborts those already submitted and is a 400 naming `prompt_param`."""
+               params: SamplingParams, prompt_param: str, lora: LoRARequest | None = None, *,
+               max_tokens_param: str = "max_tokens") -> list[AsyncStream]:
+    """Check each prompt's room for `max_tokens` (`check_context`), reserve room for every prompt's `n` sequences
+    at once (all or none: 503), then submit them (with `lora`'s adapter, held until each finishes); an engine
+    rejection (a prompt too long for the context, a bad token id) aborts those already submitted and is a 400
+    naming `prompt_param`."""
+    check_context(ctx, prompts, params, max_tokens_param)
     ctx.engine.reserve(params.n * len(prompts))
     try:
         ctx.models.hold(lora, len(prompts))
