@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -317,16 +317,17 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
-        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Sequence):
+        if isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), not a "
                             f"{type(sampling_params).__name__}; e.g. SamplingParams(temperature=0.0, max_tokens=16)")
+        sampling_params = list(sampling_params)
         for i, p in enumerate(sampling_params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams; build it with "
                                 "SamplingParams(...)")
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
-        return list(sampling_params)
+        return sampling_params
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -412,7 +413,7 @@ def _per_prompt_lora(lora_request, count: int) -> list:
     """One LoRARequest (or None) per prompt: a single request (or None) for all, or a list aligned with them."""
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * count
-    if isinstance(lora_request, (str, bytes, dict)) or not isinstance(lora_request, Sequence):
+    if isinstance(lora_request, (str, bytes, dict)) or not isinstance(lora_request, Iterable):
         raise TypeError(f"lora_request must be a LoRARequest, None or a list of them (one per prompt), not a "
                         f"{type(lora_request).__name__}")
     loras = list(lora_request)

@@ -67,7 +67,7 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int, name: str |
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {label!r} has rank {rank}, above max_lora_rank={max_rank}; raise "
                          "max_lora_rank when building the LLM")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not _finite(alpha):
         raise ValueError(f"LoRA adapter {label!r}: {CONFIG_NAME} has lora_alpha={alpha!r}; it must be a finite "
                          "number")
     for key, default in _UNSUPPORTED.items():
@@ -83,6 +83,14 @@ def load_peft_adapter(path: str, config: ModelConfig, max_rank: int, name: str |
                          f"{CONFIG_NAME} is corrupt")
     return LoRAAdapter(name=label, rank=rank, scaling=scaling, weights=weights,
                        base_model_name=cfg.get("base_model_name_or_path"), path=path)
+
+
+def _finite(x: int | float) -> bool:
+    """A finite float32-or-wider number (an int past a float's range, 10**400, is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _read_config(file: str, label: str) -> dict:

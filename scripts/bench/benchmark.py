@@ -132,10 +132,13 @@ def serving_workload(llm: LLM) -> tuple[list[list[int]], np.ndarray, SamplingPar
     return prompts, gaps, SamplingParams(temperature=0.0, max_tokens=FLAGS.output_len, ignore_eos=True)
 
 
-def run_serving(llm: LLM) -> dict:
-    """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones."""
+def run_serving(llm: LLM, warmup: bool = True) -> dict:
+    """Poisson arrivals against the engine, stepped in this thread; arrival times are the scheduled ones.
+    `warmup` False: the caller has compiled what the run needs (an unmeasured run of the same workload), not every
+    decode bucket of the engine's limits."""
     prompts, gaps, params = serving_workload(llm)
-    llm.warmup(prefill=False, extras=False)  # every decode bucket; prefill buckets compile on first use
+    if warmup:
+        llm.warmup(prefill=False, extras=False)  # every decode bucket; prefill buckets compile on first use
     freeze_heap()  # as the server does before traffic
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=params.replace(max_tokens=4))
     llm.engine.reset_prefix_cache()

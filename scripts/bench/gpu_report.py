@@ -136,11 +136,14 @@ def trace_section(llm, batch: int) -> dict:
 def policy_engine(llm, policy: str):
     """`llm.engine` under `policy` for the block: another engine on the same runner (its compiled steps and KV
     cache, as overhead_bench.py builds its engines), an explicit policy so that offline steps follow it too. The
-    original engine's prefix cache is dropped on the way back: the other engine wrote over its pages."""
+    original engine's prefix cache is dropped on the way back: the other engine wrote over its pages. For an LLM
+    without speculative decoding or LoRA (the report's), whose engine holds nothing else of its own."""
     from inference.engine.config import CacheConfig
     from inference.engine.llm_engine import Engine
 
     original = llm.engine
+    if original.proposer is not None or original.lora is not None:
+        raise ValueError("policy_engine swaps plain engines only: this LLM speculates or serves LoRA")
     prefix = original.block_manager.groups[0].enable_prefix_caching
     llm.engine = Engine(original.runner, llm.tokenizer, dataclasses.replace(original.scheduler.config, policy=policy),
                         cache_config=CacheConfig(enable_prefix_caching=prefix))
@@ -166,9 +169,11 @@ def serving_section(llm, batch: int) -> dict:
     prompts = make_prompts(batch, FLAGS.input_len, llm.config.vocab_size, seed=2)
     for policy in POLICIES:
         with policy_engine(llm, policy):
-            run_serving(llm)  # once unmeasured: it compiles the step shapes this policy's arrivals make
+            # once unmeasured: it compiles the step shapes this policy's arrivals make (not every decode bucket of
+            # the engine's limits, which the 8B's 256 sequences and 8k context make many)
+            run_serving(llm, warmup=False)
             compiled = sum(llm.runner.num_compilations().values())
-            row = latency_row(run_serving(llm))
+            row = latency_row(run_serving(llm, warmup=False))
             row["compiles_in_measured_run"] = sum(llm.runner.num_compilations().values()) - compiled
             row["offline_output_tok_s"] = run_pagejax(llm, prompts, FLAGS.output_len)["output_tok_s"]
         out[policy] = row
@@ -332,7 +337,7 @@ def main(argv):
     section("model", lambda: model_section(llm, batches, rates, spec))
     section("trace", lambda: trace_section(llm, batches[-2] if len(batches) > 1 else batches[0]))
     section("serving", lambda: serving_section(llm, batches[-2] if len(batches) > 1 else batches[0]))
-    llm = None  # its device memory freed before the host section's child process
+    llm = None  # the child process allocates on demand from the device memory this one's pool left free
     section("host", lambda: host_section(smoke, None if smoke else FLAGS.host_model_folder))
     families = sorted(os.listdir(FAMILIES))
     section("families", lambda: families_section(families[:1] if smoke else families))  # --smoke: one, seconds

@@ -179,9 +179,10 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     async def detokenize(body: DetokenizeRequest):
         models.resolve(body.model)
         tk = tokenizer()
-        bad = [t for t in body.tokens if not 0 <= t < tk.vocab_size]
+        vocab = max(tk.vocab_size, llm.config.vocab_size)  # a model's vocabulary may be padded past the tokenizer's
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
-            raise OpenAIError(400, f"token ids must be in [0, {tk.vocab_size}) for this tokenizer; got {bad[:8]}",
+            raise OpenAIError(400, f"token ids must be in [0, {vocab}) for this model; got {bad[:8]}",
                               param="tokens", code="invalid_value")
         return {"prompt": tk.decode(body.tokens)}
 

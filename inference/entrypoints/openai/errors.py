@@ -76,8 +76,8 @@ async def validation_handler(request: Request, exc: RequestValidationError) -> J
     elif kind == "model_attributes_type" and not param:
         content_type = request.headers.get("content-type", "")
         message = "the request body must be a JSON object" + (
-            "" if content_type.startswith("application/json") else
-            f", sent with Content-Type: application/json (got {content_type or 'none'!r})")
+            "" if not content_type or "json" in content_type.lower() else
+            f", sent with Content-Type: application/json (got {content_type!r})")
     else:
         given = first.get("input")
         shown = json.dumps(given)[:80] if _jsonable(given) else repr(given)[:80]
