@@ -162,7 +162,8 @@ def latency_row(run: dict) -> dict:
 
 def serving_section(llm, batch: int) -> dict:
     """Each policy on the same runner: Poisson arrivals, the second of two runs (ITL p99 over p50 while prompts
-    arrive: decode rows sit out prefill_first's prompt steps) and an offline batch of `batch` (throughput when every prompt comes at once)."""
+    arrive: decode rows sit out prefill_first's prompt steps) and an offline batch of `batch` (throughput when every
+    prompt comes at once)."""
     engine = llm.engine
     out = {"auto": engine.scheduler.config.policy, "auto_offline_prefill_first": engine.throughput_first_offline,
            "request_rate": FLAGS.request_rate, "num_requests": FLAGS.num_requests, "offline_batch": batch}
