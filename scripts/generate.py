@@ -31,13 +31,17 @@ The logic lives in `inference.tools.jsonl_io`.
 The first run compiles the model's steps (tens of seconds on CPU) and says so, with a line per compiled step; they
 are cached (--compilation_cache_dir) so later runs start at once. Presets without shipped weights (tiny-*, the
 real-size configs) are random-weight test models with no tokenizer: they cannot run text rows, and are refused.
-A usage error prints one line (exit 2); --help prints this text and the flags (exit 0).
+A usage error prints one line (exit 2); --help prints this text and the flags (exit 0). A job that ran to its end
+exits 0 when every row was generated and 3 when some rows got error rows (a bad row, a prompt too long for the
+context: each has its "error"); bad input that stops the job before it starts (an unreadable input or output file,
+a duplicate id) exits 1 with the file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -240,6 +244,7 @@ class _Saved:
 
 
 HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort", "--helpfull")
+EXIT_ROWS_FAILED = 3  # the job ran to its end, and some rows got error rows
 
 
 def usage_error(message: str) -> None:
@@ -305,10 +310,16 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
         raise app.UsageError("a multi-process job needs --output (each process writes a shard of it)")
     index, count = distributed.initialize(job)
     shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
+    if _INPUT.value and _OUTPUT.value and os.path.abspath(_INPUT.value) == os.path.abspath(_OUTPUT.value):
+        raise app.UsageError(f"--output is the --input file ({_INPUT.value}); write the results elsewhere")
     try:
         adapters = lora_requests()
         rows = input_rows()
+        if not rows:
+            print(f"warning: {_INPUT.value} has no rows; nothing to generate", file=sys.stderr)
         done = resumed_ids(index, shard)
+        if shard or _OUTPUT.value:
+            jsonl_io.check_writable(shard or _OUTPUT.value)
         mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
         pending = [row for row in mine if row["id"] not in done]
         check_model_can_run(pending)
@@ -370,6 +381,11 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
           f"rows done {len(pending)}, skipped {len(mine) - len(pending)}, failed {num_failed}; {num_tokens} output "
           f"tokens; wall {wall_s:.1f}s (generate {gen_s:.1f}s); {num_tokens / max(gen_s, 1e-9):.1f} output tok/s",
           file=sys.stderr)
+    if num_failed:
+        where = f"their error rows are in {target}" if target else "their error rows are in the output"
+        print(f"{num_failed} rows failed; {where} (a rerun skips them: remove them from the output to redo them)",
+              file=sys.stderr)
+        sys.exit(EXIT_ROWS_FAILED)
 
 
 if __name__ == "__main__":

@@ -158,8 +158,18 @@ class Tokenizer:
     # ---------------------------------------------------------------- encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; special-token strings in `text` (e.g. `<|im_start|>`) map to their single ids, as in HF."""
-        return list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids; special-token strings in `text` (e.g. `<|im_start|>`) map to their single ids, as in HF. A
+        ValueError for text no UTF-8 can hold (a lone surrogate: JSON's "\\ud800" escape alone)."""
+        try:
+            return list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"the text holds {text[exc.start:exc.end]!r} at character {exc.start}, a lone "
+                                     "UTF-16 surrogate, which is no character; fix the escapes that made it") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -43,8 +43,12 @@ def check_unique_ids(rows: Iterable[dict[str, Any]]) -> None:
 def read_input(path: str) -> list[dict[str, Any]]:
     """All rows of an input JSONL file (blank lines ignored), each with a valid, unique id."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, data in enumerate(f, start=1):
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number}: not UTF-8 ({e}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -57,27 +61,43 @@ def read_input(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def check_writable(path: str) -> None:
+    """An OSError naming `path` unless rows can be appended to it (its folder exists and is writable, and the file,
+    where it exists, is a writable file): said before a model loads, not after."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise OSError(f"cannot write {path}: the folder {folder} does not exist")
+    if os.path.exists(path):
+        if not os.path.isfile(path) or not os.access(path, os.W_OK):
+            raise OSError(f"cannot write {path}: it is not a writable file")
+    elif not os.access(folder, os.W_OK):
+        raise OSError(f"cannot write {path}: the folder {folder} is not writable")
+
+
 def load_done_ids(path: str) -> set[RowId]:
     """Ids already in an output file, repairing a crash's leftovers first.
 
-    A crash mid-write can leave the last line cut short; that line is dropped (its row is simply redone) and the
-    file rewritten without it, so appending next cannot glue a new row onto garbage. A bad line anywhere else is
-    not something this script writes, so it stops the job instead of silently discarding results.
+    A crash mid-write can leave the last line cut short (no newline after it: a row is written with its newline in
+    one write); that line is dropped (its row is simply redone) and the file rewritten without it, so appending
+    next cannot glue a new row onto garbage. Any other bad line, a whole last one included, is not something this
+    script writes (the path may name another file), so it stops the job instead of discarding anything.
     """
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
         raw = f.read()
     lines = [line for line in raw.split(b"\n") if line.strip()]
+    cut_short = bool(raw.strip()) and not raw.endswith(b"\n")
     rows = []
     for number, line in enumerate(lines, start=1):
         try:
             row = json.loads(line.decode("utf-8"))
             _check_id(row, f"{path}:{number}")
         except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if number == len(lines):
+            if number == len(lines) and cut_short:
                 break
-            raise ValueError(f"{path}:{number}: not a result row; fix or move the file before resuming") from None
+            raise ValueError(f"{path}:{number}: not a result row of this launcher; --output must name a new file "
+                             "or one an earlier run wrote: fix or move the file before resuming") from None
         rows.append(line)
     repaired = b"".join(line + b"\n" for line in rows)
     if repaired != raw:
@@ -166,7 +186,10 @@ class RowWriter:
         self._last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
-        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        try:
+            self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        except UnicodeEncodeError:  # a lone surrogate (an id "\udc80"): as an escape, which reads back the same
+            self.f.write(json.dumps(row) + "\n")
         self.f.flush()
         self.written += 1
         self._unsynced += 1

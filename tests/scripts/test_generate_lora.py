@@ -11,7 +11,7 @@ from inference import LoRARequest, SamplingParams
 from inference.tools import jsonl_io
 from scripts import generate
 from tests import lora_adapters
-from tests.scripts.test_generate_script import LIGHT, read_jsonl, run_script, write_jsonl
+from tests.scripts.test_generate_script import LIGHT, read_jsonl, run_script_with_failed_rows, write_jsonl
 
 FLAGS = flags.FLAGS
 
@@ -62,7 +62,8 @@ def test_rows_pick_their_adapter(tmp_path, smollm2_lora, monkeypatch):
     rows = [{"id": 1, "prompt": prompt, "lora": "r"}, {"id": 2, "prompt": prompt},
             {"id": 3, "prompt": prompt, "lora": "nope"}]
     out = tmp_path / "out.jsonl"
-    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}", f"--lora=r={path}")
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}",
+                                f"--lora=r={path}")
     got = {row["id"]: row for row in read_jsonl(out)}
     params = SamplingParams(temperature=0.0, max_tokens=4)
     want = smollm2_lora.generate([prompt, prompt], params, lora_request=[LoRARequest("r", 1, path), None])

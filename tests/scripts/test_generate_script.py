@@ -36,6 +36,13 @@ def run_script(*args: str) -> None:
         FLAGS.unparse_flags()
 
 
+def run_script_with_failed_rows(*args: str) -> None:
+    """`run_script` for a job some of whose rows fail: it runs to its end and exits with EXIT_ROWS_FAILED."""
+    with pytest.raises(SystemExit) as exit_:
+        run_script(*args)
+    assert exit_.value.code == generate.EXIT_ROWS_FAILED
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -120,7 +127,7 @@ def test_bad_rows_become_error_rows(tmp_path, use_llm):
             {"id": "empty", "prompt": ""},  # rejected by the engine rather than by the script
             {"id": "ok2", "prompt": "One, two, three,"}]
     out = tmp_path / "out.jsonl"
-    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}")
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}")
     got = {r["id"]: r for r in read_jsonl(out)}
     assert sorted(got) == sorted(r["id"] for r in rows)
     for ok in ("ok", "ok2"):
@@ -151,6 +158,49 @@ def test_bad_output_file_middle_line_is_an_error(tmp_path):
     assert jsonl_io.load_done_ids(str(tmp_path / "missing.jsonl")) == set()
 
 
+def test_an_output_that_is_another_file_is_never_rewritten(tmp_path, no_model):
+    """Only a last line cut short (no newline: a crash mid-write) is dropped; a whole line that is no result row,
+    last or not, is someone else's file, left as it was."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    with pytest.raises(SystemExit, match="notes.txt:1: not a result row of this launcher"):
+        run_script(f"--input={inp}", f"--output={notes}")
+    assert notes.read_text() == "my notes\n"
+
+
+def test_bad_input_and_output_files_stop_the_job_before_the_model_loads(tmp_path, no_model, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    with pytest.raises(SystemExit, match="cannot write .*o.jsonl: the folder .*nonexistent does not exist"):
+        run_script(f"--input={inp}", f"--output={tmp_path / 'nonexistent' / 'o.jsonl'}")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"id": 1, "prompt": "hi"}\n{"id": 2, "prompt": "caf\xe9"}\n')
+    with pytest.raises(SystemExit, match="latin1.jsonl:2: not UTF-8 .*save the file as UTF-8"):
+        run_script(f"--input={latin1}")
+    with pytest.raises(SystemExit) as exit_:
+        run_script(f"--input={inp}", f"--output={inp}")
+    assert exit_.value.code == 2 and "--output is the --input file" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    run_script(f"--input={empty}", f"--output={tmp_path / 'out.jsonl'}")  # nothing to do: exit 0, and it says so
+    assert "has no rows; nothing to generate" in capsys.readouterr().err
+
+
+def test_a_lone_surrogate_fails_its_row_alone(tmp_path, use_llm):
+    """JSON's "\\udc80" escape alone is a valid JSON string but no text: in a prompt it is that row's error, in an
+    id it is written back as the same escape; the other rows are generated and the job ends."""
+    out = tmp_path / "out.jsonl"
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "ok", "prompt": "Hello"}\n{"id": "p", "prompt": "a\\ud800b"}\n'
+                   '{"id": "x\\udc80", "prompt": "One, two,"}\n')
+    run_script_with_failed_rows(f"--input={inp}", f"--output={out}")
+    got = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(got) == ["ok", "p", "x\udc80"]
+    assert "lone UTF-16 surrogate" in got["p"]["error"]
+    assert "error" not in got["ok"] and "error" not in got["x\udc80"] and got["x\udc80"]["outputs"][0]["text"]
+    assert "\\udc80" in out.read_text()  # the escape, not a character no UTF-8 file can hold
+
+
 def test_prompt_flag_prints_readably(use_llm, capsys):
     run_script("--prompt=The capital of France is", "--prompt=Hello")
     printed = capsys.readouterr().out
@@ -173,7 +223,7 @@ def test_rows_are_written_as_they_finish(tmp_path, use_llm):
 def test_per_row_max_tokens_must_be_positive(tmp_path, use_llm):
     rows = [{"id": "zero", "prompt": "a", "max_tokens": 0}, {"id": "ok", "prompt": "Hello", "max_tokens": 2}]
     out = tmp_path / "out.jsonl"
-    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}")
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}")
     got = {r["id"]: r for r in read_jsonl(out)}
     assert "max_tokens" in got["zero"]["error"] and len(got["ok"]["outputs"][0]["token_ids"]) <= 2
 
@@ -268,7 +318,8 @@ def test_json_schema_flag_and_per_row_schemas(tmp_path, use_llm):
             {"id": "row", "prompt": "Is the sky blue?", "max_tokens": 8, "json_schema": {"type": "boolean"}},
             {"id": "bad", "prompt": "Hello", "json_schema": {"type": "foo"}}]
     out = tmp_path / "out.jsonl"
-    run_script(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}", f"--json_schema={schema}")
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}",
+                                f"--json_schema={schema}")
     got = {r["id"]: r for r in read_jsonl(out)}
     assert json.loads(got["flag"]["outputs"][0]["text"]) in ("red", "green", "blue")
     assert isinstance(json.loads(got["row"]["outputs"][0]["text"]), bool)
