@@ -4,6 +4,8 @@ prompts."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -190,7 +192,14 @@ def test_chat_and_tokenizer_requests_with_bad_values_name_them(smollm2, server):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and message in error["message"], error
-    vocab = smollm2.tokenizer.vocab_size
+    for path, body, param in (("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "a\udc80"}]},
+                               "messages")):
+        r = httpx.post(f"{server}{path}", content=json.dumps(body), timeout=60,
+                       headers={"Connection": "close", "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
+    vocab = max(smollm2.tokenizer.vocab_size, smollm2.config.vocab_size)
     for tokens in ([-1], [1, vocab]):
         r = httpx.post(f"{server}/detokenize", json={"tokens": tokens}, headers={"Connection": "close"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
