@@ -17,7 +17,8 @@ from configs.presets import MODEL_PRESETS, PRESET_WEIGHTS, get_model_config
 from inference.loading.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.loaders.hf_checkpoint import load_hf_folder
-from models.loaders.orbax_checkpoint import is_orbax_folder, read_config
+from models.loaders.orbax_checkpoint import CONFIG_FILE, WEIGHTS_DIR, is_orbax_folder, read_config
+from models.loaders.read_errors import named_errors
 
 
 @dataclasses.dataclass
@@ -55,21 +56,27 @@ def load_model(model: str) -> LoadedModel:
         from models.loaders.gguf_file import load_gguf  # needs `gguf`, only for GGUF files
 
         config, weights, info = load_gguf(model)
-        return LoadedModel(config, weights, Tokenizer.from_gguf(info), model)
-    if os.path.isdir(model) and is_orbax_folder(model):
-        tokenizer = Tokenizer.from_folder(model) if os.path.isfile(os.path.join(model, "tokenizer.json")) else None
-        return LoadedModel(read_config(model), None, tokenizer, model, checkpoint=model)
-    if os.path.isdir(model):
-        config, weights = load_hf_folder(model)
-        try:
-            tokenizer = Tokenizer.from_folder(model)
-        except ValueError:
-            tokenizer = None  # a freshly saved model: token-id input still works
+        with named_errors(model, "the tokenizer", "convert the model again"):
+            tokenizer = Tokenizer.from_gguf(info)
         return LoadedModel(config, weights, tokenizer, model)
+    if os.path.isdir(model) and is_orbax_folder(model):
+        return LoadedModel(read_config(model), None, _folder_tokenizer(model), model, checkpoint=model)
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")) and os.path.isdir(os.path.join(model, WEIGHTS_DIR)):
+            raise ValueError(f"{model}: has a {WEIGHTS_DIR}/ folder but no {CONFIG_FILE}: a pagejax checkpoint whose "
+                             "conversion did not finish? re-create it with scripts/convert.py")
+        config, weights = load_hf_folder(model)
+        return LoadedModel(config, weights, _folder_tokenizer(model), model)
     if _looks_like_path(model):
         raise ValueError(f"{model}: no such file or folder (a model is a preset name, a .gguf file or a model folder)")
     get_model_config(model)  # raises with the list of presets
     raise AssertionError("unreachable")
+
+
+def _folder_tokenizer(folder: str) -> Tokenizer | None:
+    """The folder's tokenizer, or None where it has no tokenizer.json (a freshly saved model: token-id input still
+    works). Tokenizer files that are there but broken are an error, not a model without a tokenizer."""
+    return Tokenizer.from_folder(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
 
 
 def _looks_like_path(model: str) -> bool:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from models.loaders.read_errors import named_errors
+
 if TYPE_CHECKING:
     from models.loaders.gguf_file import GGUFInfo
 
@@ -100,7 +102,12 @@ class Tokenizer:
     def from_gguf(cls, info: "GGUFInfo") -> "Tokenizer":
         """Rebuild the byte-level BPE from GGUF vocab + merges; CONTROL/USER_DEFINED tokens become added tokens."""
         if info.hf_tokenizer_json:  # some converters embed the original tokenizer.json: use it verbatim
-            return cls(tokenizers.Tokenizer.from_str(info.hf_tokenizer_json), **_gguf_special_tokens(info))
+            try:
+                tk = tokenizers.Tokenizer.from_str(info.hf_tokenizer_json)
+            except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for what it cannot parse
+                raise ValueError(f"the GGUF file's embedded tokenizer.huggingface.json cannot be read ({exc}); "
+                                 "convert the model again") from exc
+            return cls(tk, **_gguf_special_tokens(info))
         if not info.tokens:
             raise ValueError("the GGUF file has no tokenizer vocabulary; pass prompt_token_ids instead of text")
         if info.tokenizer_model != "gpt2":
@@ -133,7 +140,9 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise ValueError(f"{folder} has no tokenizer.json; pass prompt_token_ids instead of text, or add "
                              "tokenizer.json (slow-tokenizer files such as tokenizer.model are not supported)")
-        tk = tokenizers.Tokenizer.from_file(path)
+        with named_errors(path, "the tokenizer", "copy tokenizer.json from the model's original folder again",
+                          also=(Exception,)):
+            tk = tokenizers.Tokenizer.from_file(path)
         cfg = _read_json_if_exists(os.path.join(folder, "tokenizer_config.json"))
         tok = cls(tk, bos_token=_token_content(cfg.get("bos_token")), eos_token=_token_content(cfg.get("eos_token")),
                   pad_token=_token_content(cfg.get("pad_token")), unk_token=_token_content(cfg.get("unk_token")),
@@ -445,10 +454,15 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json_if_exists(path: str) -> dict[str, Any]:
+    """The JSON object in `path`, {} where there is no such file, a ValueError naming it where it is no JSON object."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    with named_errors(path, "the tokenizer's settings", "copy the file from the model's original folder again"):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _folder_chat_template(folder: str, cfg: dict[str, Any]) -> str | None:

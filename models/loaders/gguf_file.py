@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
+from models.loaders.read_errors import named_errors
 from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
 from models.quantization.gguf_blocks import SUPPORTED_QUANT_TYPES as BLOCK_QUANT_TYPES, from_reader_tensor
@@ -344,16 +345,26 @@ def _arch(meta: dict[str, Any], path: str) -> str:
     return arch
 
 
+_CORRUPT_FIX = "the file is corrupt or truncated, or its converter wrote what this loader does not know: download " \
+    "or convert it again"
+
+
 def load_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     """Only the tokenizer metadata (no dequantization): for building a tokenizer without loading weights."""
     path = os.fspath(path)
-    meta = _metadata(_open_reader(path))
-    return _gguf_info(meta, _arch(meta, path))
+    with named_errors(path, "the GGUF metadata", _CORRUPT_FIX):
+        meta = _metadata(_open_reader(path))
+        return _gguf_info(meta, _arch(meta, path))
 
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFInfo]:
     """Read a llama/qwen2 GGUF: config, canonical float32 weights (see `models.weights`), tokenizer metadata."""
     path = os.fspath(path)
+    with named_errors(path, "the GGUF file", _CORRUPT_FIX):
+        return _load_gguf(path)
+
+
+def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFInfo]:
     reader = _open_reader(path)
     meta = _metadata(reader)
     arch = _arch(meta, path)
@@ -391,6 +402,11 @@ def load_gguf_quantized(path: str, config) -> dict[str, QuantizedWeight]:
     Q/K rows are un-permuted on the blocks for the architectures whose converter permuted them, so the dequantized
     weights equal `load_gguf`'s float weights exactly. Other tensor types are left out.
     """
+    with named_errors(path, "the GGUF file's quantized tensors", _CORRUPT_FIX):
+        return _load_gguf_quantized(path, config)
+
+
+def _load_gguf_quantized(path: str, config) -> dict[str, QuantizedWeight]:
     reader = _open_reader(path)
     arch = _arch(_metadata(reader), path)
     permuted = arch in _PERMUTED_QK_ARCHITECTURES

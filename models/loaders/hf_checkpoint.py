@@ -18,6 +18,7 @@ import numpy as np
 from models.config import ModelConfig, RopeScaling
 from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors, fp8_layout, take_fp8_weights
 from models.loaders.hf_names import FP8_LINEARS, LINEARS, canonical_name, hf_name
+from models.loaders.read_errors import named_errors
 from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
@@ -33,9 +34,12 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object; is the download complete?")
+    return data
 
 
 def _rope_scaling(cfg: dict[str, Any], max_pos: int) -> RopeScaling | None:
@@ -305,6 +309,11 @@ def _read_file(path: str, names: list[str] | None = None) -> dict[str, np.ndarra
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"{path}: cannot read safetensors file ({exc}); is it truncated?") from exc
     with f_ctx as f:
+        if names is not None:
+            lacking = sorted(set(names) - set(f.keys()))
+            if lacking:
+                raise ValueError(f"{path} lacks {lacking[0]!r} ({len(lacking)} in all), which "
+                                 "model.safetensors.index.json places there; is the download complete?")
         for name in names if names is not None else list(f.keys()):
             try:
                 out[name] = f.get_tensor(name)
@@ -391,10 +400,12 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    config = config_from_hf(_read_json(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
+    with named_errors(cfg_path, "the model config", "compare it with the model's original config.json"):
+        config = config_from_hf(_read_json(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(gen_path):  # chat models list their end-of-turn ids here (Llama 3: 128001, 128008, 128009)
-        extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
+        with named_errors(gen_path, "the generation config", "compare it with the model's original file"):
+            extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
         config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
     weights: dict[str, Any] = {}
     tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(_read_json(cfg_path), cfg_path), folder)
@@ -406,6 +417,9 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
             keeps = ".experts." not in canonical and canonical.rsplit(".", 1)[-1] in FP8_LINEARS
             weights[canonical] = w if keeps else np.asarray(w.dequantize(), dtype or np.float32)
             continue
+        if np.dtype(w.dtype).kind in "iub":  # a float checkpoint's tensor (bf16's kind is "V"): an integer is no weight
+            raise ValueError(f"{folder}: tensor {name!r} is {w.dtype}, not a float; quantized HF checkpoints (GPTQ, "
+                             "AWQ) are not read: load the float checkpoint (pagejax quantizes it: quantization=...)")
         if canonical.rsplit(".", 1)[-1] in LINEARS:
             w = w.T
         elif canonical.endswith(".conv1d"):  # nn.Conv1d's depthwise [C, 1, K] -> [C, K]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 import typing
 from typing import Any, Mapping
 
@@ -49,16 +50,46 @@ def config_from_dict(data: Mapping[str, Any], source: str) -> ModelConfig:
                          "pagejax, or the file is not a pagejax config")
     hints = typing.get_type_hints(ModelConfig)
     values = {}
-    for name, value in data.items():
-        if name == "rope_scaling" and isinstance(value, dict):
-            value = RopeScaling(**value)
-        elif isinstance(value, list) and "tuple" in str(hints[name]):
-            value = tuple(value)
-        values[name] = value
     try:
+        for name, value in data.items():
+            if name == "rope_scaling" and isinstance(value, dict):
+                value = RopeScaling(**value)
+            elif isinstance(value, list) and "tuple" in str(hints[name]):
+                value = tuple(value)
+            if not _matches(value, hints[name]):
+                raise TypeError(f"{name}={value!r} is not a {_type_name(hints[name])}")
+            values[name] = value
         return ModelConfig(**values)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: invalid model config ({e})") from None
+        raise ValueError(f"{source}: invalid model config ({e}); re-create the folder with scripts/convert.py") \
+            from None
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a config value read from JSON has its field's type (ints are floats too; bools are not ints). A hint
+    this does not know (none today) passes."""
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_matches(v, h) for v, h in zip(value, args))
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 def read_config(folder: str) -> ModelConfig:
@@ -66,7 +97,7 @@ def read_config(folder: str) -> ModelConfig:
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: cannot read the checkpoint's config ({e}); re-create the folder with "
                          "scripts/convert.py") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("config"), dict):
@@ -123,6 +154,9 @@ def restore_weights(folder: str, config: ModelConfig, shardings: Mapping[str, An
 
     path = os.path.abspath(os.path.join(folder, WEIGHTS_DIR))
     hint = "re-create it with scripts/convert.py"
+    if not os.path.isdir(path):
+        raise ValueError(f"{folder}: has no {WEIGHTS_DIR}/ folder (a conversion that did not finish, or the files were "
+                         f"moved); {hint}")
     checkpointer = ocp.StandardCheckpointer()
     try:
         metadata = checkpointer.metadata(path).item_metadata
