@@ -17,8 +17,10 @@ Each process takes every num_processes-th row (grain's per-process sharding), wr
 The output path must be on a filesystem every process sees.
 
 Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}, with an
-optional per-row "max_tokens" and "json_schema" (a JSON Schema the row's completions must match; --json_schema=FILE
-sets one for every row). Rows stream through the engine: at most --max_in_flight requests are queued at once,
+optional per-row "max_tokens", "json_schema" (a JSON Schema the row's completions must match; --json_schema=FILE
+sets one for every row) and sampling parameters of its own over the flags' ("temperature", "top_p", "top_k",
+"seed", "stop", "n", the penalties...: jsonl_io.ROW_SAMPLING_FIELDS). Other keys are not read.
+Rows stream through the engine: at most --max_in_flight requests are queued at once,
 refilled as requests finish, and each finished row is written (and flushed) at once, so the output is in finish
 order, not input order, and one slow request holds back nobody else. Rows are fsynced every --fsync_every rows or
 --fsync_seconds seconds; a rerun with the same --output skips ids already there, whatever their order, so an
@@ -220,12 +222,14 @@ def stream_rows(llm: Any, rendered: Iterable[Rendered], max_in_flight: int,
 
 
 def params_for_row(params: SamplingParams) -> Callable[[dict], SamplingParams]:
-    """The row's sampling params: its own max_tokens, and with --seed_mode=per_row its own seed."""
+    """The row's sampling params (`jsonl_io.row_params`: its own max_tokens, temperature, ...) and, with
+    --seed_mode=per_row and no seed of its own, the job's seed mixed with its id."""
     per_row_seed = params.seed is not None and _SEED_MODE.value == "per_row"
 
     def of(row: dict) -> SamplingParams:
         p = jsonl_io.row_params(row, params)
-        return p.replace(seed=jsonl_io.row_seed(params.seed, row["id"])) if per_row_seed else p
+        own_seed = "seed" in row
+        return p.replace(seed=jsonl_io.row_seed(params.seed, row["id"])) if per_row_seed and not own_seed else p
     return of
 
 

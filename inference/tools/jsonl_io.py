@@ -9,6 +9,7 @@ of {role, content}). Output rows echo the id and the prompt or messages, then th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -214,15 +215,35 @@ def row_seed(seed: int, row_id: RowId) -> int:
     return seed + zlib.crc32(json.dumps(row_id).encode("utf-8"))
 
 
-def row_params(row: dict[str, Any], base: Any) -> Any:
-    """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer) and its
-    own `json_schema` (a JSON Schema object the completions must match; it replaces --json_schema) if it has one.
+# Sampling parameters a row may set for itself (over the launcher's flags), as in a request to the OpenAI server.
+# Logprobs stay the job's (--logprobs: every row's output has the same fields); other SamplingParams fields a row
+# names are refused rather than ignored.
+ROW_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                       "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                       "min_tokens", "bad_words")
 
-    Raises ValueError describing a bad `max_tokens` or schema, which becomes that row's `error`.
+
+def row_params(row: dict[str, Any], base: Any) -> Any:
+    """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer), its
+    own `json_schema` (a JSON Schema object the completions must match; it replaces --json_schema) if it has one,
+    and its own values of `ROW_SAMPLING_FIELDS`. Other keys (a row's own data) are not read.
+
+    Raises ValueError describing a bad value or a sampling field a row cannot set, which becomes that row's `error`.
     """
+    fields = {f.name for f in dataclasses.fields(base)}
+    refused = sorted(k for k in row if k in fields and k not in ROW_SAMPLING_FIELDS and k != "max_tokens")
+    if refused:
+        raise ValueError(f"a row cannot set {refused[0]!r}; rows may set max_tokens, json_schema and "
+                         f"{', '.join(ROW_SAMPLING_FIELDS)} (the launcher's flags set the rest for every row)")
     if "json_schema" in row:
         from inference.structured.params import StructuredOutputsParams
         base = base.replace(structured_outputs=StructuredOutputsParams(json=row["json_schema"]))
+    own = {k: row[k] for k in ROW_SAMPLING_FIELDS if k in row}
+    if own:
+        try:
+            base = base.replace(**own)
+        except TypeError as exc:  # a value of a type the parameter's own check does not expect
+            raise ValueError(f"the row's sampling parameters {sorted(own)} are invalid: {exc}") from None
     if "max_tokens" not in row:
         return base
     value = row["max_tokens"]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from absl import flags
 
+from inference import SamplingParams
 from inference.tools import jsonl_io
 from scripts import generate
 
@@ -326,3 +327,29 @@ def test_json_schema_flag_and_per_row_schemas(tmp_path, use_llm):
     assert "structured_outputs.json is invalid" in got["bad"]["error"]
     with pytest.raises(SystemExit, match="cannot read --json_schema"):
         run_script(f"--json_schema={tmp_path / 'missing.json'}")
+
+
+def test_rows_set_their_own_sampling_parameters(tmp_path, use_llm):
+    """A row's temperature, seed, n and stop are its own (as the OpenAI server's requests are): equal to the offline
+    run with those parameters; a bad value, or a sampling field a row cannot set, is that row's error."""
+    prompt = "Once upon a time"
+    rows = [{"id": "greedy", "prompt": prompt, "temperature": 0.0},
+            {"id": "seeded", "prompt": prompt, "temperature": 1.0, "seed": 7, "n": 2},
+            {"id": "stop", "prompt": "One, two, three,", "temperature": 0.0, "stop": [","], "max_tokens": 8},
+            {"id": "bad", "prompt": prompt, "temperature": -5},
+            {"id": "refused", "prompt": prompt, "logprobs": 2},
+            {"id": "meta", "prompt": prompt, "temperature": 0.0, "answer": "anything"}]
+    out = tmp_path / "out.jsonl"
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}",
+                                "--temperature=0.7", "--seed=1")
+    got = {r["id"]: r for r in read_jsonl(out)}
+    base = SamplingParams(max_tokens=4)
+    want = use_llm.generate([prompt, prompt, "One, two, three,"],
+                            [base.replace(temperature=0.0), base.replace(temperature=1.0, seed=7, n=2),
+                             base.replace(temperature=0.0, stop=[","], max_tokens=8)])
+    for key, w in zip(("greedy", "seeded", "stop"), want):
+        assert [o["token_ids"] for o in got[key]["outputs"]] == [list(o.token_ids) for o in w.outputs], key
+    assert got["stop"]["outputs"][0]["finish_reason"] == "stop"
+    assert got["meta"]["outputs"][0]["token_ids"] == got["greedy"]["outputs"][0]["token_ids"]
+    assert "temperature must be" in got["bad"]["error"]
+    assert "a row cannot set 'logprobs'" in got["refused"]["error"]
