@@ -77,6 +77,8 @@ _MAX_IN_FLIGHT = flags.DEFINE_integer("max_in_flight", 64, "Most rows queued in 
                                      lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Deprecated alias of --max_in_flight (rows no longer run in "
                                    "lockstep batches).", lower_bound=1)
+_RETRY_FAILED = flags.DEFINE_bool("retry_failed", False, "Resuming: run again the rows whose results in --output are "
+                                  "error rows (those rows are removed from it first); by default a rerun skips them.")
 _FSYNC_EVERY = flags.DEFINE_integer("fsync_every", 64, "fsync the output after this many rows (each row is flushed "
                                     "at once regardless).", lower_bound=1)
 _FSYNC_SECONDS = flags.DEFINE_float("fsync_seconds", 5.0, "fsync the output at least this often while rows arrive.",
@@ -168,13 +170,14 @@ def resumed_ids(index: int, shard: str | None) -> set:
 
     if not _OUTPUT.value:
         return set()
+    retry = _RETRY_FAILED.value
     if shard is None:
-        return jsonl_io.load_done_ids(_OUTPUT.value)
-    done = jsonl_io.load_done_ids(_OUTPUT.value) if index == 0 else set()
+        return jsonl_io.load_done_ids(_OUTPUT.value, retry)
+    done = jsonl_io.load_done_ids(_OUTPUT.value, retry) if index == 0 else set()
     distributed.barrier("pagejax-output-repaired")
     if index != 0:
         done = jsonl_io.load_done_ids(_OUTPUT.value)
-    return done | jsonl_io.load_done_ids(shard)
+    return done | jsonl_io.load_done_ids(shard, retry)
 
 
 Rendered = tuple[dict, str | None, SamplingParams | None, Any, str | None]  # row, text, params, LoRARequest, error
@@ -387,7 +390,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
           file=sys.stderr)
     if num_failed:
         where = f"their error rows are in {target}" if target else "their error rows are in the output"
-        print(f"{num_failed} rows failed; {where} (a rerun skips them: remove them from the output to redo them)",
+        print(f"{num_failed} rows failed; {where} (a rerun skips them; --retry_failed runs them again)",
               file=sys.stderr)
         sys.exit(EXIT_ROWS_FAILED)
 

@@ -75,13 +75,14 @@ def check_writable(path: str) -> None:
         raise OSError(f"cannot write {path}: the folder {folder} is not writable")
 
 
-def load_done_ids(path: str) -> set[RowId]:
+def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
     """Ids already in an output file, repairing a crash's leftovers first.
 
     A crash mid-write can leave the last line cut short (no newline after it: a row is written with its newline in
     one write); that line is dropped (its row is simply redone) and the file rewritten without it, so appending
     next cannot glue a new row onto garbage. Any other bad line, a whole last one included, is not something this
     script writes (the path may name another file), so it stops the job instead of discarding anything.
+    `retry_failed`: error rows are dropped too (rewritten away, as the cut-short line), so their ids run again.
     """
     if not os.path.exists(path):
         return set()
@@ -99,7 +100,8 @@ def load_done_ids(path: str) -> set[RowId]:
                 break
             raise ValueError(f"{path}:{number}: not a result row of this launcher; --output must name a new file "
                              "or one an earlier run wrote: fix or move the file before resuming") from None
-        rows.append(line)
+        if not (retry_failed and "error" in row):
+            rows.append(line)
     repaired = b"".join(line + b"\n" for line in rows)
     if repaired != raw:
         tmp = path + ".tmp"

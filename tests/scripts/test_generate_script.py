@@ -353,3 +353,19 @@ def test_rows_set_their_own_sampling_parameters(tmp_path, use_llm):
     assert got["meta"]["outputs"][0]["token_ids"] == got["greedy"]["outputs"][0]["token_ids"]
     assert "temperature must be" in got["bad"]["error"]
     assert "a row cannot set 'logprobs'" in got["refused"]["error"]
+
+
+def test_retry_failed_runs_the_error_rows_again_once_the_input_is_fixed(tmp_path, use_llm, capsys):
+    out = tmp_path / "out.jsonl"
+    rows = [{"id": "ok", "prompt": "Hello"}, {"id": "fixed", "prompt": "One, two,", "max_tokens": 0}]
+    run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}")
+    assert "--retry_failed runs them again" in capsys.readouterr().err
+    first = {r["id"]: r for r in read_jsonl(out)}
+    rows[1]["max_tokens"] = 2
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_script(f"--input={inp}", f"--output={out}")  # a plain rerun skips the error row: nothing to do
+    assert {r["id"]: r for r in read_jsonl(out)} == first
+    run_script(f"--input={inp}", f"--output={out}", "--retry_failed")
+    got = read_jsonl(out)
+    assert sorted(r["id"] for r in got) == ["fixed", "ok"] and not any("error" in r for r in got)
+    assert got[0] == first["ok"] and len(got[1]["outputs"][0]["token_ids"]) <= 2
