@@ -317,7 +317,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
         raise app.UsageError("a multi-process job needs --output (each process writes a shard of it)")
     index, count = distributed.initialize(job)
     shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
-    if _INPUT.value and _OUTPUT.value and os.path.abspath(_INPUT.value) == os.path.abspath(_OUTPUT.value):
+    if _INPUT.value and _OUTPUT.value and os.path.realpath(_INPUT.value) == os.path.realpath(_OUTPUT.value):
         raise app.UsageError(f"--output is the --input file ({_INPUT.value}); write the results elsewhere")
     try:
         adapters = lora_requests()
@@ -389,7 +389,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
           f"tokens; wall {wall_s:.1f}s (generate {gen_s:.1f}s); {num_tokens / max(gen_s, 1e-9):.1f} output tok/s",
           file=sys.stderr)
     if num_failed:
-        where = f"their error rows are in {target}" if target else "their error rows are in the output"
+        where = f"their error rows are in {_OUTPUT.value}" if _OUTPUT.value else "their error rows are in the output"
         print(f"{num_failed} rows failed; {where} (a rerun skips them; --retry_failed runs them again)",
               file=sys.stderr)
         sys.exit(EXIT_ROWS_FAILED)

@@ -32,7 +32,7 @@ def validate(engine: Engine, request_id: str, ids: list[int], params: SamplingPa
         # Both depend on the output length, which grows along a row's draft positions; not built yet.
         raise ValueError(f"request {request_id}: min_tokens and bad_words are not supported with speculative "
                          "decoding yet")
-    for name in ("logit_bias", "allowed_token_ids"):
+    for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):  # min_tokens masks the stop ids too
         out_of_vocab = [t for t in getattr(params, name) or () if t >= vocab]
         if out_of_vocab:
             raise ValueError(f"request {request_id}: {name} has token id {out_of_vocab[0]} outside the "

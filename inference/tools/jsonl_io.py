@@ -95,6 +95,8 @@ def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
         try:
             row = json.loads(line.decode("utf-8"))
             _check_id(row, f"{path}:{number}")
+            if not isinstance(row.get("outputs"), list):  # every result row has them (an error row's are [])
+                raise ValueError("no outputs")
         except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if number == len(lines) and cut_short:
                 break
@@ -167,10 +169,21 @@ def result_row(row: dict[str, Any], out: RequestOutput, with_logprobs: bool) -> 
     return result
 
 
+def json_line(row: dict[str, Any]) -> str:
+    """A row as one line of UTF-8 JSON; a string no UTF-8 can hold (a lone surrogate, an id "\\udc80") as JSON's
+    escape, which reads back as the same string."""
+    line = json.dumps(row, ensure_ascii=False) + "\n"
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(row) + "\n"
+    return line
+
+
 def write_rows(f: IO[str], rows: Iterable[dict[str, Any]], durable: bool = True) -> None:
     """One line per row, then flush (and fsync, for files) so a crash after this call loses none of them."""
     for row in rows:
-        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.write(json_line(row))
     f.flush()
     if durable:
         os.fsync(f.fileno())
@@ -189,10 +202,7 @@ class RowWriter:
         self._last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
-        try:
-            self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        except UnicodeEncodeError:  # a lone surrogate (an id "\udc80"): as an escape, which reads back the same
-            self.f.write(json.dumps(row) + "\n")
+        self.f.write(json_line(row))
         self.f.flush()
         self.written += 1
         self._unsynced += 1
@@ -241,17 +251,17 @@ def row_params(row: dict[str, Any], base: Any) -> Any:
         from inference.structured.params import StructuredOutputsParams
         base = base.replace(structured_outputs=StructuredOutputsParams(json=row["json_schema"]))
     own = {k: row[k] for k in ROW_SAMPLING_FIELDS if k in row}
-    if own:
-        try:
-            base = base.replace(**own)
-        except TypeError as exc:  # a value of a type the parameter's own check does not expect
-            raise ValueError(f"the row's sampling parameters {sorted(own)} are invalid: {exc}") from None
-    if "max_tokens" not in row:
+    if "max_tokens" in row:  # checked with the others (min_tokens is checked against it)
+        value = row["max_tokens"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"'max_tokens' must be a positive integer, got {value!r}")
+        own["max_tokens"] = value
+    if not own:
         return base
-    value = row["max_tokens"]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"'max_tokens' must be a positive integer, got {value!r}")
-    return base.replace(max_tokens=value)
+    try:
+        return base.replace(**own)
+    except TypeError as exc:  # a value of a type the parameter's own check does not expect
+        raise ValueError(f"the row's sampling parameters {sorted(own)} are invalid: {exc}") from None
 
 
 def row_lora(row: dict[str, Any], adapters: dict[str, Any]) -> Any:

@@ -26,6 +26,6 @@ def named_errors(path: str, what: str, fix: str, also: tuple[type[Exception], ..
     try:
         yield
     except _READ_ERRORS + also as exc:
-        if isinstance(exc, ValueError) and path in str(exc):
+        if isinstance(exc, MemoryError) or isinstance(exc, ValueError) and path in str(exc):
             raise
         raise ValueError(f"{path}: cannot read {what} ({type(exc).__name__}: {exc}); {fix}") from exc

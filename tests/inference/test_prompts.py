@@ -84,3 +84,13 @@ def test_chat_names_the_malformed_message(messages, message):
         _conversations(messages)
     one = [{"role": "user", "content": "hi"}]
     assert _conversations(one) == [one] and _conversations([one, one]) == [one, one]
+
+
+def test_stop_token_ids_outside_the_vocabulary_fail_their_request_alone(tiny_llama):
+    """min_tokens masks a request's stop ids: one past the vocabulary would overflow the step's edit arrays, so it
+    is refused when the request is added, and the others run."""
+    good = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    bad = good.replace(stop_token_ids=[10 ** 9], min_tokens=1)
+    bad_out, good_out = tiny_llama.generate([TokensPrompt(prompt_token_ids=[5, 6])] * 2, [bad, good])
+    assert "stop_token_ids has token id 1000000000 outside the vocabulary" in bad_out.error
+    assert good_out.error is None and len(good_out.outputs[0].token_ids) == 2

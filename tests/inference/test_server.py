@@ -193,6 +193,7 @@ def test_chat_and_tokenizer_requests_with_bad_values_name_them(smollm2, server):
         error = r.json()["error"]
         assert error["param"] == param and message in error["message"], error
     for path, body, param in (("/v1/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+                              ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
                               ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "a\udc80"}]},
                                "messages")):
         r = httpx.post(f"{server}{path}", content=json.dumps(body), timeout=60,

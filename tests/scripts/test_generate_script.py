@@ -153,7 +153,7 @@ def test_invalid_temperature_fails_before_loading(no_model, capsys):
 
 def test_bad_output_file_middle_line_is_an_error(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
+    out.write_text('{"id": 1, "outputs": []}\nnot json\n{"id": 2, "outputs": []}\n')
     with pytest.raises(ValueError, match=":2: not a result row"):
         jsonl_io.load_done_ids(str(out))
     assert jsonl_io.load_done_ids(str(tmp_path / "missing.jsonl")) == set()
@@ -168,6 +168,9 @@ def test_an_output_that_is_another_file_is_never_rewritten(tmp_path, no_model):
     with pytest.raises(SystemExit, match="notes.txt:1: not a result row of this launcher"):
         run_script(f"--input={inp}", f"--output={notes}")
     assert notes.read_text() == "my notes\n"
+    other_input = write_jsonl(tmp_path / "other.jsonl", [{"id": 1, "prompt": "a row, not a result"}])
+    with pytest.raises(SystemExit, match="other.jsonl:1: not a result row of this launcher"):
+        run_script(f"--input={inp}", f"--output={other_input}")  # its id would otherwise count as done
 
 
 def test_bad_input_and_output_files_stop_the_job_before_the_model_loads(tmp_path, no_model, capsys):
@@ -200,6 +203,8 @@ def test_a_lone_surrogate_fails_its_row_alone(tmp_path, use_llm):
     assert "lone UTF-16 surrogate" in got["p"]["error"]
     assert "error" not in got["ok"] and "error" not in got["x\udc80"] and got["x\udc80"]["outputs"][0]["text"]
     assert "\\udc80" in out.read_text()  # the escape, not a character no UTF-8 file can hold
+    line = jsonl_io.json_line({"id": "x\udc80", "outputs": []})  # also what merging process shards writes
+    assert line.isascii() and json.loads(line) == {"id": "x\udc80", "outputs": []}
 
 
 def test_prompt_flag_prints_readably(use_llm, capsys):
@@ -338,7 +343,8 @@ def test_rows_set_their_own_sampling_parameters(tmp_path, use_llm):
             {"id": "stop", "prompt": "One, two, three,", "temperature": 0.0, "stop": [","], "max_tokens": 8},
             {"id": "bad", "prompt": prompt, "temperature": -5},
             {"id": "refused", "prompt": prompt, "logprobs": 2},
-            {"id": "meta", "prompt": prompt, "temperature": 0.0, "answer": "anything"}]
+            {"id": "meta", "prompt": prompt, "temperature": 0.0, "answer": "anything"},
+            {"id": "min", "prompt": prompt, "temperature": 0.0, "max_tokens": 6, "min_tokens": 6}]
     out = tmp_path / "out.jsonl"
     run_script_with_failed_rows(f"--input={write_jsonl(tmp_path / 'in.jsonl', rows)}", f"--output={out}",
                                 "--temperature=0.7", "--seed=1")
@@ -352,6 +358,7 @@ def test_rows_set_their_own_sampling_parameters(tmp_path, use_llm):
     assert got["stop"]["outputs"][0]["finish_reason"] == "stop"
     assert got["meta"]["outputs"][0]["token_ids"] == got["greedy"]["outputs"][0]["token_ids"]
     assert "temperature must be" in got["bad"]["error"]
+    assert "error" not in got["min"] and len(got["min"]["outputs"][0]["token_ids"]) == 6  # over --max_tokens=4
     assert "a row cannot set 'logprobs'" in got["refused"]["error"]
 
 

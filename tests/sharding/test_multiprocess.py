@@ -104,7 +104,8 @@ def _launch(model: Path, rows: Path, output: Path, devices: int, extra: list[str
     return subprocess.Popen(cmd, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait(procs: list[subprocess.Popen]) -> None:
+def _wait(procs: list[subprocess.Popen]) -> list[int]:
+    """Each process's exit code: 0, or the launcher's EXIT_ROWS_FAILED (3) where rows of its own got error rows."""
     try:
         results = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -112,7 +113,8 @@ def _wait(procs: list[subprocess.Popen]) -> None:
             if p.poll() is None:
                 p.kill()
     for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode in (0, 3), err[-3000:]
+    return [p.returncode for p in procs]
 
 
 def test_two_processes_match_one(folders, tmp_path):
@@ -124,11 +126,12 @@ def test_two_processes_match_one(folders, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     single = tmp_path / "single.jsonl"
-    _wait([_launch(orbax, path, single, 1, [])])
+    assert _wait([_launch(orbax, path, single, 1, [])]) == [3]  # the bad row's error row: exit 3
     multi = tmp_path / "multi.jsonl"
     address = f"127.0.0.1:{_free_port()}"
-    _wait([_launch(orbax, path, multi, 2, [f"--coordinator_address={address}", "--num_processes=2",
-                                           f"--process_id={i}", "--data_parallel_size=2"]) for i in range(2)])
+    codes = _wait([_launch(orbax, path, multi, 2, [f"--coordinator_address={address}", "--num_processes=2",
+                                                   f"--process_id={i}", "--data_parallel_size=2"]) for i in range(2)])
+    assert sorted(codes) == [0, 3]  # only the process whose share held the bad row
 
     def essentials(file: Path) -> list[tuple]:
         return [(r["id"], r.get("error"), [(o["token_ids"], o["text"]) for o in r["outputs"]])

@@ -172,7 +172,10 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         models.resolve(body.model)
-        tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        try:
+            tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ValueError as exc:  # text no tokenizer can read (a lone surrogate)
+            raise OpenAIError(400, str(exc), param="prompt", code="invalid_prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.engine.max_model_len}
 
     @app.post("/detokenize")
