@@ -34,9 +34,9 @@ The first run compiles the model's steps (tens of seconds on CPU) and says so, w
 are cached (--compilation_cache_dir) so later runs start at once. Presets without shipped weights (tiny-*, the
 real-size configs) are random-weight test models with no tokenizer: they cannot run text rows, and are refused.
 A usage error prints one line (exit 2); --help prints this text and the flags (exit 0). A job that ran to its end
-exits 0 when every row was generated and 3 when some rows got error rows (a bad row, a prompt too long for the
-context: each has its "error"); bad input that stops the job before it starts (an unreadable input or output file,
-a duplicate id) exits 1 with the file and line.
+exits 0 when every row of its input has a result and 3 when some have error rows, written by this run or an earlier
+one (a bad row, a prompt too long for the context: each has its "error"); bad input that stops the job before it
+starts (an unreadable input or output file, a duplicate id) exits 1 with the file and line.
 """
 
 from __future__ import annotations
@@ -163,17 +163,18 @@ def check_model_can_run(rows: list[dict[str, Any]]) -> None:
                          ".gguf file or a model folder with a tokenizer")
 
 
-def resumed_ids(index: int, shard: str | None) -> set:
-    """Ids a rerun skips: those in --output, and in a multi-process job also those in this process's own shard.
-    Only process 0 may repair a cut-short --output (load_done_ids rewrites it); the others read it after that."""
+def resumed_ids(index: int, shard: str | None) -> dict:
+    """Ids a rerun skips, each with whether its row is an error row: those in --output, and in a multi-process job
+    also those in this process's own shard. Only process 0 may repair a cut-short --output (load_done_ids rewrites
+    it); the others read it after that."""
     from sharding import distributed
 
     if not _OUTPUT.value:
-        return set()
+        return {}
     retry = _RETRY_FAILED.value
     if shard is None:
         return jsonl_io.load_done_ids(_OUTPUT.value, retry)
-    done = jsonl_io.load_done_ids(_OUTPUT.value, retry) if index == 0 else set()
+    done = jsonl_io.load_done_ids(_OUTPUT.value, retry) if index == 0 else {}
     distributed.barrier("pagejax-output-repaired")
     if index != 0:
         done = jsonl_io.load_done_ids(_OUTPUT.value)
@@ -388,10 +389,12 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
           f"rows done {len(pending)}, skipped {len(mine) - len(pending)}, failed {num_failed}; {num_tokens} output "
           f"tokens; wall {wall_s:.1f}s (generate {gen_s:.1f}s); {num_tokens / max(gen_s, 1e-9):.1f} output tok/s",
           file=sys.stderr)
-    if num_failed:
+    failed_before = sum(1 for row in mine if done.get(row["id"]))  # error rows an earlier run wrote
+    if num_failed or failed_before:
         where = f"their error rows are in {_OUTPUT.value}" if _OUTPUT.value else "their error rows are in the output"
-        print(f"{num_failed} rows failed; {where} (a rerun skips them; --retry_failed runs them again)",
-              file=sys.stderr)
+        earlier = f" ({failed_before} from earlier runs)" if failed_before else ""
+        print(f"{num_failed + failed_before} rows failed{earlier}; {where} (a rerun skips them; --retry_failed runs "
+              "them again)", file=sys.stderr)
         sys.exit(EXIT_ROWS_FAILED)
 
 

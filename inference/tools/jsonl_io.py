@@ -75,8 +75,9 @@ def check_writable(path: str) -> None:
         raise OSError(f"cannot write {path}: the folder {folder} is not writable")
 
 
-def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
-    """Ids already in an output file, repairing a crash's leftovers first.
+def load_done_ids(path: str, retry_failed: bool = False) -> dict[RowId, bool]:
+    """Ids already in an output file, each with whether its row is an error row, repairing a crash's leftovers
+    first.
 
     A crash mid-write can leave the last line cut short (no newline after it: a row is written with its newline in
     one write); that line is dropped (its row is simply redone) and the file rewritten without it, so appending
@@ -85,12 +86,12 @@ def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
     `retry_failed`: error rows are dropped too (rewritten away, as the cut-short line), so their ids run again.
     """
     if not os.path.exists(path):
-        return set()
+        return {}
     with open(path, "rb") as f:
         raw = f.read()
     lines = [line for line in raw.split(b"\n") if line.strip()]
     cut_short = bool(raw.strip()) and not raw.endswith(b"\n")
-    rows = []
+    rows, done = [], {}
     for number, line in enumerate(lines, start=1):
         try:
             row = json.loads(line.decode("utf-8"))
@@ -104,6 +105,7 @@ def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
                              "or one an earlier run wrote: fix or move the file before resuming") from None
         if not (retry_failed and "error" in row):
             rows.append(line)
+            done[row["id"]] = "error" in row
     repaired = b"".join(line + b"\n" for line in rows)
     if repaired != raw:
         tmp = path + ".tmp"
@@ -112,7 +114,7 @@ def load_done_ids(path: str, retry_failed: bool = False) -> set[RowId]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    return {json.loads(line)["id"] for line in rows}
+    return done
 
 
 def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:

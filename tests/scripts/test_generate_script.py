@@ -156,7 +156,7 @@ def test_bad_output_file_middle_line_is_an_error(tmp_path):
     out.write_text('{"id": 1, "outputs": []}\nnot json\n{"id": 2, "outputs": []}\n')
     with pytest.raises(ValueError, match=":2: not a result row"):
         jsonl_io.load_done_ids(str(out))
-    assert jsonl_io.load_done_ids(str(tmp_path / "missing.jsonl")) == set()
+    assert jsonl_io.load_done_ids(str(tmp_path / "missing.jsonl")) == {}
 
 
 def test_an_output_that_is_another_file_is_never_rewritten(tmp_path, no_model):
@@ -370,8 +370,11 @@ def test_retry_failed_runs_the_error_rows_again_once_the_input_is_fixed(tmp_path
     first = {r["id"]: r for r in read_jsonl(out)}
     rows[1]["max_tokens"] = 2
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    run_script(f"--input={inp}", f"--output={out}")  # a plain rerun skips the error row: nothing to do
+    # a plain rerun skips the error row: nothing to do, and its exit still says the output holds an error row
+    run_script_with_failed_rows(f"--input={inp}", f"--output={out}")
     assert {r["id"]: r for r in read_jsonl(out)} == first
+    assert "1 rows failed (1 from earlier runs)" in capsys.readouterr().err
+    assert jsonl_io.load_done_ids(str(out)) == {"ok": False, "fixed": True}
     run_script(f"--input={inp}", f"--output={out}", "--retry_failed")
     got = read_jsonl(out)
     assert sorted(r["id"] for r in got) == ["fixed", "ok"] and not any("error" in r for r in got)
