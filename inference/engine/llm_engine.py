@@ -193,7 +193,11 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) if it can never run (a bad LoRA adapter too)."""
+        """Queue a request. Raises ValueError (and queues nothing) if it can never run (a bad LoRA adapter too), and
+        RuntimeError while the model runner is asleep."""
+        if self.runner.sleep_level:
+            raise RuntimeError(f"request {request_id}: the model is asleep (sleep() freed its KV cache); call "
+                               "wake_up() before adding requests")
         if params.truncate_prompt_tokens is not None:  # vLLM keeps the last k tokens
             k = params.truncate_prompt_tokens
             prompt_token_ids = list(prompt_token_ids)[-(self.max_model_len - 1 if k == -1 else k):]
@@ -296,11 +300,13 @@ class Engine:
             self._undelivered = []
             return outputs
 
-    def remove_lora(self, lora_id: int) -> None:
-        """Forget a LoRA adapter between steps (host copy and slot); ValueError while a request still uses it."""
+    def remove_lora(self, lora_id: int | str) -> None:
+        """Forget a LoRA adapter (by id or name) between steps (host copy and slot); ValueError while a request still
+        uses it."""
         with self._lock:
             if self.lora is None:
                 raise ValueError("this engine was built without LoRA")
+            lora_id = self.lora.resolve(lora_id)
             if any(s.lora_id == lora_id and not s.is_finished for r in self.requests.values() for s in r.seqs):
                 raise ValueError(f"LoRA adapter {lora_id} is still used by a running request; remove it after")
             self.lora.remove(lora_id)

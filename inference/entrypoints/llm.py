@@ -261,13 +261,19 @@ class LLM:
                 yield StreamDelta(s.request_id, 0, [], "", True, "error", s.error)
             else:
                 trackers[s.request_id] = DeltaTracker(s.params)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.request_id not in trackers:
-                    continue  # submitted through a background loop
-                yield from trackers[out.request_id].deltas(out)
-                if out.finished:
-                    self.engine.pop_finished(out.request_id)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id not in trackers:
+                        continue  # submitted through a background loop
+                    yield from trackers[out.request_id].deltas(out)
+                    if out.finished:
+                        self.engine.pop_finished(out.request_id)
+        finally:  # a caller that stops reading early (break, close): its requests are aborted, their pages freed
+            for request_id in trackers:
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                    self.engine.pop_finished(request_id)
 
     def background(self) -> EngineLoop:
         """A background engine loop for this model: `submit` from any thread while it generates."""
@@ -359,11 +365,12 @@ class LLM:
     def get_params(self) -> nnx.State:
         return self.runner.params
 
-    def update_weights(self, params: nnx.State) -> None:
+    def update_weights(self, params: nnx.State, *, check_finite: bool = True) -> None:
         """Swap in new parameters (same shapes and dtypes); nothing recompiles. The prefix cache is dropped, since
-        its pages hold keys and values of the old weights."""
+        its pages hold keys and values of the old weights. Weights holding NaN or inf are refused
+        (`ModelRunner.update_weights`; `check_finite=False` skips that read of the weights)."""
         for runner in self.runners:  # every data-parallel replica, each into its own devices' shardings
-            runner.update_weights(params)
+            runner.update_weights(params, check_finite=check_finite)
         self.engine.reset_prefix_cache()
 
     def add_lora(self, lora_request: LoRARequest) -> int:

@@ -126,12 +126,14 @@ class EngineLoop:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
+            if request_id in self._streams:  # the engine refuses it too, but the first request's stream is kept
+                raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (stream, DeltaTracker(params))
             try:
                 lora = {} if lora_request is None else {"lora_request": lora_request}  # engines without LoRA
                 self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
                                         **lora)
-            except ValueError:
+            except Exception:
                 del self._streams[request_id]
                 raise
             self._wake.notify_all()  # all: pause() waits on the same condition
@@ -167,10 +169,26 @@ class EngineLoop:
         return self._paused
 
     def close(self) -> None:
+        """Stop the loop thread. Requests still running are aborted (their pages freed) and their streams end with
+        a RuntimeError, so no caller waits forever."""
         with self._wake:
             self._closed = True
             self._wake.notify_all()
         self._thread.join()
+        self._end_all(RuntimeError("the engine loop was closed while this request ran; it was aborted"))
+
+    def _end_all(self, exc: BaseException) -> None:
+        """Every open stream ends with `exc`; its request is aborted and dropped from the engine, so the engine is
+        left without work nobody waits for (a loop that failed would otherwise retry it at once, forever)."""
+        for request_id, (stream, _) in list(self._streams.items()):
+            stream._put(exc)
+            try:
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                    self.engine.pop_finished(request_id)
+            except Exception:  # noqa: BLE001 - an engine that failed may refuse; the stream has its error already
+                pass
+        self._streams.clear()
 
     def _run(self) -> None:
         while True:
@@ -186,9 +204,7 @@ class EngineLoop:
                 self._publish(self.engine.step() if step else [])
                 self._publish(self._pending_aborts())
             except BaseException as exc:  # noqa: BLE001 - surface the failure to every waiting caller
-                for stream, _ in list(self._streams.values()):
-                    stream._put(exc)
-                self._streams.clear()
+                self._end_all(exc)
                 continue
             finally:
                 with self._wake:

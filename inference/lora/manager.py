@@ -62,11 +62,12 @@ class LoRAManager:
             raise ValueError(f"no LoRA adapter {name_or_id!r} is loaded; known: {sorted(self.ids)}")
         return lora_id
 
-    def remove(self, lora_id: int) -> None:
+    def remove(self, lora_id: int | str) -> None:
         """Forget an adapter (its host copy, its name and its slot, which becomes free); the caller makes sure no
         sequence still runs with it (`Engine.remove_lora`). Its id is never reused by the server that removed it:
         the prefix cache may still hold pages keyed by it."""
-        adapter = self.adapters.pop(self.resolve(lora_id))
+        lora_id = self.resolve(lora_id)  # a name names its id: the maps below are keyed by ids
+        adapter = self.adapters.pop(lora_id)
         if self.ids.get(adapter.name) == lora_id:
             del self.ids[adapter.name]
         self.resident.pop(lora_id, None)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.sampling.params import SamplingParams
+from inference.sampling.params import SAMPLING_EPS, SamplingParams
 from inference.sampling.sampler import SamplingTensors, compute_logprobs, needs_filters, process_logits
 from models.decoder import Decoder
 from models.lora import adapter_bound
@@ -74,9 +74,10 @@ def log_probs(model_or_params, token_ids: jax.Array, *, sampling: SamplingTensor
     """
     model = _as_model(model_or_params)
     tokens = jnp.asarray(token_ids, jnp.int32)
-    if tokens.ndim != 2:
-        raise ValueError(f"token_ids must be [batch, length], got shape {tokens.shape}")
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise ValueError(f"token_ids must be [batch, length] with both at least 1, got shape {tokens.shape}")
     b, length = tokens.shape
+    _check_concrete(token_ids, sampling, use_filters, vocab_size or model.config.vocab_size)
     if (lora is None) != (lora_scaling is None):
         raise ValueError("log_probs takes lora and lora_scaling together (the adapter's scaling is part of its math)")
     with contextlib.nullcontext() if lora is None else adapter_bound(model, lora, lora_scaling):
@@ -94,6 +95,33 @@ def log_probs(model_or_params, token_ids: jax.Array, *, sampling: SamplingTensor
     lp, _, _ = compute_logprobs(flat, targets.reshape(-1), 0, invariant=model.batch_invariant)
     lp = lp.reshape(b, length)
     return jnp.concatenate([jnp.zeros((b, 1), jnp.float32), lp[:, :-1]], axis=1)
+
+
+def _check_concrete(token_ids, sampling: SamplingTensors | None, use_filters: bool, vocab: int) -> None:
+    """The checks that read values, where they are concrete (under `jit` they are traced and pass): token ids in the
+    vocabulary (an id past it gave NaN, a negative one another token's logprob: padding like -100 is a real id
+    masked in the loss), and `use_filters` set where a processed row has top-k / top-p / min-p (else the filters
+    were dropped silently)."""
+    try:
+        ids = np.asarray(token_ids)
+    except jax.errors.TracerArrayConversionError:
+        return
+    bad = np.argwhere((ids < 0) | (ids >= vocab))
+    if bad.size:
+        i, j = bad[0]
+        raise ValueError(f"token_ids[{i}, {j}] = {ids[i, j]} is outside the vocabulary [0, {vocab}); pad with a real "
+                         "token id (0, say) and mask the padding out of the loss")
+    if sampling is None or use_filters:
+        return
+    try:
+        greedy = np.asarray(sampling.temperature) < SAMPLING_EPS
+        filtered = ((np.asarray(sampling.top_k) > 0) & (np.asarray(sampling.top_k) < vocab)) | \
+            (np.asarray(sampling.top_p) < 1.0) | (np.asarray(sampling.min_p) > 0.0)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if (filtered & ~greedy).any():
+        raise ValueError("sampling has rows with top-k, top-p or min-p, but use_filters=False would skip them; pass "
+                         "the use_filters that processed_tensors returns with the tensors")
 
 
 def processed_tensors(params: SamplingParams | Sequence[SamplingParams], token_ids: np.ndarray,

@@ -202,6 +202,13 @@ def _copy_cache_pages(cache, src, dst):
     return copy_pages(cache, src, dst)
 
 
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    """bool[len(leaves)]: each leaf free of NaN and inf (integer leaves, e.g. quantized codes, always are)."""
+    return jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+                      for x in leaves])
+
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
                  mesh: jax.sharding.Mesh | None = None, config=None, lora: LoRASlots | None = None,
@@ -405,20 +412,32 @@ class ModelRunner:
             raise RuntimeError("the weights were freed by sleep(level=2); call wake_up() (or update_weights) first")
         return jax.tree.unflatten(self.param_treedef, self.param_leaves)
 
-    def update_weights(self, params: nnx.State) -> None:
+    def update_weights(self, params: nnx.State, *, check_finite: bool = True) -> None:
         """Swap in parameters of the same structure, shapes and dtypes: the compiled steps are reused as they are.
 
         The new leaves may live anywhere: host numpy, another device, or any sharding over any mesh (a trainer's
         FSDP layout); each is put into the runner's own sharding, device to device for arrays already on devices
-        (inference/runtime/reshard.py), so the steps see exactly the shardings they were compiled for."""
-        leaves, treedef = jax.tree.flatten(params)
+        (inference/runtime/reshard.py), so the steps see exactly the shardings they were compiled for.
+        `check_finite`: refuse weights holding NaN or inf (a diverged trainer's: the model would sample token 0
+        and stop, silently), at the cost of one read of the weights on the device."""
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if treedef != self.param_treedef:
-            raise ValueError("update_weights: the new parameters do not have the model's structure")
-        for new_leaf, old_leaf in zip(leaves, self._param_avals):
-            if new_leaf.shape != old_leaf.shape or new_leaf.dtype != old_leaf.dtype:
-                raise ValueError(f"update_weights: a parameter of shape {old_leaf.shape} {old_leaf.dtype} got "
-                                 f"{new_leaf.shape} {new_leaf.dtype}; shapes and dtypes must match")
-        self.param_leaves = self._place(leaves)
+            raise ValueError("update_weights: the new parameters do not have the model's structure (pass the "
+                             "nnx.State of `llm.get_params()`'s tree, with every leaf)")
+        leaves = [leaf for _, leaf in paths_leaves]
+        for (path, new_leaf), old_leaf in zip(paths_leaves, self._param_avals):
+            shape, dtype = getattr(new_leaf, "shape", None), getattr(new_leaf, "dtype", None)
+            if shape != old_leaf.shape or dtype != old_leaf.dtype:
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} must be {old_leaf.shape} "
+                                 f"{old_leaf.dtype}, got {shape} {dtype}")
+        placed = self._place(leaves)
+        if check_finite:
+            finite = np.asarray(_all_finite(placed))
+            if not finite.all():
+                path = paths_leaves[int(np.flatnonzero(~finite)[0])][0]
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} holds NaN or inf; the weights were "
+                                 "not swapped (check the trainer; check_finite=False skips this check)")
+        self.param_leaves = placed
         self._host_weights = None  # the new weights supersede a host copy kept by sleep(level=2)
 
     # ---- memory release between rollouts (RL): inference/rl docs, docs/rl.md --------------------------------------

@@ -174,6 +174,8 @@ class SamplingParams:
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            if not -(1 << 63) <= self.seed < 1 << 64:  # the sampler keys on it modulo 2**64: past these it aliases
+                raise ValueError(f"seed must be in [-2**63, 2**64) (a 64-bit seed, as torch's), got {self.seed}")
             set_("seed", int(self.seed))
 
         if self.max_tokens is not None:

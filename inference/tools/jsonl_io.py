@@ -225,8 +225,9 @@ class RowWriter:
 def row_seed(seed: int, row_id: RowId) -> int:
     """`seed` plus a stable hash of the row id (crc32 of its JSON form, so 3 and "3" differ): identical prompts get
     different samples, and a resumed or resharded job gives each row the seed it had before. Python's `hash` is
-    salted per process, so it would not survive a rerun."""
-    return seed + zlib.crc32(json.dumps(row_id).encode("utf-8"))
+    salted per process, so it would not survive a rerun. Modulo 2**64, as the sampler keys on it: the same samples,
+    and a seed near the top of the range stays a valid one."""
+    return (seed + zlib.crc32(json.dumps(row_id).encode("utf-8"))) % (1 << 64)
 
 
 # Sampling parameters a row may set for itself (over the launcher's flags), as in a request to the OpenAI server.

@@ -103,6 +103,10 @@ def test_remove_lora_waits_for_its_requests_then_frees_the_slot(llm, adapters, t
     assert gone.lora_int_id not in engine.lora.adapters and gone.lora_int_id not in engine.lora.resident
     assert "gone" not in engine.lora.ids
     assert _tokens(llm, LoRARequest("gone", 41, path)) == want  # the name again, under a new id
+    base = _tokens(llm, None)
+    engine.remove_lora("gone")  # by name: the id it names is forgotten everywhere, and the engine runs on
+    assert 41 not in engine.lora.adapters and 41 not in engine.lora.resident and "gone" not in engine.lora.ids
+    assert _tokens(llm, None) == base and _tokens(llm, adapters["a"]) == _tokens(llm, adapters["a"])
 
 
 def test_slots_evict_least_recently_used_and_reload(llm, adapters):

@@ -78,6 +78,7 @@ def test_invalid_value_raises_naming_parameter(name: str, value: object) -> None
         ("temperature", -1.0, ">= 0"),
         ("n", 0, ">= 1"),
         ("max_tokens", 0, ">= 1"),
+        ("seed", 2**70, "[-2**63, 2**64)"),
     ],
 )
 def test_message_states_allowed_range(name: str, value: object, range_text: str) -> None:
@@ -94,7 +95,8 @@ def test_message_states_allowed_range(name: str, value: object, range_text: str)
         dict(top_p=1e-9, min_p=0.0, top_k=1),
         dict(logprobs=0, prompt_logprobs=MAX_LOGPROBS),
         dict(seed=-7),
-        dict(seed=2**70),
+        dict(seed=2**64 - 1),
+        dict(seed=-(2**63)),
         dict(seed=np.int64(3)),
         dict(max_tokens=None),
         dict(stop=("a", "b"), stop_token_ids=(1, 2)),
