@@ -432,7 +432,7 @@ class ModelRunner:
                                  f"{old_leaf.dtype}, got {shape} {dtype}")
         placed = self._place(leaves)
         if check_finite:
-            finite = np.asarray(_all_finite(placed))
+            finite = np.asarray(_all_finite(placed).addressable_data(0))  # replicated: a local copy in every process
             if not finite.all():
                 path = paths_leaves[int(np.flatnonzero(~finite)[0])][0]
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} holds NaN or inf; the weights were "
