@@ -57,6 +57,8 @@ class LoRAManager:
 
     def resolve(self, name_or_id: str | int) -> int:
         """An adapter's id from its name or id; ValueError if it was never registered."""
+        if isinstance(name_or_id, bool) or not isinstance(name_or_id, (str, int)):  # True would read as id 1
+            raise ValueError(f"a LoRA adapter is named by its name (str) or id (int), got {name_or_id!r}")
         lora_id = self.ids.get(name_or_id) if isinstance(name_or_id, str) else name_or_id
         if lora_id not in self.adapters:
             raise ValueError(f"no LoRA adapter {name_or_id!r} is loaded; known: {sorted(self.ids)}")
@@ -113,6 +115,9 @@ class LoRAManager:
         lora_id = self.resolve(name_or_id)
         old = self.adapters[lora_id]
         new = dict(old.weights)
+        if not isinstance(weights, dict):
+            raise ValueError(f"update_lora: weights must map projection names to (a, b) pairs, got "
+                             f"{type(weights).__name__}")
         for name, pair in weights.items():
             if name not in old.weights:
                 raise ValueError(f"update_lora: adapter {old.name!r} does not adapt {name}; it adapts "

@@ -245,3 +245,11 @@ def test_lora_arguments_are_checked(llm, adapters, tiny_llama):
     out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY,
                        lora_request=LoRARequest("a", 77, adapters["a"].lora_path))[0]
     assert "registered with id 1" in out.error
+
+
+def test_update_lora_names_a_wrong_argument(llm, adapters):
+    _tokens(llm, adapters["a"])  # registered
+    with pytest.raises(ValueError, match="weights must map projection names to \\(a, b\\) pairs, got NoneType"):
+        llm.update_lora("a", None)
+    with pytest.raises(ValueError, match="named by its name \\(str\\) or id \\(int\\), got True"):
+        llm.update_lora(True, {})
