@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 
 import numpy as np
 
@@ -45,10 +46,15 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {request.lora_name!r} is registered with id {known}, not "
                              f"{request.lora_int_id}; give each adapter one id")
         if request.lora_int_id in self.adapters:
-            name = self.adapters[request.lora_int_id].name
-            if name != request.lora_name:
-                raise ValueError(f"LoRA id {request.lora_int_id} is adapter {name!r}, not {request.lora_name!r}; "
-                                 "give each adapter its own lora_int_id")
+            known_adapter = self.adapters[request.lora_int_id]
+            if known_adapter.name != request.lora_name:
+                raise ValueError(f"LoRA id {request.lora_int_id} is adapter {known_adapter.name!r}, not "
+                                 f"{request.lora_name!r}; give each adapter its own lora_int_id")
+            if known_adapter.path and request.lora_path and \
+                    os.path.realpath(known_adapter.path) != os.path.realpath(request.lora_path):
+                raise ValueError(f"LoRA adapter {request.lora_name!r} (id {request.lora_int_id}) was loaded from "
+                                 f"{known_adapter.path}, not {request.lora_path}; new weights under a known name go "
+                                 "through update_lora, another adapter needs its own name and id")
             return request.lora_int_id
         adapter = load_peft_adapter(request.lora_path, self.config, self.max_rank, name=request.lora_name)
         self.adapters[request.lora_int_id] = adapter

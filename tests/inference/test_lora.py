@@ -253,3 +253,11 @@ def test_update_lora_names_a_wrong_argument(llm, adapters):
         llm.update_lora("a", None)
     with pytest.raises(ValueError, match="named by its name \\(str\\) or id \\(int\\), got True"):
         llm.update_lora(True, {})
+
+
+def test_a_known_adapter_from_another_path_is_refused_not_ignored(llm, adapters):
+    _tokens(llm, adapters["a"])  # registered from its folder
+    moved = LoRARequest("a", adapters["a"].lora_int_id, adapters["b"].lora_path)
+    with pytest.raises(ValueError, match="was loaded from .*not .*known name go through update_lora"):
+        llm.add_lora(moved)
+    assert llm.add_lora(LoRARequest("a", adapters["a"].lora_int_id, adapters["a"].lora_path + "/")) == 1  # same folder
