@@ -429,7 +429,7 @@ class ModelRunner:
             shape, dtype = getattr(new_leaf, "shape", None), getattr(new_leaf, "dtype", None)
             if shape != old_leaf.shape or dtype != old_leaf.dtype:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} must be {old_leaf.shape} "
-                                 f"{old_leaf.dtype}, got {shape} {dtype}")
+                                 f"{old_leaf.dtype}, got {shape} {dtype}; shapes and dtypes must match")
         placed = self._place(leaves)
         if check_finite:
             finite = np.asarray(_all_finite(placed).addressable_data(0))  # replicated: a local copy in every process
