@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from inference.sampling.logit_bias import bad_words_token_ids
 from inference.sampling.params import SamplingParams
 
@@ -21,6 +23,9 @@ def validate(engine: Engine, request_id: str, ids: list[int], params: SamplingPa
     if len(ids) == 0:
         raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
     vocab = engine.runner.config.vocab_size
+    not_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if not_ids:  # 5.7 would have run as token 5
+        raise ValueError(f"request {request_id}: token ids must be integers, got {not_ids[0]!r}")
     bad = [t for t in ids if not 0 <= int(t) < vocab]
     if bad:
         raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")

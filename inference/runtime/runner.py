@@ -446,7 +446,7 @@ class ModelRunner:
         bookkeeping), level 2 the weights too, copied to host numpy first unless `keep_weights_on_host=False`
         (then `update_weights` must refill them before `wake_up`). Weight buffers are released, not deleted: a
         trainer that shares the arrays (`update_weights` without a copy) keeps them alive and valid."""
-        if level not in (1, 2):
+        if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (the weights too), got {level!r}")
         if self.sleep_level >= level:
             return

@@ -94,3 +94,16 @@ def test_stop_token_ids_outside_the_vocabulary_fail_their_request_alone(tiny_lla
     bad_out, good_out = tiny_llama.generate([TokensPrompt(prompt_token_ids=[5, 6])] * 2, [bad, good])
     assert "stop_token_ids has token id 1000000000 outside the vocabulary" in bad_out.error
     assert good_out.error is None and len(good_out.outputs[0].token_ids) == 2
+
+
+def test_float_token_ids_are_refused_not_truncated(tiny_llama):
+    """A float id would have run as its integer part (5.7 as token 5): the request fails alone, naming it."""
+    loop = tiny_llama.background()
+    try:
+        with pytest.raises(ValueError, match="token ids must be integers, got 5.7"):
+            loop.submit([5.7, 6], SamplingParams(max_tokens=2))
+        assert not tiny_llama.engine.requests
+    finally:
+        loop.close()
+    with pytest.raises(ValueError, match="sleep level must be 1 .* or 2 .*, got True"):
+        tiny_llama.sleep(True)
