@@ -23,12 +23,11 @@ def validate(engine: Engine, request_id: str, ids: list[int], params: SamplingPa
     if len(ids) == 0:
         raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
     vocab = engine.runner.config.vocab_size
-    not_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-    if not_ids:  # 5.7 would have run as token 5
-        raise ValueError(f"request {request_id}: token ids must be integers, got {not_ids[0]!r}")
-    bad = [t for t in ids if not 0 <= int(t) < vocab]
-    if bad:
-        raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    for t in ids:  # one pass, stopping at the first bad id
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):  # 5.7 would have run as token 5
+            raise ValueError(f"request {request_id}: token ids must be integers, got {t!r}")
+        if not 0 <= t < vocab:
+            raise ValueError(f"request {request_id}: token id {t} is outside the vocabulary [0, {vocab})")
     if engine.num_spec and params.uses_penalties:
         # Verification would need the counts to grow along each row's draft positions; not built yet.
         raise ValueError(f"request {request_id}: penalties are not supported with speculative decoding yet "

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from models.loaders.read_errors import named_errors
+from models.loaders.read_errors import named_errors, read_json_object
 
 if TYPE_CHECKING:
     from models.loaders.gguf_file import GGUFInfo
@@ -457,12 +457,7 @@ def _read_json_if_exists(path: str) -> dict[str, Any]:
     """The JSON object in `path`, {} where there is no such file, a ValueError naming it where it is no JSON object."""
     if not os.path.isfile(path):
         return {}
-    with named_errors(path, "the tokenizer's settings", "copy the file from the model's original folder again"):
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
-    return data
+    return read_json_object(path)
 
 
 def _folder_chat_template(folder: str, cfg: dict[str, Any]) -> str | None:

@@ -18,7 +18,7 @@ import numpy as np
 from models.config import ModelConfig, RopeScaling
 from models.loaders.fp8_checkpoint import COMPRESSED_TENSORS_FP8, fp8_hf_tensors, fp8_layout, take_fp8_weights
 from models.loaders.hf_names import FP8_LINEARS, LINEARS, canonical_name, hf_name
-from models.loaders.read_errors import named_errors
+from models.loaders.read_errors import named_errors, read_json_object
 from models.optional_deps import require
 from models.quantization.formats import QuantizedWeight
 from models.weights import check_weights, expected_shapes
@@ -29,17 +29,6 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 
 # --------------------------------------------------------------------------------------------------------------------
 # config.json
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object; is the download complete?")
-    return data
 
 
 def _rope_scaling(cfg: dict[str, Any], max_pos: int) -> RopeScaling | None:
@@ -329,7 +318,7 @@ def _read_tensors(folder: str) -> dict[str, np.ndarray]:
     if os.path.isfile(single):
         return _read_file(single)
     if os.path.isfile(index):
-        weight_map: dict[str, str] = _read_json(index).get("weight_map", {})
+        weight_map: dict[str, str] = read_json_object(index).get("weight_map", {})
         by_file: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             by_file.setdefault(shard, []).append(name)
@@ -401,14 +390,14 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder")
     with named_errors(cfg_path, "the model config", "compare it with the model's original config.json"):
-        config = config_from_hf(_read_json(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
+        config = config_from_hf(read_json_object(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(gen_path):  # chat models list their end-of-turn ids here (Llama 3: 128001, 128008, 128009)
         with named_errors(gen_path, "the generation config", "compare it with the model's original file"):
-            extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
+            extra = _token_ids(read_json_object(gen_path).get("eos_token_id"))
         config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
     weights: dict[str, Any] = {}
-    tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(_read_json(cfg_path), cfg_path), folder)
+    tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(read_json_object(cfg_path), cfg_path), folder)
     for name, w in tensors.items():
         canonical = canonical_name(name, config.family)
         if canonical is None or (canonical == "lm_head" and config.tie_word_embeddings):
@@ -448,7 +437,7 @@ def save_fp8_folder(folder: str | os.PathLike[str], output: str | os.PathLike[st
     config, weights = load_hf_folder(folder, dtype=None)
     if config.num_experts:
         raise ValueError(f"{folder}: writing FP8 checkpoints of mixtures of experts is not supported")
-    cfg = _read_json(os.path.join(folder, "config.json"))
+    cfg = read_json_object(os.path.join(folder, "config.json"))
     if cfg.get("quantization_config") and fp8_layout(cfg) != "compressed-tensors":
         raise ValueError(f"{folder} is already quantized ({cfg['quantization_config'].get('quant_method')}); "
                          "convert a float checkpoint")

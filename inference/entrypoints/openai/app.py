@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.entrypoints.openai import chat, completions, errors
+from inference.entrypoints.openai import chat, completions, errors, serving
 from inference.entrypoints.openai.async_engine import Admission, AsyncEngine
 from inference.entrypoints.openai.errors import OpenAIError
 from inference.entrypoints.openai.metrics import ServerMetrics
@@ -172,10 +172,7 @@ def build_app(llm, *, served_model_name: str | Sequence[str] | None = None, api_
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         models.resolve(body.model)
-        try:
-            tokens = tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        except ValueError as exc:  # text no tokenizer can read (a lone surrogate)
-            raise OpenAIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+        tokens = serving.encode(tokenizer(), body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.engine.max_model_len}
 
     @app.post("/detokenize")

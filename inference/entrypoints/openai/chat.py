@@ -42,10 +42,7 @@ def render(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int],
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (jinja raise_exception)
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages",
                           code="invalid_messages") from None
-    try:
-        return ctx.tokenizer.encode(text, add_special_tokens=False), text
-    except ValueError as exc:  # text no tokenizer can read (a lone surrogate)
-        raise OpenAIError(400, str(exc), param="messages", code="invalid_messages") from None
+    return serving.encode(ctx.tokenizer, text, "messages", add_special_tokens=False), text
 
 
 def _check(body: ChatCompletionRequest) -> None:

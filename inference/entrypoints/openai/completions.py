@@ -34,10 +34,7 @@ def _prompts(ctx: ServingContext, prompt) -> list[tuple[list[int], str | None]]:
         if ctx.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer, so it cannot read text prompts; send the prompt "
                               "as token ids", param="prompt", code="invalid_prompt")
-        try:
-            return [(ctx.tokenizer.encode(p), p) for p in prompt]
-        except ValueError as exc:  # text no tokenizer can read (a lone surrogate)
-            raise OpenAIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+        return [(serving.encode(ctx.tokenizer, p, "prompt"), p) for p in prompt]
     return [(list(p), None) for p in prompt]
 
 

@@ -40,6 +40,15 @@ def now() -> int:
     return int(time.time())
 
 
+def encode(tokenizer, text: str, param: str, **kwargs) -> list[int]:
+    """`tokenizer.encode(text)`, its ValueError (text no tokenizer can read: a lone surrogate) a 400 naming
+    `param`."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param=param, code="invalid_value") from None
+
+
 def check_stream_options(body) -> None:
     """`stream_options` means something only for a streamed response: a 400 otherwise, as vLLM and OpenAI answer."""
     if body.stream_options is not None and not body.stream:
