@@ -163,22 +163,57 @@ def check_model_can_run(rows: list[dict[str, Any]]) -> None:
                          ".gguf file or a model folder with a tokenizer")
 
 
-def resumed_ids(index: int, shard: str | None) -> dict:
-    """Ids a rerun skips, each with whether its row is an error row: those in --output, and in a multi-process job
-    also those in this process's own shard. Only process 0 may repair a cut-short --output (load_done_ids rewrites
-    it); the others read it after that."""
+def stop_together(name: str, error: Exception | None) -> None:
+    """Every process of a job passes here with its own outcome so far; if any failed, all exit here (a failed one
+    with its own error, the others naming it) instead of the others waiting at a later barrier for a process that
+    has gone. A ValueError or OSError (bad input, an unwritable file) exits with its one line; anything else, an
+    engine failure, keeps its traceback. In a single process only `error` counts."""
     from sharding import distributed
 
-    if not _OUTPUT.value:
-        return {}
-    retry = _RETRY_FAILED.value
+    failed = distributed.failed_processes(name, error is None)
+    if isinstance(error, (ValueError, OSError)):
+        sys.exit(f"error: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        sys.exit(f"error: process{'es' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of this job "
+                 "stopped with an error (see its output), so this one stops too; a rerun of the same command "
+                 "resumes after the rows already written")
+
+
+def repaired_output_ids(index: int) -> dict:
+    """Process 0's (or the single process's) reading of --output: its ids, each with whether its row is an error
+    row, after repairing a crash's cut-short last line (`load_done_ids` rewrites the file, so only process 0 may).
+    The other processes read it in `resumed_ids`, once every process is past that repair."""
+    return jsonl_io.load_done_ids(_OUTPUT.value, _RETRY_FAILED.value) if _OUTPUT.value and index == 0 else {}
+
+
+def resumed_ids(index: int, shard: str | None, repaired: dict) -> dict:
+    """Ids a rerun skips: those in --output (`repaired`, process 0's reading of it) and in a multi-process job also
+    those in this process's own shard."""
     if shard is None:
-        return jsonl_io.load_done_ids(_OUTPUT.value, retry)
-    done = jsonl_io.load_done_ids(_OUTPUT.value, retry) if index == 0 else {}
-    distributed.barrier("pagejax-output-repaired")
-    if index != 0:
-        done = jsonl_io.load_done_ids(_OUTPUT.value)
-    return done | jsonl_io.load_done_ids(shard, retry)
+        return repaired
+    done = repaired if index == 0 else jsonl_io.load_done_ids(_OUTPUT.value)
+    return done | jsonl_io.load_done_ids(shard, _RETRY_FAILED.value)
+
+
+def finish_job(index: int, count: int, input_ids: list, error: Exception | None) -> None:
+    """The end of a multi-process job: once every shard is complete and fsynced, process 0 merges them into
+    --output. A process that failed while generating raises its own error here and the others exit naming it; the
+    shards keep every row written, so a rerun resumes after them."""
+    from sharding import distributed
+
+    stop_together("pagejax-generate-done", error)
+    merge_error = None
+    if index == 0:
+        try:
+            merged = jsonl_io.merge_shards(_OUTPUT.value, [jsonl_io.shard_path(_OUTPUT.value, i, count)
+                                                           for i in range(count)], input_ids)
+            print(f"merged {merged} rows from {count} process shards into {_OUTPUT.value}", file=sys.stderr)
+        except (ValueError, OSError) as e:
+            merge_error = e
+    stop_together("pagejax-merged", merge_error)
+    distributed.shutdown()
 
 
 Rendered = tuple[dict, str | None, SamplingParams | None, Any, str | None]  # row, text, params, LoRARequest, error
@@ -320,14 +355,21 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
     shard = jsonl_io.shard_path(_OUTPUT.value, index, count) if count > 1 else None
     if _INPUT.value and _OUTPUT.value and os.path.realpath(_INPUT.value) == os.path.realpath(_OUTPUT.value):
         raise app.UsageError(f"--output is the --input file ({_INPUT.value}); write the results elsewhere")
+    # Every process passes the same barriers in the same order, whatever fails (`stop_together`).
+    error: Exception | None = None
     try:
         adapters = lora_requests()
         rows = input_rows()
+        repaired = repaired_output_ids(index)
+    except (ValueError, OSError) as e:
+        error = e
+    stop_together("pagejax-output-repaired", error)
+    try:
         if not rows:
             print(f"warning: {_INPUT.value} has no rows; nothing to generate", file=sys.stderr)
-        done = resumed_ids(index, shard)
         if shard or _OUTPUT.value:
             jsonl_io.check_writable(shard or _OUTPUT.value)
+        done = resumed_ids(index, shard, repaired)
         mine = rows if count == 1 else list(distributed.shard_for_process(grain.MapDataset.source(rows)))
         pending = [row for row in mine if row["id"] not in done]
         check_model_can_run(pending)
@@ -337,7 +379,8 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
 
             freeze_heap()  # this process holds the one model to its end: out of the collector's full collections
     except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+        error = e
+    stop_together("pagejax-ready", error)
 
     row_params = params_for_row(params)
 
@@ -372,18 +415,16 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
                 bar.update(1)
                 bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - gen_start, 1e-9):.1f} tok/s",
                                     refresh=False)
+    except Exception as e:  # noqa: BLE001 -- an engine failure: the others learn of it at the next barrier
+        if count == 1:
+            raise
+        error = e
     finally:
         writer.close()
         if sink is not sys.stdout:
             sink.close()
     if count > 1:
-        distributed.barrier("pagejax-generate-done")  # every shard is complete and fsynced
-        if index == 0:
-            merged = jsonl_io.merge_shards(_OUTPUT.value, [jsonl_io.shard_path(_OUTPUT.value, i, count)
-                                                           for i in range(count)], [row["id"] for row in rows])
-            print(f"merged {merged} rows from {count} process shards into {_OUTPUT.value}", file=sys.stderr)
-        distributed.barrier("pagejax-merged")
-        distributed.shutdown()
+        finish_job(index, count, [row["id"] for row in rows], error)
     gen_s, wall_s = time.perf_counter() - gen_start, time.perf_counter() - start
     print(f"{f'process {index}/{count}: ' if count > 1 else ''}"
           f"rows done {len(pending)}, skipped {len(mine) - len(pending)}, failed {num_failed}; {num_tokens} output "

@@ -5,9 +5,9 @@ Each process (one per host on a TPU pod or a multi-GPU cluster; several on one m
 devices and `jax.local_devices()` this process's own. pagejax runs *process-level data parallelism*: every process
 builds its own `LLM` (its replicas and tensor-parallel meshes over its local devices only,
 inference/entrypoints/llm.py), takes its share of the input (`shard_for_process`, grain's per-process sharding) and
-writes its own output shard; `barrier` then lets process 0 merge the shards (scripts/generate.py). No array spans
-processes, so there is no cross-host traffic while generating; a model too large for one host's devices would need a
-mesh that spans hosts, which this does not do.
+writes its own output shard; a barrier (`failed_processes`, which also says who failed) then lets process 0 merge
+the shards (scripts/generate.py). No array spans processes, so there is no cross-host traffic while generating; a
+model too large for one host's devices would need a mesh that spans hosts, which this does not do.
 
 Where the settings come from (flags win over the environment):
 
@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 ENV_COORDINATOR = "PAGEJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "PAGEJAX_NUM_PROCESSES"
@@ -118,12 +120,19 @@ def initialize(config: DistributedConfig) -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def barrier(name: str) -> None:
-    """Wait until every process reaches the barrier called `name` (a no-op in a single process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+def failed_processes(name: str, ok: bool) -> list[int]:
+    """A barrier that also says who failed: every process reaches it with whether its own part went well, and each
+    learns the indices of those whose part did not. Then all can stop together, instead of the others waiting at a
+    later barrier for a process that has already exited. A single process gets [] or [0] back at once."""
+    if jax.process_count() == 1:
+        return [] if ok else [0]
+    from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+    h = zlib.crc32(name.encode())
+    got = np.asarray(multihost_utils.process_allgather(np.array([h, int(ok)], dtype=np.uint32))).reshape(-1, 2)
+    if (got[:, 0] != h).any():  # the processes took different paths to here: a bug, never a user's error
+        raise RuntimeError(f"processes met at different barriers: this one at {name!r}")
+    return [int(i) for i in np.flatnonzero(got[:, 1] == 0)]
 
 
 def shutdown() -> None:
@@ -141,4 +150,4 @@ def shard_for_process(dataset, shard_options=None):
     return dataset.slice(slice(options.shard_index, None, options.shard_count))
 
 
-__all__ = ["DistributedConfig", "barrier", "initialize", "resolve", "shard_for_process", "shutdown"]
+__all__ = ["DistributedConfig", "failed_processes", "initialize", "resolve", "shard_for_process", "shutdown"]

@@ -143,6 +143,17 @@ def write_tokenizer(tokenizer: Any, folder: str) -> None:
 
 
 # ---- restore ------------------------------------------------------------------------------------------------------
+def _this_process_only():
+    """Orbax's restore syncs every process of a `jax.distributed` job by default. pagejax's processes each load
+    their own copy, each at its own time (process-level data parallelism: no array spans processes, and a process
+    with no rows left loads nothing), so a restore involves this process alone."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    index = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
 def restore_weights(folder: str, config: ModelConfig, shardings: Mapping[str, Any] | None = None
                     ) -> dict[str, Any]:
     """The checkpoint's weights, checked against `config` before anything is read.
@@ -157,7 +168,8 @@ def restore_weights(folder: str, config: ModelConfig, shardings: Mapping[str, An
     if not os.path.isdir(path):
         raise ValueError(f"{folder}: has no {WEIGHTS_DIR}/ folder (a conversion that did not finish, or the files were "
                          f"moved); {hint}")
-    checkpointer = ocp.StandardCheckpointer()
+    this_process = _this_process_only()
+    checkpointer = ocp.StandardCheckpointer(multiprocessing_options=this_process)
     try:
         metadata = checkpointer.metadata(path).item_metadata
         tree = getattr(metadata, "tree", metadata)
@@ -170,7 +182,9 @@ def restore_weights(folder: str, config: ModelConfig, shardings: Mapping[str, An
     try:
         if shardings is None:
             restore_args = {name: ocp.RestoreArgs(restore_type=np.ndarray) for name in tree}
-            weights = ocp.PyTreeCheckpointer().restore(path, restore_args=restore_args)
+            handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=this_process)
+            weights = ocp.Checkpointer(handler, multiprocessing_options=this_process).restore(
+                path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
         else:
             import jax
 

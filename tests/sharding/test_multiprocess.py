@@ -104,17 +104,29 @@ def _launch(model: Path, rows: Path, output: Path, devices: int, extra: list[str
     return subprocess.Popen(cmd, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait(procs: list[subprocess.Popen]) -> list[int]:
-    """Each process's exit code: 0, or the launcher's EXIT_ROWS_FAILED (3) where rows of its own got error rows."""
+def _outcomes(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """Each process's (exit code, stderr); a process still running after 300 s (a hang) fails the test."""
     try:
         results = [p.communicate(timeout=300) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode in (0, 3), err[-3000:]
-    return [p.returncode for p in procs]
+    return [(p.returncode, err) for p, (_, err) in zip(procs, results)]
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[int]:
+    """Each process's exit code: 0, or the launcher's EXIT_ROWS_FAILED (3) where rows of its own got error rows."""
+    outcomes = _outcomes(procs)
+    for code, err in outcomes:
+        assert code in (0, 3), err[-3000:]
+    return [code for code, _ in outcomes]
+
+
+def _two_processes(model: Path, rows: Path, output: Path) -> list[subprocess.Popen]:
+    address = f"127.0.0.1:{_free_port()}"
+    return [_launch(model, rows, output, 2, [f"--coordinator_address={address}", "--num_processes=2",
+                                             f"--process_id={i}", "--data_parallel_size=2"]) for i in range(2)]
 
 
 def test_two_processes_match_one(folders, tmp_path):
@@ -128,9 +140,7 @@ def test_two_processes_match_one(folders, tmp_path):
     single = tmp_path / "single.jsonl"
     assert _wait([_launch(orbax, path, single, 1, [])]) == [3]  # the bad row's error row: exit 3
     multi = tmp_path / "multi.jsonl"
-    address = f"127.0.0.1:{_free_port()}"
-    codes = _wait([_launch(orbax, path, multi, 2, [f"--coordinator_address={address}", "--num_processes=2",
-                                                   f"--process_id={i}", "--data_parallel_size=2"]) for i in range(2)])
+    codes = _wait(_two_processes(orbax, path, multi))
     assert sorted(codes) == [0, 3]  # only the process whose share held the bad row
 
     def essentials(file: Path) -> list[tuple]:
@@ -144,6 +154,37 @@ def test_two_processes_match_one(folders, tmp_path):
     assert [r[0] for r in got if r[1] is not None] == ["bad"]  # the bad row failed alone
     assert all(len(r[2][0][0]) == 8 for r in got if r[1] is None)
     assert not list(tmp_path.glob("multi.jsonl.process-*"))  # shards merged and removed
+
+    # A rerun where process 0's share is all done: it loads no model (a restore involves one process only) while
+    # process 1 redoes its own share.
+    first_share = {row["id"] for row in rows[0::2]}
+    multi.write_text("".join(line + "\n" for line in multi.read_text().splitlines()
+                             if json.loads(line)["id"] in first_share))
+    assert _wait(_two_processes(orbax, path, multi)) == [0, 3]
+    assert sorted(essentials(multi)) == sorted(want)
+
+
+def test_a_process_that_fails_stops_the_others(folders, tmp_path):
+    """A process that cannot go on (process 0 refusing an --output that is not the launcher's, process 1 unable to
+    write its shard) stops the job at the next barrier: each process exits 1 saying why, none waits for the one
+    that left, and nothing is written over."""
+    _, orbax = folders
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"word {i}"}) + "\n" for i in range(4)))
+
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"id": "r0", "note": "not a result row"}\n')
+    (code0, err0), (code1, err1) = _outcomes(_two_processes(orbax, rows, foreign))
+    assert code0 == 1 and "not a result row" in err0 and str(foreign) in err0, err0[-3000:]
+    assert code1 == 1 and "process 0 of this job stopped with an error" in err1, err1[-3000:]
+    assert foreign.read_text() == '{"id": "r0", "note": "not a result row"}\n'
+
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.process-00001-of-00002").mkdir()  # process 1's shard cannot be written
+    (code0, err0), (code1, err1) = _outcomes(_two_processes(orbax, rows, output))
+    assert code1 == 1 and "cannot write" in err1 and "process-00001-of-00002" in err1, err1[-3000:]
+    assert code0 == 1 and "process 1 of this job stopped with an error" in err0, err0[-3000:]
+    assert not output.exists() and not (tmp_path / "out.jsonl.process-00000-of-00002").exists()
 
 
 def test_distributed_settings_from_flags_or_environment():
