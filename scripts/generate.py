@@ -19,7 +19,8 @@ The output path must be on a filesystem every process sees.
 Input rows: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]}, with an
 optional per-row "max_tokens", "json_schema" (a JSON Schema the row's completions must match; --json_schema=FILE
 sets one for every row) and sampling parameters of its own over the flags' ("temperature", "top_p", "top_k",
-"seed", "stop", "n", the penalties...: jsonl_io.ROW_SAMPLING_FIELDS). Other keys are not read.
+"seed", "stop", "n", the penalties...: jsonl_io.ROW_SAMPLING_FIELDS); a null one is no value of its own, as
+in the OpenAI API. Other keys are not read.
 Rows stream through the engine: at most --max_in_flight requests are queued at once,
 refilled as requests finish, and each finished row is written (and flushed) at once, so the output is in finish
 order, not input order, and one slow request holds back nobody else. Rows are fsynced every --fsync_every rows or
@@ -267,7 +268,7 @@ def params_for_row(params: SamplingParams) -> Callable[[dict], SamplingParams]:
 
     def of(row: dict) -> SamplingParams:
         p = jsonl_io.row_params(row, params)
-        own_seed = "seed" in row
+        own_seed = row.get("seed") is not None  # null: no seed of its own (jsonl_io.row_params)
         return p.replace(seed=jsonl_io.row_seed(params.seed, row["id"])) if per_row_seed and not own_seed else p
     return of
 

@@ -241,30 +241,30 @@ ROW_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "s
 def row_params(row: dict[str, Any], base: Any) -> Any:
     """The row's SamplingParams: `base`, with the row's own `max_tokens` if it has one (a positive integer), its
     own `json_schema` (a JSON Schema object the completions must match; it replaces --json_schema) if it has one,
-    and its own values of `ROW_SAMPLING_FIELDS`. Other keys (a row's own data) are not read.
+    and its own values of `ROW_SAMPLING_FIELDS`. A null value is no value (the launcher's flag holds), as a null
+    parameter is in the OpenAI API. Other keys (a row's own data) are not read.
 
     Raises ValueError describing a bad value or a sampling field a row cannot set, which becomes that row's `error`.
     """
     fields = {f.name for f in dataclasses.fields(base)}
-    refused = sorted(k for k in row if k in fields and k not in ROW_SAMPLING_FIELDS and k != "max_tokens")
+    given = {k: v for k, v in row.items() if v is not None and (k in fields or k == "json_schema")}
+    refused = sorted(k for k in given if k not in ROW_SAMPLING_FIELDS and k not in ("max_tokens", "json_schema"))
     if refused:
         raise ValueError(f"a row cannot set {refused[0]!r}; rows may set max_tokens, json_schema and "
                          f"{', '.join(ROW_SAMPLING_FIELDS)} (the launcher's flags set the rest for every row)")
-    if "json_schema" in row:
+    if "json_schema" in given:
         from inference.structured.params import StructuredOutputsParams
-        base = base.replace(structured_outputs=StructuredOutputsParams(json=row["json_schema"]))
-    own = {k: row[k] for k in ROW_SAMPLING_FIELDS if k in row}
-    if "max_tokens" in row:  # checked with the others (min_tokens is checked against it)
-        value = row["max_tokens"]
+        base = base.replace(structured_outputs=StructuredOutputsParams(json=given.pop("json_schema")))
+    if "max_tokens" in given:  # checked with the others (min_tokens is checked against it)
+        value = given["max_tokens"]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"'max_tokens' must be a positive integer, got {value!r}")
-        own["max_tokens"] = value
-    if not own:
+    if not given:
         return base
     try:
-        return base.replace(**own)
+        return base.replace(**given)
     except TypeError as exc:  # a value of a type the parameter's own check does not expect
-        raise ValueError(f"the row's sampling parameters {sorted(own)} are invalid: {exc}") from None
+        raise ValueError(f"the row's sampling parameters {sorted(given)} are invalid: {exc}") from None
 
 
 def row_lora(row: dict[str, Any], adapters: dict[str, Any]) -> Any:

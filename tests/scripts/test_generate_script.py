@@ -235,18 +235,20 @@ def test_per_row_max_tokens_must_be_positive(tmp_path, use_llm):
 
 
 def test_seed_modes(tmp_path, use_llm):
-    """per_row: identical prompts, different samples, the same ones again on a rerun; shared: identical samples."""
+    """per_row: identical prompts, different samples, the same ones again on a rerun (a null seed or temperature is
+    no value of the row's own, as in the OpenAI API); shared: identical samples."""
     rows = [{"id": i, "prompt": "My favourite animal is the"} for i in range(4)]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
 
-    def samples(name: str, *flags: str) -> dict:
+    def samples(name: str, *flags: str, source: Path = inp) -> dict:
         out = tmp_path / name
-        run_script(f"--input={inp}", f"--output={out}", "--temperature=1", "--seed=7", "--ignore_eos", *flags)
+        run_script(f"--input={source}", f"--output={out}", "--temperature=1", "--seed=7", "--ignore_eos", *flags)
         return {r["id"]: tuple(r["outputs"][0]["token_ids"]) for r in read_jsonl(out)}
 
     per_row = samples("per_row.jsonl")
     assert len(set(per_row.values())) > 1
-    assert samples("per_row_again.jsonl", "--seed_mode=per_row") == per_row
+    nulls = write_jsonl(tmp_path / "nulls.jsonl", [{**row, "seed": None, "temperature": None} for row in rows])
+    assert samples("per_row_again.jsonl", "--seed_mode=per_row", source=nulls) == per_row
     assert len(set(samples("shared.jsonl", "--seed_mode=shared").values())) == 1
 
 
