@@ -21,6 +21,25 @@ from inference.runtime.compile_cache import enable_compilation_cache  # noqa: E4
 enable_compilation_cache(os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 
 
+#: The files whose tests take longest (minutes each, on CI's 2 cores), longest first, run before all others. Under
+#: `--dist loadfile` a file is one unit of work handed to whichever worker is free, in collection order, which puts
+#: tests/sharding and tests/scripts near the end: one of these started last leaves the other worker idle for its
+#: length. Longest first, the short files fill in at the end instead. Measured: BENCHMARKS.md, "Test suite and CI
+#: time".
+LONGEST_FILES = ("tests/scripts/test_aot_compile.py", "tests/sharding/test_sharding.py",
+                 "tests/inference/test_state_cache_engine.py", "tests/models/test_quantized_model.py",
+                 "tests/inference/test_warmup.py", "tests/models/test_families.py",
+                 "tests/kernels_pallas/test_cpu_kernels_aarch64.py", "tests/inference/test_input_rows.py",
+                 "tests/inference/test_structured_outputs.py", "tests/inference/test_server_lora.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`LONGEST_FILES` first, in their order; every other file after them in collection order (a stable sort: the
+    tests of a file keep theirs)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_what_the_module_compiled():
     """After each test module: collect what it dropped (a test that froze the heap unfrozen first) and empty JAX's
