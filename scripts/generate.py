@@ -172,6 +172,8 @@ def stop_together(name: str, error: Exception | None) -> None:
     from sharding import distributed
 
     failed = distributed.failed_processes(name, error is None)
+    if failed:
+        distributed.shutdown()  # every process is here and knows: they leave the job together
     if isinstance(error, (ValueError, OSError)):
         sys.exit(f"error: {error}")
     if error is not None:
@@ -211,7 +213,7 @@ def finish_job(index: int, count: int, input_ids: list, error: Exception | None)
             merged = jsonl_io.merge_shards(_OUTPUT.value, [jsonl_io.shard_path(_OUTPUT.value, i, count)
                                                            for i in range(count)], input_ids)
             print(f"merged {merged} rows from {count} process shards into {_OUTPUT.value}", file=sys.stderr)
-        except (ValueError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 -- the others wait for it at the next barrier
             merge_error = e
     stop_together("pagejax-merged", merge_error)
     distributed.shutdown()
@@ -362,7 +364,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
         adapters = lora_requests()
         rows = input_rows()
         repaired = repaired_output_ids(index)
-    except (ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- stop_together exits with it, the others with it named
         error = e
     stop_together("pagejax-output-repaired", error)
     try:
@@ -379,7 +381,7 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
             from inference.engine.llm_engine import freeze_heap
 
             freeze_heap()  # this process holds the one model to its end: out of the collector's full collections
-    except (ValueError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 -- a model that fails to load (out of memory, say) too
         error = e
     stop_together("pagejax-ready", error)
 
@@ -398,32 +400,33 @@ def _generate(params: SamplingParams, saved: _Saved, start: float) -> None:
     readable = _OUTPUT.value is None and _INPUT.value is None
     target = shard or _OUTPUT.value
     saved.path, saved.rows = target, len(done)
-    sink = open(target, "a", encoding="utf-8") if target else sys.stdout
-    writer = jsonl_io.RowWriter(sink, durable=sink is not sys.stdout, fsync_every=_FSYNC_EVERY.value,
-                                fsync_seconds=_FSYNC_SECONDS.value)
     num_failed = num_tokens = 0
     gen_start = time.perf_counter()
     try:
-        with tqdm(total=len(pending), unit="row", desc="generate", file=sys.stderr) as bar:
-            for result in stream_rows(llm, map(render, pending), max_in_flight, params.logprobs is not None):
-                if readable:
-                    print_readable([result])
-                else:
-                    writer.write(result)
-                saved.rows += 1
-                num_failed += "error" in result
-                num_tokens += sum(len(o["token_ids"]) for o in result["outputs"])
-                bar.update(1)
-                bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - gen_start, 1e-9):.1f} tok/s",
-                                    refresh=False)
-    except Exception as e:  # noqa: BLE001 -- an engine failure: the others learn of it at the next barrier
+        sink = open(target, "a", encoding="utf-8") if target else sys.stdout
+        writer = jsonl_io.RowWriter(sink, durable=sink is not sys.stdout, fsync_every=_FSYNC_EVERY.value,
+                                    fsync_seconds=_FSYNC_SECONDS.value)
+        try:
+            with tqdm(total=len(pending), unit="row", desc="generate", file=sys.stderr) as bar:
+                for result in stream_rows(llm, map(render, pending), max_in_flight, params.logprobs is not None):
+                    if readable:
+                        print_readable([result])
+                    else:
+                        writer.write(result)
+                    saved.rows += 1
+                    num_failed += "error" in result
+                    num_tokens += sum(len(o["token_ids"]) for o in result["outputs"])
+                    bar.update(1)
+                    bar.set_postfix_str(f"{num_tokens / max(time.perf_counter() - gen_start, 1e-9):.1f} tok/s",
+                                        refresh=False)
+        finally:
+            writer.close()
+            if sink is not sys.stdout:
+                sink.close()
+    except Exception as e:  # noqa: BLE001 -- an engine or a disk failure: the others learn of it at the next barrier
         if count == 1:
             raise
         error = e
-    finally:
-        writer.close()
-        if sink is not sys.stdout:
-            sink.close()
     if count > 1:
         finish_job(index, count, [row["id"] for row in rows], error)
     gen_s, wall_s = time.perf_counter() - gen_start, time.perf_counter() - start

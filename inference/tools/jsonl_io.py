@@ -232,7 +232,8 @@ def row_seed(seed: int, row_id: RowId) -> int:
 
 # Sampling parameters a row may set for itself (over the launcher's flags), as in a request to the OpenAI server.
 # Logprobs stay the job's (--logprobs: every row's output has the same fields); other SamplingParams fields a row
-# names are refused rather than ignored.
+# names with a value are refused rather than ignored. A null is no value (OpenAI's meaning): the flag holds, so
+# `"stop": null` keeps --stop.
 ROW_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                        "include_stop_str_in_output", "repetition_penalty", "presence_penalty", "frequency_penalty",
                        "min_tokens", "bad_words")
