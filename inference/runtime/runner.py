@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from inference.lora.slots import LoRASlots
+from inference.runtime import new_weights
 from inference.runtime.reshard import reshard_all
 from inference.runtime.batch import ModelInput, SpecInput, TokenFeed, bucket
 from inference.runtime.packing import Packing, pack, unpack
@@ -201,13 +202,6 @@ def _copy_cache_pages(cache, src, dst):
         return copy_latent_pages(cache, src, dst)
     return copy_pages(cache, src, dst)
 
-
-
-@jax.jit
-def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    """bool[len(leaves)]: each leaf free of NaN and inf (integer leaves, e.g. quantized codes, always are)."""
-    return jnp.stack([jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
-                      for x in leaves])
 
 class ModelRunner:
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int, kv_dtype=jnp.float32,
@@ -420,23 +414,9 @@ class ModelRunner:
         (inference/runtime/reshard.py), so the steps see exactly the shardings they were compiled for.
         `check_finite`: refuse weights holding NaN or inf (a diverged trainer's: the model would sample token 0
         and stop, silently), at the cost of one read of the weights on the device."""
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        if treedef != self.param_treedef:
-            raise ValueError("update_weights: the new parameters do not have the model's structure (pass the "
-                             "nnx.State of `llm.get_params()`'s tree, with every leaf)")
-        leaves = [leaf for _, leaf in paths_leaves]
-        for (path, new_leaf), old_leaf in zip(paths_leaves, self._param_avals):
-            shape, dtype = getattr(new_leaf, "shape", None), getattr(new_leaf, "dtype", None)
-            if shape != old_leaf.shape or dtype != old_leaf.dtype:
-                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} must be {old_leaf.shape} "
-                                 f"{old_leaf.dtype}, got {shape} {dtype}; shapes and dtypes must match")
-        placed = self._place(leaves)
+        placed = self._place(new_weights.checked_leaves(params, self.param_treedef, self._param_avals))
         if check_finite:
-            finite = np.asarray(_all_finite(placed).addressable_data(0))  # replicated: a local copy in every process
-            if not finite.all():
-                path = paths_leaves[int(np.flatnonzero(~finite)[0])][0]
-                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} holds NaN or inf; the weights were "
-                                 "not swapped (check the trainer; check_finite=False skips this check)")
+            new_weights.check_finite(placed, new_weights.leaf_paths(self.param_treedef, self._param_avals))
         self.param_leaves = placed
         self._host_weights = None  # the new weights supersede a host copy kept by sleep(level=2)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from inference import SamplingParams, TokensPrompt
 from inference.rl.grpo import GRPOConfig, group_advantages, grpo_loss
@@ -76,6 +77,11 @@ def test_update_weights_refuses_nan_and_names_the_parameter(tiny_llama):
     with pytest.raises(ValueError, match=r"update_weights: \['embed'\]\['embedding'\]\.value must be \(512, 64\) "
                                          r"float32, got \(1, 64\) float32"):
         tiny_llama.update_weights(wrong)
+    with pytest.raises(ValueError, match=r"a plain dict of the model's arrays .* nnx\.replace_by_pure_dict"):
+        tiny_llama.update_weights(params.to_pure_dict())
+    with pytest.raises(ValueError, match=r"1 of the model's parameters are missing \(\['embed'\]\['embedding'\]"
+                                         r"\.value\)"):
+        tiny_llama.update_weights(nnx.State({k: v for k, v in params.items() if k != "embed"}))
     assert _tokens(tiny_llama) == before
     tiny_llama.update_weights(params)  # the same weights back: accepted, the same tokens
     assert _tokens(tiny_llama) == before
