@@ -28,12 +28,15 @@ def checked_leaves(params: Any, treedef: Any, avals: list[jax.ShapeDtypeStruct])
     return [leaf for _, leaf in paths_leaves]
 
 
-def check_finite(leaves: list[jax.Array], paths: list[str]) -> None:
-    """A ValueError naming the first of `leaves` (placed on the runner's devices) that holds NaN or inf."""
+def check_finite(leaves: list[jax.Array], treedef: Any, avals: list[jax.ShapeDtypeStruct]) -> None:
+    """A ValueError naming the first of `leaves` (placed on the runner's devices, in the order of the model's tree)
+    that holds NaN or inf. The paths are only worked out for that message: a weight sync that passes reads one
+    bool per leaf."""
     finite = np.asarray(_all_finite(leaves).addressable_data(0))  # replicated: a local copy in every process
     if not finite.all():
-        raise ValueError(f"update_weights: {paths[int(np.flatnonzero(~finite)[0])]} holds NaN or inf; the weights "
-                         "were not swapped (check the trainer; check_finite=False skips this check)")
+        path = leaf_paths(treedef, avals)[int(np.flatnonzero(~finite)[0])]
+        raise ValueError(f"update_weights: {path} holds NaN or inf; the weights were not swapped (check the trainer; "
+                         "check_finite=False skips this check)")
 
 
 def leaf_paths(treedef: Any, avals: list[jax.ShapeDtypeStruct]) -> list[str]:
@@ -57,7 +60,8 @@ def _structure_difference(params: Any, paths_leaves: list, want: list[str]) -> s
         return ("the new parameters are a plain dict of the model's arrays (nnx.State.to_pure_dict's form), not "
                 "its nnx.State; fill one with `params = llm.get_params(); nnx.replace_by_pure_dict(params, "
                 "new)` and pass that")
-    missing, extra = [k for k in want if k not in set(got)], [k for k in got if k not in set(want)]
+    got_set, want_set = set(got), set(want)
+    missing, extra = [k for k in want if k not in got_set], [k for k in got if k not in want_set]
     if not missing and not extra:
         return (f"the new parameters hold the model's leaves in other containers (a {type(params).__name__}, not "
                 f"the model's nnx.State); {_FIX}")

@@ -416,7 +416,7 @@ class ModelRunner:
         and stop, silently), at the cost of one read of the weights on the device."""
         placed = self._place(new_weights.checked_leaves(params, self.param_treedef, self._param_avals))
         if check_finite:
-            new_weights.check_finite(placed, new_weights.leaf_paths(self.param_treedef, self._param_avals))
+            new_weights.check_finite(placed, self.param_treedef, self._param_avals)
         self.param_leaves = placed
         self._host_weights = None  # the new weights supersede a host copy kept by sleep(level=2)
 

@@ -390,14 +390,15 @@ def load_hf_folder(folder: str | os.PathLike[str], dtype: Any = np.float32
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face model folder")
     with named_errors(cfg_path, "the model config", "compare it with the model's original config.json"):
-        config = config_from_hf(read_json_object(cfg_path), cfg_path, name=os.path.basename(os.path.normpath(folder)))
+        cfg = read_json_object(cfg_path)
+        config = config_from_hf(cfg, cfg_path, name=os.path.basename(os.path.normpath(folder)))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(gen_path):  # chat models list their end-of-turn ids here (Llama 3: 128001, 128008, 128009)
         with named_errors(gen_path, "the generation config", "compare it with the model's original file"):
             extra = _token_ids(read_json_object(gen_path).get("eos_token_id"))
         config = config.replace(eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
     weights: dict[str, Any] = {}
-    tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(read_json_object(cfg_path), cfg_path), folder)
+    tensors = take_fp8_weights(_read_tensors(folder), fp8_layout(cfg, cfg_path), folder)
     for name, w in tensors.items():
         canonical = canonical_name(name, config.family)
         if canonical is None or (canonical == "lm_head" and config.tie_word_embeddings):
